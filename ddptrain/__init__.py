@@ -1,0 +1,78 @@
+"""ddptrain: Ray Train's API for data-parallel PyTorch training, without a Ray cluster.
+
+Change ``import ray.train`` to ``import ddptrain as train`` (and ``ray.train.torch`` to
+``ddptrain.torch``); the rest of the script stays as it is.
+"""
+
+import logging
+
+from ddptrain import collective, data
+from ddptrain.backend import Backend, BackendConfig
+from ddptrain.callbacks import TrainRunContext, UserCallback
+from ddptrain.checkpoint import Checkpoint
+from ddptrain.config import (
+    CheckpointConfig,
+    DataConfig,
+    FailureConfig,
+    LoggingConfig,
+    RunConfig,
+    ScalingConfig,
+)
+from ddptrain.context import (
+    StorageContext,
+    TrainContext,
+    get_all_reported_checkpoints,
+    get_checkpoint,
+    get_context,
+    get_dataset_shard,
+    report,
+)
+from ddptrain.data_parallel_trainer import DataParallelTrainer
+from ddptrain.errors import (
+    ConfigError,
+    DdpTrainError,
+    TrainingFailedError,
+    WorkerDiedError,
+    WorkerError,
+    WorkerGroupError,
+)
+from ddptrain.result import Result
+
+__version__ = "0.1.0"
+
+TRAIN_DATASET_KEY = "train"
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+__all__ = [
+    "Backend",
+    "BackendConfig",
+    "Checkpoint",
+    "CheckpointConfig",
+    "ConfigError",
+    "DataConfig",
+    "DataParallelTrainer",
+    "DdpTrainError",
+    "FailureConfig",
+    "LoggingConfig",
+    "Result",
+    "RunConfig",
+    "ScalingConfig",
+    "StorageContext",
+    "TRAIN_DATASET_KEY",
+    "TrainContext",
+    "TrainRunContext",
+    "TrainingFailedError",
+    "UserCallback",
+    "WorkerDiedError",
+    "WorkerError",
+    "WorkerGroupError",
+    "collective",
+    "data",
+    "get_all_reported_checkpoints",
+    "get_checkpoint",
+    "get_context",
+    "get_dataset_shard",
+    "report",
+    "__version__",
+]

@@ -1,0 +1,251 @@
+"""The per-host agent process: forks this host's workers and relays their output.
+
+Run as ``python -m ddptrain._agent``. It imports torch once, reads one bootstrap frame from
+stdin, forks one worker per local rank, and then relays every worker's stdout/stderr and
+exit status to stdout as frames. It kills all its workers when stdin closes (the driver died
+or the SSH connection dropped) or when the driver sends a kill frame; every worker dies with
+it through ``PR_SET_PDEATHSIG``.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import selectors
+import signal
+import socket
+import struct
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+__all__ = ["FRAME", "AGENT_RANK", "read_frame", "write_frame", "main"]
+
+# kind (1 byte), rank, payload length
+FRAME = struct.Struct(">cII")
+AGENT_RANK = 0xFFFFFFFF
+_POLL_S = 0.05
+
+
+def write_frame(fd: int, kind: bytes, rank: int, payload: bytes) -> None:
+    """Write one frame to a file descriptor, in full."""
+    data = memoryview(FRAME.pack(kind, rank, len(payload)) + payload)
+    while data:
+        written = os.write(fd, data)
+        data = data[written:]
+
+
+def read_frame(stream: BinaryIO) -> tuple[bytes, int, bytes] | None:
+    """Read one frame, or ``None`` at end of stream."""
+    header = stream.read(FRAME.size)
+    if len(header) < FRAME.size:
+        return None
+    kind, rank, length = FRAME.unpack(header)
+    payload = stream.read(length) if length else b""
+    if len(payload) < length:
+        return None
+    return kind, rank, payload
+
+
+@dataclass
+class _Child:
+    rank: int
+    pid: int
+    fds: dict[int, bytes] = field(default_factory=dict)  # fd -> frame kind
+    status: bytearray = field(default_factory=bytearray)
+    status_fd: int = -1
+    exitcode: int | None = None
+
+
+def _set_pdeathsig() -> None:
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+def _fork_worker(spec: dict[str, Any], shared: dict[str, Any], close_fds: list[int]) -> _Child:
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    status_r, status_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the worker
+        code = 1
+        try:
+            _set_pdeathsig()
+            for fd in (*close_fds, out_r, err_r, status_r):
+                os.close(fd)
+            devnull = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(devnull, 0)
+            os.dup2(out_w, 1)
+            os.dup2(err_w, 2)
+            for fd in (devnull, out_w, err_w):
+                os.close(fd)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            from ddptrain import worker
+
+            worker.reopen_std_streams()
+            code = worker.run(spec, shared, status_w)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            try:
+                sys.stdout.flush()
+                sys.stderr.flush()
+            finally:
+                os._exit(code)
+    for fd in (out_w, err_w, status_w):
+        os.close(fd)
+    return _Child(rank=spec["rank"], pid=pid, fds={out_r: b"O", err_r: b"E"}, status_fd=status_r)
+
+
+def _load_shared(bootstrap: dict[str, Any]) -> dict[str, Any]:
+    """Unpickle the user's function once, before forking, so imports are shared."""
+    os.environ["DDPTRAIN_UNPICKLING"] = "1"
+    try:
+        user = pickle.loads(bootstrap["payload"])
+    finally:
+        del os.environ["DDPTRAIN_UNPICKLING"]
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        raise RuntimeError(
+            "Loading the training function initialized CUDA (its config or closure holds CUDA "
+            "tensors or modules). Pass CPU objects and move them to the device inside the "
+            "training function."
+        )
+    return {"user": user, "run": bootstrap["run"]}
+
+
+def _kill_all(children: list[_Child], grace_s: float) -> None:
+    alive = [c for c in children if c.exitcode is None]
+    for child in alive:
+        try:
+            os.kill(child.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace_s
+    while alive and time.monotonic() < deadline:
+        alive = [c for c in alive if not _reaped(c)]
+        time.sleep(0.02)
+    for child in alive:
+        try:
+            os.kill(child.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for child in alive:
+        try:
+            os.waitpid(child.pid, 0)
+        except ChildProcessError:
+            pass
+
+
+def _reaped(child: _Child) -> bool:
+    try:
+        pid, status = os.waitpid(child.pid, os.WNOHANG)
+    except ChildProcessError:
+        return True
+    if pid == 0:
+        return False
+    child.exitcode = os.waitstatus_to_exitcode(status)
+    return True
+
+
+def _relay(out_fd: int, stdin_fd: int, children: list[_Child], grace_s: float) -> None:
+    selector = selectors.DefaultSelector()
+    selector.register(stdin_fd, selectors.EVENT_READ, ("stdin", None))
+    for child in children:
+        for fd in child.fds:
+            selector.register(fd, selectors.EVENT_READ, ("out", child))
+        selector.register(child.status_fd, selectors.EVENT_READ, ("status", child))
+    pending = list(children)  # children whose exit has not been reported
+    while pending:
+        for key, _ in selector.select(_POLL_S):
+            what, child = key.data
+            fd = key.fd
+            if what == "stdin":
+                data = os.read(fd, 4096)
+                if not data or b"K" in data:  # driver gone, or asked us to stop
+                    _kill_all(children, grace_s)
+                    return
+                continue
+            data = os.read(fd, 65536)
+            if not data:
+                selector.unregister(fd)
+                os.close(fd)
+                if what == "out":
+                    del child.fds[fd]
+                else:
+                    child.status_fd = -1
+            elif what == "out":
+                write_frame(out_fd, child.fds[fd], child.rank, data)
+            else:
+                child.status.extend(data)
+        for child in list(pending):
+            # Report an exit only once its pipes are drained, so output comes before it.
+            if child.exitcode is None and not _reaped(child):
+                continue
+            if child.fds or child.status_fd != -1:
+                continue
+            payload = pickle.dumps({"exitcode": child.exitcode, "status": bytes(child.status)})
+            write_frame(out_fd, b"X", child.rank, payload)
+            pending.remove(child)
+
+
+def main() -> int:
+    """Agent entry point."""
+    # Frames own the real stdout; stray prints in the agent go to stderr.
+    out_fd = os.dup(1)
+    os.dup2(2, 1)
+    stdin = os.fdopen(0, "rb", buffering=0)
+    try:
+        # Imported once here, while the driver prepares the run, and shared by every worker.
+        import torch  # noqa: F401
+
+        from ddptrain import worker  # noqa: F401
+
+        frame = read_frame(stdin)  # type: ignore[arg-type]
+        if frame is None:
+            return 0
+        bootstrap: dict[str, Any] = pickle.loads(frame[2])
+        sys.path[:0] = [p for p in bootstrap["sys_path"] if p not in sys.path]
+        if bootstrap.get("cwd"):
+            try:
+                os.chdir(bootstrap["cwd"])
+            except OSError as exc:
+                print(f"ddptrain agent: cannot enter {bootstrap['cwd']!r}: {exc}", file=sys.stderr)
+        shared = _load_shared(bootstrap)
+    except BaseException:
+        write_frame(out_fd, b"F", AGENT_RANK, traceback.format_exc().encode())
+        return 1
+    host = socket.gethostname()
+    children: list[_Child] = []
+    try:
+        for spec in bootstrap["workers"]:
+            close = [out_fd, 0] + [fd for c in children for fd in (*c.fds, c.status_fd)]
+            child = _fork_worker(spec, shared, close)
+            children.append(child)
+            info = pickle.dumps({"pid": child.pid, "host": host})
+            write_frame(out_fd, b"S", child.rank, info)
+        _relay(out_fd, 0, children, bootstrap["grace_s"])
+    except BrokenPipeError:
+        _kill_all(children, bootstrap["grace_s"])
+    except BaseException:
+        _kill_all(children, bootstrap["grace_s"])
+        try:
+            write_frame(out_fd, b"F", AGENT_RANK, traceback.format_exc().encode())
+        except OSError:
+            pass
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
+    sys.exit(main())

@@ -1,0 +1,332 @@
+"""User-facing configuration dataclasses, validated on construction (driver side)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from ddptrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from ddptrain.callbacks import UserCallback
+
+__all__ = [
+    "ScalingConfig",
+    "RunConfig",
+    "CheckpointConfig",
+    "FailureConfig",
+    "DataConfig",
+    "LoggingConfig",
+]
+
+_DEPRECATED = "DEPRECATED"
+_PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"`{name}` must be an integer, got {value!r} ({type(value).__name__}).")
+    if value < minimum:
+        raise ConfigError(f"`{name}` must be >= {minimum}, got {value}.")
+
+
+def _deprecated(owner: str, name: str, value: Any, hint: str) -> None:
+    if value != _DEPRECATED:
+        raise DeprecationWarning(f"`{owner}({name}=...)` is not supported (as in Ray Train V2). {hint}")
+
+
+@dataclass
+class ScalingConfig:
+    """How many workers to run, and on what.
+
+    Args:
+        num_workers: Number of worker processes. ``0`` runs the training function in the
+            driver process (Ray's local mode).
+        use_gpu: Give each worker its own CUDA device and use the NCCL backend.
+        resources_per_worker: ``{"GPU": k}`` gives each worker ``k`` devices (``get_devices()``);
+            ``{"CPU": n}`` sets ``OMP_NUM_THREADS=n`` in each worker unless you set it yourself.
+        placement_strategy: ``"PACK"`` fills hosts in order, ``"SPREAD"`` round-robins
+            (matters for multi-host runs).
+        accelerator_type: Accepted for compatibility; ddptrain does not select GPUs by type.
+
+    Example:
+        >>> ScalingConfig(num_workers=2, use_gpu=False)
+        ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker=None, ...)
+    """
+
+    num_workers: int = 1
+    use_gpu: bool = False
+    resources_per_worker: dict[str, float] | None = None
+    placement_strategy: str = "PACK"
+    accelerator_type: str | None = None
+    label_selector: dict[str, str] | list[dict[str, str]] | None = None
+    use_tpu: bool = False
+    topology: str | None = None
+    elastic_resize_monitor_interval_s: float = 60.0
+    trainer_resources: Any = _DEPRECATED
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_workers, tuple):
+            raise ConfigError(
+                f"`num_workers` must be an integer, got the range {self.num_workers!r}: "
+                "elastic training is not supported by ddptrain yet. Pass a fixed worker count."
+            )
+        _check_int("num_workers", self.num_workers, 0)
+        if not isinstance(self.use_gpu, bool):
+            raise ConfigError(f"`use_gpu` must be True or False, got {self.use_gpu!r}.")
+        if self.use_tpu:
+            raise ConfigError("`use_tpu=True` is not supported by ddptrain: it runs on CPUs and CUDA GPUs.")
+        _deprecated("ScalingConfig", "trainer_resources", self.trainer_resources, "Remove it.")
+        if self.placement_strategy not in _PLACEMENT_STRATEGIES:
+            raise ConfigError(
+                f"`placement_strategy` must be one of {', '.join(_PLACEMENT_STRATEGIES)}, "
+                f"got {self.placement_strategy!r}."
+            )
+        resources = self.resources_per_worker
+        if resources is not None:
+            if not isinstance(resources, dict):
+                raise ConfigError(f"`resources_per_worker` must be a dict, got {resources!r}.")
+            for key, amount in resources.items():
+                if isinstance(amount, bool) or not isinstance(amount, (int, float)) or amount < 0:
+                    raise ConfigError(
+                        f"`resources_per_worker[{key!r}]` must be a number >= 0, got {amount!r}."
+                    )
+            gpus = resources.get("GPU", 0)
+            if gpus and not self.use_gpu:
+                raise ConfigError(
+                    f"`resources_per_worker` asks for {gpus} GPU(s) per worker but `use_gpu` is False. "
+                    "Set `use_gpu=True`."
+                )
+            if self.use_gpu and "GPU" in resources and gpus == 0:
+                raise ConfigError(
+                    "`use_gpu=True` but `resources_per_worker['GPU']` is 0. "
+                    "Give each worker at least part of a GPU, or set `use_gpu=False`."
+                )
+            if gpus > 1 and not float(gpus).is_integer():
+                raise ConfigError(
+                    f"`resources_per_worker['GPU']` above 1 must be a whole number, got {gpus}."
+                )
+
+    @property
+    def num_gpus_per_worker(self) -> float:
+        """GPUs each worker gets: 1 with ``use_gpu`` unless ``resources_per_worker`` says otherwise."""
+        if not self.use_gpu:
+            return 0
+        return float((self.resources_per_worker or {}).get("GPU", 1))
+
+    @property
+    def num_cpus_per_worker(self) -> float:
+        """CPUs each worker asks for (``resources_per_worker['CPU']``; 1 on CPU, 0 on GPU by default)."""
+        default = 0 if self.use_gpu else 1
+        return float((self.resources_per_worker or {}).get("CPU", default))
+
+    @property
+    def total_resources(self) -> dict[str, float]:
+        """Resources of the whole group."""
+        return {
+            "CPU": self.num_cpus_per_worker * self.num_workers,
+            "GPU": self.num_gpus_per_worker * self.num_workers,
+        }
+
+    def _omp_num_threads(self) -> int:
+        cpus = (self.resources_per_worker or {}).get("CPU")
+        return max(1, math.floor(cpus)) if cpus else 1
+
+
+@dataclass
+class CheckpointConfig:
+    """Which checkpoints to keep.
+
+    Args:
+        num_to_keep: Keep at most this many checkpoints (``None`` keeps all). The latest
+            checkpoint is never deleted.
+        checkpoint_score_attribute: Metric used to rank checkpoints; ``None`` ranks by age.
+        checkpoint_score_order: ``"max"`` or ``"min"``: which end of the score is best.
+    """
+
+    num_to_keep: int | None = None
+    checkpoint_score_attribute: str | None = None
+    checkpoint_score_order: Literal["max", "min"] = "max"
+    checkpoint_frequency: Any = _DEPRECATED
+    checkpoint_at_end: Any = _DEPRECATED
+
+    def __post_init__(self) -> None:
+        if self.num_to_keep is not None:
+            _check_int("num_to_keep", self.num_to_keep, 1)
+        if self.checkpoint_score_order not in ("max", "min"):
+            raise ConfigError(
+                f"`checkpoint_score_order` must be 'max' or 'min', got {self.checkpoint_score_order!r}."
+            )
+        if self.checkpoint_score_attribute is not None and not isinstance(
+            self.checkpoint_score_attribute, str
+        ):
+            raise ConfigError(
+                "`checkpoint_score_attribute` must be a metric name (str), "
+                f"got {self.checkpoint_score_attribute!r}."
+            )
+        hint = "Call `ddptrain.report(..., checkpoint=...)` whenever you want a checkpoint."
+        _deprecated("CheckpointConfig", "checkpoint_frequency", self.checkpoint_frequency, hint)
+        _deprecated("CheckpointConfig", "checkpoint_at_end", self.checkpoint_at_end, hint)
+
+
+@dataclass
+class FailureConfig:
+    """How many worker-group failures to survive.
+
+    Args:
+        max_failures: Restarts allowed after a failure; ``-1`` means unlimited, ``0`` fails at once.
+    """
+
+    max_failures: int = 0
+    controller_failure_limit: int = -1
+    fail_fast: Any = _DEPRECATED
+
+    def __post_init__(self) -> None:
+        _check_int("max_failures", self.max_failures, -1)
+        _check_int("controller_failure_limit", self.controller_failure_limit, -1)
+        _deprecated("FailureConfig", "fail_fast", self.fail_fast, "Use `max_failures=0`.")
+
+
+@dataclass
+class LoggingConfig:
+    """Log level of the ``ddptrain`` logger in worker processes.
+
+    Args:
+        log_level: A :mod:`logging` level name such as ``"INFO"`` or ``"DEBUG"``.
+    """
+
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        level = str(self.log_level).upper()
+        if not isinstance(logging.getLevelName(level), int):
+            raise ConfigError(f"`log_level` must be a logging level name, got {self.log_level!r}.")
+        self.log_level = level
+
+
+@dataclass
+class DataConfig:
+    """Which trainer datasets are split across workers.
+
+    Args:
+        datasets_to_split: ``"all"`` (the default) or a list of dataset names; datasets not
+            split are given whole to every worker.
+    """
+
+    datasets_to_split: str | list[str] = "all"
+    execution_options: Any = None
+    enable_shard_locality: bool = True
+
+    def __post_init__(self) -> None:
+        split = self.datasets_to_split
+        if isinstance(split, str):
+            if split != "all":
+                raise ConfigError(
+                    f"`datasets_to_split` must be 'all' or a list of dataset names, got {split!r}."
+                )
+        elif not isinstance(split, (list, tuple)) or not all(isinstance(n, str) for n in split):
+            raise ConfigError(
+                f"`datasets_to_split` must be 'all' or a list of dataset names, got {split!r}."
+            )
+
+
+@dataclass
+class RunConfig:
+    """Where a run's results go and how it behaves.
+
+    Args:
+        name: Run name, the folder under ``storage_path``. Default: ``ddptrain_run-<timestamp>``.
+        storage_path: Folder for runs (``~`` expanded, ``Path`` accepted). Default:
+            ``~/ddptrain_results`` (or ``$DDPTRAIN_STORAGE_PATH``).
+        failure_config: Restart policy, see :class:`FailureConfig`.
+        checkpoint_config: Retention policy, see :class:`CheckpointConfig`.
+        callbacks: :class:`~ddptrain.UserCallback` objects run in the driver.
+        worker_runtime_env: ``{"env_vars": {...}}`` sets environment variables in every worker.
+        logging_config: Log level of the ``ddptrain`` logger in workers.
+    """
+
+    name: str | None = None
+    storage_path: str | os.PathLike[str] | None = None
+    storage_filesystem: Any = None
+    failure_config: FailureConfig | None = None
+    checkpoint_config: CheckpointConfig | None = None
+    callbacks: list[UserCallback] | None = None
+    worker_runtime_env: dict[str, Any] | None = None
+    logging_config: LoggingConfig | None = None
+    sync_config: Any = _DEPRECATED
+    verbose: Any = _DEPRECATED
+    stop: Any = _DEPRECATED
+    progress_reporter: Any = _DEPRECATED
+    log_to_file: Any = _DEPRECATED
+
+    def __post_init__(self) -> None:
+        for name in ("sync_config", "verbose", "stop", "progress_reporter", "log_to_file"):
+            _deprecated("RunConfig", name, getattr(self, name), "Remove it.")
+        if self.name is not None:
+            if not isinstance(self.name, str) or not self.name.strip():
+                raise ConfigError(f"`name` must be a non-empty string, got {self.name!r}.")
+            if "/" in self.name or self.name in (".", ".."):
+                raise ConfigError(
+                    f"`name` must be a plain folder name without '/', got {self.name!r}. "
+                    "Put the parent folders in `storage_path`."
+                )
+        if self.storage_path is not None:
+            if not isinstance(self.storage_path, (str, os.PathLike)):
+                raise ConfigError(f"`storage_path` must be a path, got {self.storage_path!r}.")
+            text = os.fspath(self.storage_path)
+            if "://" in text:
+                raise ConfigError(
+                    f"`storage_path` must be a local or shared-filesystem path, got the URI {text!r}. "
+                    "Mount the bucket (e.g. with s3fs) and pass the mount point."
+                )
+        if self.storage_filesystem is not None:
+            raise ConfigError("`storage_filesystem` is not supported; pass a mounted `storage_path`.")
+        self.failure_config = self.failure_config or FailureConfig()
+        self.checkpoint_config = self.checkpoint_config or CheckpointConfig()
+        self.logging_config = self.logging_config or LoggingConfig()
+        self.callbacks = list(self.callbacks or [])
+        self.worker_runtime_env = dict(self.worker_runtime_env or {})
+        _check_types(self)
+
+    def _storage_root(self) -> Path:
+        from ddptrain import _env
+
+        raw = os.fspath(self.storage_path) if self.storage_path is not None else None
+        return Path(os.path.expanduser(raw or _env.default_storage_path())).absolute()
+
+    def _env_vars(self) -> dict[str, str]:
+        env = (self.worker_runtime_env or {}).get("env_vars") or {}
+        return {str(k): str(v) for k, v in env.items()}
+
+
+def _check_types(run_config: RunConfig) -> None:
+    from ddptrain.callbacks import UserCallback
+
+    expected = (
+        ("failure_config", FailureConfig),
+        ("checkpoint_config", CheckpointConfig),
+        ("logging_config", LoggingConfig),
+    )
+    for name, cls in expected:
+        value = getattr(run_config, name)
+        if not isinstance(value, cls):
+            raise ConfigError(f"`{name}` must be a ddptrain.{cls.__name__}, got {value!r}.")
+    for callback in run_config.callbacks or []:
+        if not isinstance(callback, UserCallback):
+            raise ConfigError(
+                f"`callbacks` must hold ddptrain.UserCallback objects, got {callback!r}."
+            )
+    runtime_env = run_config.worker_runtime_env or {}
+    unknown = set(runtime_env) - {"env_vars"}
+    if unknown:
+        raise ConfigError(
+            f"`worker_runtime_env` supports only 'env_vars', got {sorted(unknown)}. "
+            "Install packages on the hosts yourself."
+        )
+    env_vars = runtime_env.get("env_vars", {})
+    if not isinstance(env_vars, dict):
+        raise ConfigError(f"`worker_runtime_env['env_vars']` must be a dict, got {env_vars!r}.")

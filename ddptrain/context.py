@@ -1,0 +1,344 @@
+"""The worker-side API: ``report``, ``get_context``, ``get_checkpoint``, ``get_dataset_shard``.
+
+These run inside the training function, in a worker process (or in the driver process in
+local mode, ``num_workers=0``). One module-global session holds the worker's state.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ddptrain.checkpoint import Checkpoint
+from ddptrain.errors import DdpTrainError
+
+if TYPE_CHECKING:
+    from ddptrain.channel import WorkerChannel
+
+__all__ = [
+    "TrainContext",
+    "StorageContext",
+    "report",
+    "get_context",
+    "get_checkpoint",
+    "get_dataset_shard",
+    "get_all_reported_checkpoints",
+]
+
+_logger = logging.getLogger(__name__)
+_DIR_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]*$")
+
+
+class ContextError(DdpTrainError, RuntimeError):
+    """A worker-only function was called outside a training function."""
+
+
+@dataclass(frozen=True)
+class StorageContext:
+    """Where this run's files live.
+
+    Attributes:
+        storage_path: The ``RunConfig.storage_path`` folder.
+        experiment_dir_name: The run's folder name (``RunConfig.name``).
+    """
+
+    storage_path: str
+    experiment_dir_name: str
+
+    @property
+    def experiment_fs_path(self) -> str:
+        """The run directory."""
+        return os.path.join(self.storage_path, self.experiment_dir_name)
+
+    @property
+    def storage_fs_path(self) -> str:
+        return self.storage_path
+
+    def build_checkpoint_path_from_name(self, name: str) -> str:
+        """The path a checkpoint named ``name`` is persisted to."""
+        return os.path.join(self.experiment_fs_path, name)
+
+
+class TrainContext:
+    """Facts about this worker and its run, from :func:`get_context`."""
+
+    def __init__(
+        self,
+        *,
+        experiment_name: str,
+        world_size: int,
+        world_rank: int,
+        local_rank: int,
+        local_world_size: int,
+        node_rank: int,
+        storage: StorageContext | None,
+    ) -> None:
+        self._experiment_name = experiment_name
+        self._world_size = world_size
+        self._world_rank = world_rank
+        self._local_rank = local_rank
+        self._local_world_size = local_world_size
+        self._node_rank = node_rank
+        self._storage = storage
+
+    def get_experiment_name(self) -> str:
+        """The run name (``RunConfig.name``)."""
+        return self._experiment_name
+
+    def get_world_size(self) -> int:
+        """Number of workers in the group."""
+        return self._world_size
+
+    def get_world_rank(self) -> int:
+        """This worker's global rank, ``0 .. world_size - 1``."""
+        return self._world_rank
+
+    def get_local_rank(self) -> int:
+        """This worker's index among the workers on its host."""
+        return self._local_rank
+
+    def get_local_world_size(self) -> int:
+        """Number of workers on this worker's host."""
+        return self._local_world_size
+
+    def get_node_rank(self) -> int:
+        """Index of this worker's host among the group's hosts."""
+        return self._node_rank
+
+    def get_storage(self) -> StorageContext:
+        """Where the run's files are persisted."""
+        if self._storage is None:
+            raise NotImplementedError("Local mode (`num_workers=0`) has no run storage.")
+        return self._storage
+
+    def _deprecated(self, name: str) -> Any:
+        raise DeprecationWarning(f"`TrainContext.{name}()` is not available (as in Ray Train V2).")
+
+    def get_metadata(self) -> Any:
+        return self._deprecated("get_metadata")
+
+    def get_trial_name(self) -> Any:
+        return self._deprecated("get_trial_name")
+
+    def get_trial_id(self) -> Any:
+        return self._deprecated("get_trial_id")
+
+    def get_trial_resources(self) -> Any:
+        return self._deprecated("get_trial_resources")
+
+    def get_trial_dir(self) -> Any:
+        return self._deprecated("get_trial_dir")
+
+    def __repr__(self) -> str:
+        return (
+            f"TrainContext(experiment_name={self._experiment_name!r}, world_rank={self._world_rank}, "
+            f"world_size={self._world_size}, local_rank={self._local_rank}, node_rank={self._node_rank})"
+        )
+
+
+@dataclass
+class _Session:
+    """Everything a worker (or local mode) knows while the training function runs."""
+
+    context: TrainContext
+    channel: WorkerChannel | None = None
+    run_dir: str | None = None
+    attempt: int = 0
+    checkpoint: Checkpoint | None = None
+    dataset_shards: dict[str, Any] = field(default_factory=dict)
+    devices: list[Any] = field(default_factory=list)
+    report_index: int = 0
+    collective_index: int = 0
+    local_reports: list[tuple[dict[str, Any], Checkpoint | None]] = field(default_factory=list)
+    reported_checkpoints: list[Any] = field(default_factory=list)
+
+    def call_driver(self, message: tuple[Any, ...]) -> Any:
+        """Send a message and wait for the driver's reply to it."""
+        assert self.channel is not None
+        self.channel.send(message)
+        reply = self.channel.recv()
+        if reply[0] == "abort":
+            raise SystemExit(f"ddptrain: the driver stopped this run ({reply[1]}).")
+        return reply
+
+
+_session: _Session | None = None
+
+
+def _set_session(session: _Session | None) -> None:
+    global _session
+    _session = session
+
+
+def _get_session(function: str) -> _Session:
+    if _session is None:
+        raise ContextError(
+            f"`ddptrain.{function}()` can only be called inside a training function run by a "
+            "ddptrain trainer (TorchTrainer / DataParallelTrainer)."
+        )
+    return _session
+
+
+def _find_tensor(value: Any, path: str, depth: int = 0) -> str | None:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return path
+    if depth > 8:
+        return None
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            found = _find_tensor(item, f"{path}[{key!r}]", depth + 1)
+            if found:
+                return found
+    elif isinstance(value, (list, tuple, set)):
+        for i, item in enumerate(value):
+            found = _find_tensor(item, f"{path}[{i}]", depth + 1)
+            if found:
+                return found
+    return None
+
+
+def _check_metrics(metrics: Any) -> dict[str, Any]:
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"`metrics` must be a dict, got {type(metrics).__name__}.")
+    for key in metrics:
+        if not isinstance(key, str):
+            raise TypeError(f"`metrics` keys must be strings, got {key!r}.")
+    found = _find_tensor(metrics, "metrics")
+    if found:
+        raise ValueError(
+            f"{found} is a torch.Tensor; metrics must not contain tensors. Convert it with "
+            "`.item()` or `.tolist()`, or save tensors in the checkpoint instead."
+        )
+    return dict(metrics)
+
+
+def _check_dir_name(name: str | None) -> None:
+    if name is None:
+        return
+    if not isinstance(name, str) or not _DIR_NAME.match(name) or name in (".", ".."):
+        raise ValueError(
+            f"`checkpoint_dir_name` must be a plain folder name (letters, digits, '._=+-', "
+            f"no '/'), got {name!r}."
+        )
+
+
+def report(
+    metrics: dict[str, Any],
+    checkpoint: Checkpoint | None = None,
+    checkpoint_dir_name: str | None = None,
+    checkpoint_upload_mode: Any = None,
+    delete_local_checkpoint_after_upload: bool | None = None,
+    checkpoint_upload_fn: Any = None,
+    validation: Any = False,
+) -> None:
+    """Report metrics, and optionally a checkpoint, from every worker.
+
+    Contract: every worker must call ``report`` the same number of times. Rank 0's metrics
+    become the run's metrics; every report is appended to ``metrics.jsonl`` in the run
+    directory. Any subset of ranks may pass a checkpoint: their files are merged into one
+    checkpoint folder (named by rank 0's ``checkpoint_dir_name``) under the run directory, and
+    ``report`` returns on those ranks once it is persisted, so the local folder may be deleted
+    right after. Metrics-only reports do not wait for the other ranks.
+
+    Args:
+        metrics: A dict of picklable values; torch tensors are refused.
+        checkpoint: Files to persist with this report.
+        checkpoint_dir_name: Folder name of the persisted checkpoint (default
+            ``checkpoint_<report index>``).
+        checkpoint_upload_mode: Accepted for compatibility; persisting is always synchronous.
+        delete_local_checkpoint_after_upload: Delete the local folder once it is persisted.
+        checkpoint_upload_fn: Not supported.
+        validation: Not supported.
+
+    Raises:
+        ValueError: ``metrics`` holds tensors, or the folder name is not a plain name.
+        RuntimeError: Called outside a training function.
+
+    Example:
+        >>> for epoch in range(3):
+        ...     loss = train_one_epoch()
+        ...     ddptrain.report({"epoch": epoch, "loss": loss})
+    """
+    session = _get_session("report")
+    metrics = _check_metrics(metrics)
+    if checkpoint is not None and not isinstance(checkpoint, Checkpoint):
+        raise TypeError(f"`checkpoint` must be a ddptrain.Checkpoint, got {type(checkpoint).__name__}.")
+    _check_dir_name(checkpoint_dir_name)
+    if checkpoint_upload_fn is not None or validation:
+        raise NotImplementedError("`checkpoint_upload_fn` and `validation` are not supported by ddptrain.")
+    session.report_index += 1
+    if session.channel is None:  # local mode
+        session.local_reports.append((metrics, checkpoint))
+        if checkpoint is not None:
+            session.checkpoint = checkpoint
+        return
+    rank = session.context.get_world_rank()
+    staged = _stage_checkpoint(session, checkpoint) if checkpoint is not None else None
+    message = ("report", rank, session.report_index, metrics, staged, checkpoint_dir_name)
+    if staged is None:
+        session.channel.send(message)
+        return
+    reply = session.call_driver(message)
+    session.checkpoint = Checkpoint(reply[2])
+    if delete_local_checkpoint_after_upload and checkpoint is not None:
+        shutil.rmtree(checkpoint.path, ignore_errors=True)
+
+
+def _stage_checkpoint(session: _Session, checkpoint: Checkpoint) -> str:
+    """Copy this rank's checkpoint files next to the run directory; the driver commits them."""
+    from ddptrain import storage
+
+    assert session.run_dir is not None
+    return storage.stage_files(
+        session.run_dir, checkpoint.path, session.attempt, session.report_index,
+        session.context.get_world_rank(),
+    )
+
+
+def get_context() -> TrainContext:
+    """This worker's :class:`TrainContext` (ranks, world size, run name, storage).
+
+    Raises:
+        RuntimeError: Called outside a training function.
+    """
+    return _get_session("get_context").context
+
+
+def get_checkpoint() -> Checkpoint | None:
+    """The latest persisted checkpoint to resume from, or ``None`` on a fresh start.
+
+    After a restart (``FailureConfig``) or a resumed run this is the latest checkpoint the
+    run committed; during the run it is the latest checkpoint this worker reported.
+    """
+    return _get_session("get_checkpoint").checkpoint
+
+
+def get_all_reported_checkpoints(consistency_mode: Any = None, timeout_s: float | None = None) -> list[Any]:
+    """Checkpoints this run has committed so far (in report order)."""
+    session = _get_session("get_all_reported_checkpoints")
+    return list(session.reported_checkpoints)
+
+
+def get_dataset_shard(dataset_name: str | None = None) -> Any:
+    """This worker's shard of the trainer dataset ``dataset_name`` (default ``"train"``).
+
+    Raises:
+        KeyError: No dataset of that name was given to the trainer.
+    """
+    session = _get_session("get_dataset_shard")
+    name = dataset_name or "train"
+    try:
+        return session.dataset_shards[name]
+    except KeyError:
+        known = sorted(session.dataset_shards)
+        raise KeyError(
+            f"Dataset shard for {name!r} not found. The trainer was given datasets {known}; "
+            "pass `datasets={...}` to the trainer."
+        ) from None

@@ -1,0 +1,218 @@
+"""``DataParallelTrainer``: validate the user's function and configs, then run ``fit()``."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import cloudpickle
+
+from ddptrain import _env, context
+from ddptrain.backend import BackendConfig
+from ddptrain.checkpoint import Checkpoint
+from ddptrain.config import DataConfig, RunConfig, ScalingConfig
+from ddptrain.errors import ConfigError, WorkerFailure, WorkerGroupError
+from ddptrain.result import Result
+
+__all__ = ["DataParallelTrainer"]
+
+_logger = logging.getLogger(__name__)
+
+
+def _takes_config(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` takes the config argument; raises ConfigError for 2+ required arguments."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [
+        p for p in params
+        if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+    if len(required) > 1:
+        names = ", ".join(p.name for p in required)
+        raise ConfigError(
+            f"The training function must take 0 or 1 arguments (the `train_loop_config` dict), "
+            f"but `{getattr(fn, '__name__', fn)}` requires {len(required)}: {names}."
+        )
+    return bool(positional) or any(p.kind == p.VAR_POSITIONAL for p in params)
+
+
+class DataParallelTrainer:
+    """Runs ``train_loop_per_worker`` on every worker: SPMD data-parallel training.
+
+    Args:
+        train_loop_per_worker: The training function, taking no argument or the
+            ``train_loop_config`` dict. Rank 0's return value becomes ``Result.return_value``.
+        train_loop_config: Passed to the training function when it takes an argument.
+        backend_config: Sets up the workers (e.g. a torch process group); ``None`` sets up nothing.
+        scaling_config: Number of workers and devices (default: one CPU worker).
+        run_config: Name, storage and policies of the run.
+        datasets: Named datasets; each worker reads its shard with ``get_dataset_shard(name)``.
+        dataset_config: Which datasets are split across workers.
+        resume_from_checkpoint: A checkpoint the run starts from (``get_checkpoint()``).
+
+    Example:
+        >>> def train_loop():
+        ...     ddptrain.report({"rank": ddptrain.get_context().get_world_rank()})
+        >>> result = DataParallelTrainer(train_loop, scaling_config=ScalingConfig(num_workers=2)).fit()
+    """
+
+    def __init__(
+        self,
+        train_loop_per_worker: Callable[..., Any],
+        *,
+        train_loop_config: dict[str, Any] | None = None,
+        backend_config: BackendConfig | None = None,
+        scaling_config: ScalingConfig | None = None,
+        run_config: RunConfig | None = None,
+        datasets: dict[str, Any] | None = None,
+        dataset_config: DataConfig | None = None,
+        resume_from_checkpoint: Checkpoint | None = None,
+        metadata: dict[str, Any] | None = None,
+        validation_config: Any = None,
+    ) -> None:
+        if not callable(train_loop_per_worker):
+            raise ConfigError(
+                f"`train_loop_per_worker` must be a function, got {train_loop_per_worker!r}. "
+                "Pass the function itself (`train_func`), not its result (`train_func()`)."
+            )
+        if metadata is not None:
+            raise DeprecationWarning("`metadata` is not supported (as in Ray Train V2).")
+        if validation_config is not None:
+            raise ConfigError("`validation_config` is not supported by ddptrain.")
+        self.train_loop_per_worker = train_loop_per_worker
+        self._takes_config = _takes_config(train_loop_per_worker)
+        self.train_loop_config = train_loop_config
+        self.backend_config = backend_config if backend_config is not None else BackendConfig()
+        self.scaling_config = scaling_config if scaling_config is not None else ScalingConfig()
+        self.run_config = run_config if run_config is not None else RunConfig()
+        self.datasets = dict(datasets or {})
+        self.dataset_config = dataset_config if dataset_config is not None else DataConfig()
+        self.resume_from_checkpoint = resume_from_checkpoint
+        self._validate()
+
+    def _validate(self) -> None:
+        checks = (
+            ("scaling_config", self.scaling_config, ScalingConfig),
+            ("run_config", self.run_config, RunConfig),
+            ("backend_config", self.backend_config, BackendConfig),
+            ("dataset_config", self.dataset_config, DataConfig),
+        )
+        for name, value, cls in checks:
+            if not isinstance(value, cls):
+                raise ConfigError(f"`{name}` must be a ddptrain.{cls.__name__}, got {value!r}.")
+        # Configs are plain dataclasses; check again in case fields were changed after creation.
+        self.scaling_config.__post_init__()
+        self.run_config.__post_init__()
+        if self.train_loop_config is not None and not isinstance(self.train_loop_config, dict):
+            raise ConfigError(f"`train_loop_config` must be a dict, got {type(self.train_loop_config).__name__}.")
+        if self.resume_from_checkpoint is not None and not isinstance(self.resume_from_checkpoint, Checkpoint):
+            raise ConfigError(f"`resume_from_checkpoint` must be a ddptrain.Checkpoint, got {self.resume_from_checkpoint!r}.")
+        for name in self.datasets:
+            if not isinstance(name, str):
+                raise ConfigError(f"`datasets` keys must be dataset names (str), got {name!r}.")
+
+    def _dataset_shards(self, world_size: int) -> dict[int, dict[str, Any]]:
+        from ddptrain import data
+
+        return data.shard_datasets(self.datasets, self.dataset_config, world_size)
+
+    def _payload(self) -> bytes:
+        user = {
+            "train_fn": self.train_loop_per_worker,
+            "train_loop_config": self.train_loop_config or {},
+            "takes_config": self._takes_config,
+            "backend_config": self.backend_config,
+            "dataset_shards": self._dataset_shards(self.scaling_config.num_workers),
+        }
+        try:
+            payload: bytes = cloudpickle.dumps(user)
+        except Exception as exc:
+            name = getattr(self.train_loop_per_worker, "__name__", repr(self.train_loop_per_worker))
+            raise ConfigError(
+                f"Could not pickle the training function `{name}`, its `train_loop_config`, the "
+                f"backend config or the datasets: {exc!r}. Everything the function uses from "
+                "outside must be picklable: create locks, open files, sockets and clients inside "
+                "the function instead."
+            ) from exc
+        return payload
+
+    def fit(self) -> Result:
+        """Run training on the workers and return the :class:`~ddptrain.Result`.
+
+        Raises:
+            TrainingFailedError: A worker failed and no restarts are left.
+            ConfigError: The configs or the function cannot work.
+        """
+        if _env.loading_training_function():
+            raise ConfigError(
+                "`fit()` was called while a ddptrain worker was loading the training function: the "
+                "module that defines it starts training when it is imported. Put the code that "
+                "builds the trainer and calls `fit()` under `if __name__ == \"__main__\":`."
+            )
+        self._validate()
+        if self.scaling_config.num_workers == 0:
+            return self._fit_local()
+        from ddptrain.run import Run
+
+        run = Run(
+            payload=self._payload(),
+            train_loop_config=self.train_loop_config,
+            scaling_config=self.scaling_config,
+            run_config=self.run_config,
+            backend_config=self.backend_config,
+            dataset_config=self.dataset_config,
+        )
+        run.latest_checkpoint = self.resume_from_checkpoint
+        return run.fit()
+
+    def _fit_local(self) -> Result:
+        """Local mode: run the function in this process, as rank 0 of 1."""
+        ctx = context.TrainContext(
+            experiment_name=self.run_config.name or "local",
+            world_size=1, world_rank=0, local_rank=0, local_world_size=1, node_rank=0, storage=None,
+        )
+        session = context._Session(
+            context=ctx,
+            checkpoint=self.resume_from_checkpoint,
+            dataset_shards=self._dataset_shards(1)[0],
+        )
+        previous = context._session
+        context._set_session(session)
+        try:
+            with self.backend_config.train_func_context():
+                fn = self.train_loop_per_worker
+                value = fn(self.train_loop_config or {}) if self._takes_config else fn()
+        except Exception as exc:
+            import socket
+            import traceback
+
+            failure = WorkerFailure(
+                rank=0, host=socket.gethostname(), pid=None, exitcode=None, exception=exc,
+                traceback_str="".join(traceback.format_exception(exc)),
+            )
+            raise WorkerGroupError.from_failures([failure], None) from exc
+        finally:
+            context._set_session(previous)
+        history = [metrics for metrics, _ in session.local_reports]
+        checkpoints = [(c, m) for m, c in session.local_reports if c is not None]
+        return Result(
+            metrics=history[-1] if history else None,
+            checkpoint=session.checkpoint,
+            path=None,
+            metrics_history=history,
+            best_checkpoints=checkpoints,
+            return_value=value,
+            return_values=[value],
+        )
+
+    @classmethod
+    def can_restore(cls, path: str) -> bool:
+        """Whether ``path`` holds a run directory that can be resumed."""
+        import os
+
+        return os.path.exists(os.path.join(os.path.expanduser(str(path)), "run.json"))

@@ -1,0 +1,333 @@
+"""The driver loop of one worker-group attempt: start, set up, train, watch, tear down.
+
+Events reach the attempt through one queue: verified store messages from the channel
+thread (hello, result, report, collective, done) and agent events from the launcher thread
+(started, exited, agent failure). The first failure raises ``GroupFailed``; the ``finally``
+of :meth:`Attempt.run` tears everything down in reverse order.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import pickle
+import queue
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import cloudpickle
+import torch.distributed as dist
+
+from ddptrain import _env, storage
+from ddptrain._agent import AGENT_RANK
+from ddptrain._logs import LogSink
+from ddptrain.channel import DriverChannel, Keys
+from ddptrain.errors import (
+    LaunchError,
+    WorkerDiedError,
+    WorkerError,
+    WorkerFailure,
+)
+from ddptrain.worker_group import WorkerGroup
+
+if TYPE_CHECKING:
+    from ddptrain.launcher import AgentEvent, Launcher
+    from ddptrain.run import Run
+
+__all__ = ["Attempt", "GroupFailed"]
+
+_logger = logging.getLogger(__name__)
+_PUMP_S = 0.5
+
+
+class GroupFailed(Exception):
+    """The worker group failed; ``failures`` says how."""
+
+    def __init__(self, failures: list[WorkerFailure]) -> None:
+        super().__init__(failures[0].headline() if failures else "worker group failed")
+        self.failures = failures
+
+
+@dataclass
+class _Round:
+    """One ``report()`` or collective call, gathered across ranks."""
+
+    kind: str
+    index: int
+    started: float
+    entries: dict[int, Any] = field(default_factory=dict)
+    warned_at: float = 0.0
+
+
+def failure_from_record(record: dict[str, Any]) -> BaseException:
+    """The worker's exception from its failure record, or a stand-in with its traceback."""
+    if record.get("exception"):
+        try:
+            exc: BaseException = pickle.loads(record["exception"])
+            return exc
+        except Exception:
+            pass
+    return WorkerError(record.get("type", "Exception"), record.get("message", ""), record.get("traceback", ""))
+
+
+class Attempt:
+    """One start of the worker group, from launch to teardown.
+
+    Args:
+        run: The run this attempt belongs to (configs, run directory, results so far).
+        index: Attempt number, 0 for the first start.
+        launcher: An already spawned launcher for this attempt's workers.
+    """
+
+    def __init__(self, run: Run, index: int, launcher: Launcher) -> None:
+        self.run = run
+        self.index = index
+        self.launcher = launcher
+        self.world_size = run.scaling_config.num_workers
+        self.events: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self.hosts: dict[int, tuple[int, str]] = {}
+        self.connected: set[int] = set()
+        self.results: dict[int, dict[int, tuple[bool, Any]]] = {}
+        self.done: dict[int, tuple[bytes | None, str | None]] = {}
+        self.exited: set[int] = set()
+        self.exit_expected = False
+        self.rounds: dict[tuple[str, int], _Round] = {}
+        self.sink: LogSink | None = None
+        self.channel: DriverChannel | None = None
+        self._next_call = 0
+
+    # ----------------------------------------------------------------- lifecycle
+    def run_group(self) -> list[Any]:
+        """Run the training function on every worker; returns their return values by rank."""
+        store: dist.TCPStore | None = None
+        backend = None
+        worker_group = WorkerGroup(self)
+        try:
+            store = dist.TCPStore(
+                "127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=30),
+            )
+            secret = secrets.token_bytes(32)
+            keys = Keys(self.run.run_id, self.index)
+            self.channel = DriverChannel(store, keys, secret)
+            self.channel.start(lambda message: self.events.put(("msg", message)))
+            self.sink = LogSink(self.run.log_dir(self.index), self.run.rank_labels(), _env.console_ranks())
+            bootstrap = self.run.bootstrap(self.index, store.host, store.port, secret)
+            self.launcher.start(bootstrap, self.sink, lambda event: self.events.put(("agent", event)))
+            self.pump_until(
+                lambda: len(self.connected) == self.world_size,
+                timeout_s=_env.worker_start_timeout_s(),
+                waiting_for="workers to start and connect to the driver's store",
+            )
+            backend = self.run.backend_config.backend_cls()
+            backend.on_start(worker_group, self.run.backend_config)
+            backend.on_training_start(worker_group, self.run.backend_config)
+            for rank in range(self.world_size):
+                self.channel.send(rank, ("train",))
+            self.pump_until(lambda: len(self.done) == self.world_size)
+            self._warn_unfinished_rounds()
+            try:
+                backend.on_shutdown(worker_group, self.run.backend_config)
+            except GroupFailed:
+                raise
+            except Exception as exc:
+                _logger.warning("ddptrain: backend shutdown failed (ignored): %r", exc)
+            self.exit_expected = True
+            for rank in range(self.world_size):
+                self.channel.send(rank, ("exit",))
+            try:
+                self.pump_until(lambda: len(self.exited) == self.world_size, timeout_s=10.0,
+                                waiting_for="workers to exit")
+            except TimeoutError as exc:
+                _logger.warning("ddptrain: %s; killing them", exc)
+            return [self._load_return(rank) for rank in range(self.world_size)]
+        finally:
+            self.exit_expected = True
+            self.launcher.shutdown(_env.shutdown_grace_s())
+            if self.channel is not None:
+                self.channel.stop()
+            if self.sink is not None:
+                self.sink.close()
+            del store
+
+    def _load_return(self, rank: int) -> Any:
+        data, note = self.done[rank]
+        if note:
+            _logger.warning("ddptrain: %s", note)
+        return cloudpickle.loads(data) if data is not None else None
+
+    # ----------------------------------------------------------------- event pump
+    def pump_until(
+        self, done: Callable[[], bool], timeout_s: float | None = None, waiting_for: str = ""
+    ) -> None:
+        """Handle events until ``done()``; raises GroupFailed on a failure."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not done():
+            try:
+                event = self.events.get(timeout=_PUMP_S)
+            except queue.Empty:
+                event = None
+            if event is not None:
+                self._handle(event)
+            self._warn_stragglers()
+            if deadline is not None and time.monotonic() > deadline and not done():
+                raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {waiting_for}")
+
+    def _handle(self, event: tuple[str, Any]) -> None:
+        source, item = event
+        failure = self._handle_message(item) if source == "msg" else self._handle_agent(item)
+        if failure is None:
+            return
+        failures = [failure]
+        # Gather the other ranks that failed on their own at about the same time.
+        deadline = time.monotonic() + 0.2
+        while time.monotonic() < deadline:
+            try:
+                source, item = self.events.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            more = self._handle_message(item) if source == "msg" else self._handle_agent(item)
+            if more is not None and more.rank not in {f.rank for f in failures}:
+                failures.append(more)
+        raise GroupFailed(failures)
+
+    def _handle_message(self, message: tuple[Any, ...]) -> WorkerFailure | None:
+        kind, rank = message[0], message[1]
+        if kind == "hello":
+            self.connected.add(rank)
+            self.hosts[rank] = (message[2], message[3])
+        elif kind == "result":
+            _, _, call_id, ok, value = message
+            self.results.setdefault(call_id, {})[rank] = (ok, value)
+        elif kind == "report":
+            _, _, index, metrics, staged, dir_name = message
+            if rank == 0:
+                self.run.record_metrics(metrics)
+            self._add_to_round("report", index, rank, (metrics, staged, dir_name))
+        elif kind == "collective":
+            _, _, index, data = message
+            self._add_to_round("collective", index, rank, data)
+        elif kind == "done":
+            self.done[rank] = (message[2], message[3])
+        return None
+
+    def _handle_agent(self, event: AgentEvent) -> WorkerFailure | None:
+        kind, rank, payload = event
+        if kind == b"S":
+            info = pickle.loads(payload)
+            self.hosts.setdefault(rank, (info["pid"], info["host"]))
+            return None
+        if kind == b"X":
+            info = pickle.loads(payload)
+            self.exited.add(rank)
+            exitcode = info["exitcode"]
+            if self.exit_expected and exitcode == 0 and not info["status"]:
+                return None
+            if info["status"]:
+                record = pickle.loads(info["status"])
+                return self._failure(rank, exitcode, failure_from_record(record), record["traceback"])
+            if self.exit_expected:
+                return None
+            return self._failure(rank, exitcode, WorkerDiedError(rank, exitcode))
+        if kind == b"F":
+            text = payload.decode("utf-8", errors="replace")
+            error = LaunchError(f"The ddptrain agent could not start the workers:\n{text}")
+            return self._failure(0, None, error, text)
+        if kind == b"D" and rank == AGENT_RANK and len(self.exited) < self.world_size and not self.exit_expected:
+            missing = sorted(set(range(self.world_size)) - self.exited)
+            return self._failure(missing[0], None, LaunchError("The ddptrain agent process died."))
+        return None
+
+    def _failure(
+        self, rank: int, exitcode: int | None, exc: BaseException, traceback_str: str = ""
+    ) -> WorkerFailure:
+        pid, host = self.hosts.get(rank, (None, self.run.hostname))
+        assert self.sink is not None
+        return WorkerFailure(
+            rank=rank,
+            host=host,
+            pid=pid,
+            exitcode=exitcode,
+            exception=exc,
+            traceback_str=traceback_str,
+            log_path=self.sink.path(rank),
+            timestamp=time.time(),
+            log_tail=self.sink.tail(rank),
+        )
+
+    # ----------------------------------------------------------------- calls and rounds
+    def execute(self, ranks: list[int], fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on ``ranks``; results in the order of ``ranks``."""
+        assert self.channel is not None
+        call_id = self._next_call
+        self._next_call += 1
+        for rank in ranks:
+            self.channel.send(rank, ("execute", call_id, (fn, args, kwargs)))
+        self.pump_until(lambda: len(self.results.get(call_id, {})) == len(ranks))
+        replies = self.results.pop(call_id)
+        failed = [
+            self._failure(rank, None, failure_from_record(value), value["traceback"])
+            for rank, (ok, value) in sorted(replies.items())
+            if not ok
+        ]
+        if failed:
+            raise GroupFailed(failed)
+        return [cloudpickle.loads(replies[rank][1]) for rank in ranks]
+
+    def _add_to_round(self, kind: str, index: int, rank: int, entry: Any) -> None:
+        key = (kind, index)
+        round_ = self.rounds.get(key)
+        if round_ is None:
+            round_ = self.rounds[key] = _Round(kind, index, time.monotonic())
+        round_.entries[rank] = entry
+        if len(round_.entries) < self.world_size:
+            return
+        del self.rounds[key]
+        assert self.channel is not None
+        if kind == "collective":
+            for r in range(self.world_size):
+                self.channel.send(r, ("collective", index, round_.entries[0]))
+            return
+        entries = [round_.entries[r] for r in range(self.world_size)]
+        staged_ranks = [r for r, (_, staged, _) in enumerate(entries) if staged]
+        checkpoint = None
+        if staged_ranks:
+            name = entries[0][2] or f"checkpoint_{index:06d}"
+            checkpoint = self.run.commit_checkpoint([entries[r][1] for r in staged_ranks], name, entries[0][0])
+            for r in staged_ranks:
+                self.channel.send(r, ("ack", index, checkpoint.path))
+        self.run.after_report([metrics for metrics, _, _ in entries], checkpoint)
+
+    def _warn_stragglers(self) -> None:
+        interval = _env.report_warn_interval_s()
+        now = time.monotonic()
+        for kind in ("report", "collective"):
+            pending = [r for r in self.rounds.values() if r.kind == kind]
+            if not pending:
+                continue
+            oldest = min(pending, key=lambda r: r.index)
+            age = now - oldest.started
+            if age < interval or now - oldest.warned_at < max(interval, 30.0):
+                continue
+            oldest.warned_at = now
+            missing = sorted(set(range(self.world_size)) - set(oldest.entries))
+            what = "report()" if kind == "report" else "a collective (barrier/broadcast)"
+            _logger.warning(
+                "ddptrain: rank(s) %s have not reached %s call #%d yet; rank(s) %s reached it %.1f s ago. "
+                "Every worker must call it the same number of times.",
+                missing, what, oldest.index, sorted(oldest.entries), age,
+            )
+
+    def _warn_unfinished_rounds(self) -> None:
+        for round_ in sorted(self.rounds.values(), key=lambda r: r.index):
+            if round_.kind == "report":
+                missing = sorted(set(range(self.world_size)) - set(round_.entries))
+                _logger.warning(
+                    "ddptrain: report() call #%d was made by rank(s) %s but never by rank(s) %s; "
+                    "every worker must call report() the same number of times.",
+                    round_.index, sorted(round_.entries), missing,
+                )
+        self.rounds.clear()

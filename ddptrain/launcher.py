@@ -1,0 +1,130 @@
+"""Starting worker processes on this machine, through one agent process (driver side).
+
+The agent (``python -m ddptrain._agent``) runs in its own session, imports torch once and
+forks the workers, so every worker starts in about the time of one torch import. Its stdout
+carries framed worker output and exit events back; closing its stdin, or a kill frame,
+tears the whole tree down. The driver then also kills the agent's process group, which
+catches anything the workers started (DataLoader workers included).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from ddptrain._agent import AGENT_RANK, FRAME, read_frame
+from ddptrain._logs import LogSink
+from ddptrain.errors import LaunchError
+
+__all__ = ["Launcher", "LocalLauncher", "AgentEvent"]
+
+_logger = logging.getLogger(__name__)
+
+# (kind, rank, payload): b"S" started, b"X" exited, b"F" agent failure, b"D" agent gone.
+AgentEvent = tuple[bytes, int, bytes]
+
+
+class Launcher(Protocol):
+    """Starts a worker group and tears it down."""
+
+    def start(self, bootstrap: dict[str, Any], sink: LogSink, on_event: Callable[[AgentEvent], None]) -> None:
+        """Hand the bootstrap to the agents; worker output goes to ``sink``."""
+
+    def shutdown(self, grace_s: float) -> None:
+        """Stop every worker: SIGTERM, then SIGKILL after ``grace_s``. Safe to call twice."""
+
+
+class LocalLauncher:
+    """Runs the workers of this machine under one agent process.
+
+    Args:
+        env: Environment of the agent and its workers.
+    """
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
+            [sys.executable, "-m", "ddptrain._agent"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            start_new_session=True,
+        )
+        self._threads: list[threading.Thread] = []
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def start(self, bootstrap: dict[str, Any], sink: LogSink, on_event: Callable[[AgentEvent], None]) -> None:
+        proc = self._proc
+        if proc is None or proc.stdin is None:
+            raise LaunchError("The launcher was already shut down.")
+        payload = pickle.dumps(bootstrap)
+        try:
+            proc.stdin.write(FRAME.pack(b"B", AGENT_RANK, len(payload)) + payload)
+            proc.stdin.flush()
+        except BrokenPipeError:
+            raise LaunchError(
+                f"The ddptrain agent exited before it got its work (exit code {proc.poll()})."
+            ) from None
+
+        def read_frames() -> None:
+            assert proc.stdout is not None
+            while (frame := read_frame(proc.stdout)) is not None:
+                kind, rank, data = frame
+                if kind in (b"O", b"E"):
+                    sink.write(rank, kind, data)
+                else:
+                    on_event((kind, rank, data))
+            on_event((b"D", AGENT_RANK, b""))
+
+        def read_stderr() -> None:
+            assert proc.stderr is not None
+            for line in proc.stderr:
+                text = line.decode("utf-8", errors="replace").rstrip()
+                if text:
+                    sys.stderr.write(f"[ddptrain agent] {text}\n")
+
+        for target in (read_frames, read_stderr):
+            thread = threading.Thread(target=target, name=f"ddptrain-{target.__name__}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def shutdown(self, grace_s: float) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        try:
+            if proc.poll() is None and proc.stdin is not None:
+                proc.stdin.write(b"K")
+                proc.stdin.flush()
+        except OSError:
+            pass
+        try:
+            proc.wait(timeout=grace_s + 1.0)
+        except subprocess.TimeoutExpired:
+            _logger.warning("ddptrain agent %d did not stop in %.1f s; killing it", proc.pid, grace_s + 1)
+        # Whatever is left in the agent's session (its workers' own children too) goes now.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait()
+        deadline = time.monotonic() + 2.0
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            if pipe is not None:
+                try:
+                    pipe.close()
+                except OSError:
+                    pass

@@ -1,0 +1,269 @@
+"""One ``fit()`` call in the driver: the run directory, attempts and restarts, the Result."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import socket
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ddptrain import _env, storage
+from ddptrain.callbacks import TrainRunContext
+from ddptrain.checkpoint import Checkpoint
+from ddptrain.driver import Attempt, GroupFailed
+from ddptrain.errors import ConfigError, WorkerFailure, WorkerGroupError
+from ddptrain.launcher import LocalLauncher
+from ddptrain.result import CHECKPOINT_INDEX, METRICS_FILE, Result
+
+if TYPE_CHECKING:
+    from ddptrain.backend import BackendConfig
+    from ddptrain.config import DataConfig, RunConfig, ScalingConfig
+
+__all__ = ["Run"]
+
+_logger = logging.getLogger(__name__)
+
+
+class Run:
+    """State of one ``fit()``: configs, run directory, reported metrics and checkpoints.
+
+    Args:
+        payload: The cloudpickled training function, its config and the dataset shards.
+    """
+
+    def __init__(
+        self,
+        *,
+        payload: bytes,
+        train_loop_config: dict[str, Any] | None,
+        scaling_config: ScalingConfig,
+        run_config: RunConfig,
+        backend_config: BackendConfig,
+        dataset_config: DataConfig,
+    ) -> None:
+        self.payload = payload
+        self.scaling_config = scaling_config
+        self.run_config = run_config
+        self.backend_config = backend_config
+        self.run_id = uuid.uuid4().hex
+        self.name = run_config.name or datetime.datetime.now().strftime("ddptrain_run-%Y-%m-%d_%H-%M-%S")
+        self.storage_path = str(run_config._storage_root())
+        self.run_dir = os.path.join(self.storage_path, self.name)
+        self.hostname = socket.gethostname()
+        self.context = TrainRunContext(
+            run_id=self.run_id,
+            run_config=run_config,
+            train_loop_config=train_loop_config,
+            scaling_config=scaling_config,
+            backend_config=backend_config,
+            dataset_config=dataset_config,
+        )
+        self.metrics_history: list[dict[str, Any]] = []
+        self.checkpoints: list[tuple[Checkpoint, dict[str, Any]]] = []
+        self.latest_checkpoint: Checkpoint | None = None
+        self._metrics_file: Any = None
+
+    # ----------------------------------------------------------------- what workers get
+    def agent_env(self) -> dict[str, str]:
+        """Environment of the agent and its workers."""
+        env = dict(os.environ)
+        env.update(self.run_config._env_vars())
+        env.setdefault("OMP_NUM_THREADS", str(self.scaling_config._omp_num_threads()))
+        env[_env.WORKER_MARKER] = "1"
+        if self.scaling_config.use_gpu:
+            env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        return env
+
+    def worker_specs(self, attempt: int, store_host: str, store_port: int) -> list[dict[str, Any]]:
+        world = self.scaling_config.num_workers
+        gpus = self.scaling_config.num_gpus_per_worker
+        specs = []
+        for rank in range(world):
+            local_rank = rank
+            if gpus >= 1:
+                devices = [local_rank * int(gpus) + i for i in range(int(gpus))]
+            elif gpus > 0:
+                devices = [int(local_rank * gpus)]
+            else:
+                devices = []
+            env = {
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world),
+                "LOCAL_RANK": str(local_rank),
+                "LOCAL_WORLD_SIZE": str(world),
+                "NODE_RANK": "0",
+                "GROUP_RANK": "0",
+                "ROLE_RANK": str(rank),
+                "ROLE_WORLD_SIZE": str(world),
+                "MASTER_ADDR": store_host,
+                "MASTER_PORT": str(store_port),
+                # torch's env:// and tcp:// rendezvous then join the driver's store as clients.
+                "TORCHELASTIC_USE_AGENT_STORE": "True",
+                "TORCHELASTIC_RESTART_COUNT": str(attempt),
+            }
+            specs.append({
+                "rank": rank,
+                "local_rank": local_rank,
+                "node_rank": 0,
+                "world_size": world,
+                "local_world_size": world,
+                "devices": devices,
+                "env": env,
+            })
+        return specs
+
+    def bootstrap(self, attempt: int, store_host: str, store_port: int, secret: bytes) -> dict[str, Any]:
+        """Everything an agent needs; it travels over the agent's stdin, never the store."""
+        return {
+            "payload": self.payload,
+            "sys_path": [p for p in sys.path if p],
+            "cwd": os.getcwd(),
+            "grace_s": _env.shutdown_grace_s(),
+            "workers": self.worker_specs(attempt, store_host, store_port),
+            "run": {
+                "run_id": self.run_id,
+                "attempt": attempt,
+                "name": self.name,
+                "storage_path": self.storage_path,
+                "run_dir": self.run_dir,
+                "store_host": store_host,
+                "store_port": store_port,
+                "secret": secret,
+                "connect_timeout_s": _env.store_connect_timeout_s(),
+                "checkpoint": self.latest_checkpoint.path if self.latest_checkpoint else None,
+                "argv": list(sys.argv),
+                "log_level": self.run_config.logging_config.log_level if self.run_config.logging_config else "INFO",
+            },
+        }
+
+    def log_dir(self, attempt: int) -> Path:
+        return Path(self.run_dir, "logs", f"attempt_{attempt}")
+
+    def rank_labels(self) -> dict[int, str]:
+        return {rank: f"rank{rank}" for rank in range(self.scaling_config.num_workers)}
+
+    # ----------------------------------------------------------------- what workers report
+    def record_metrics(self, metrics: dict[str, Any]) -> None:
+        """Persist rank 0's metrics of one report (one JSON line, flushed)."""
+        self.metrics_history.append(metrics)
+        line = {"time": time.time(), "metrics": storage.to_jsonable(metrics)}
+        self._metrics_file.write(json.dumps(line) + "\n")
+        self._metrics_file.flush()
+
+    def commit_checkpoint(self, staged: list[str], name: str, metrics: dict[str, Any]) -> Checkpoint:
+        """Commit staged files as checkpoint ``name`` and record it in the index."""
+        checkpoint = Checkpoint(storage.commit_checkpoint(self.run_dir, staged, name))
+        self.checkpoints = [(c, m) for c, m in self.checkpoints if c != checkpoint]
+        self.checkpoints.append((checkpoint, metrics))
+        self.latest_checkpoint = checkpoint
+        self._write_index()
+        return checkpoint
+
+    def _write_index(self) -> None:
+        storage.write_json_atomic(
+            os.path.join(self.run_dir, CHECKPOINT_INDEX),
+            {
+                "version": 1,
+                "checkpoints": [
+                    {"dir_name": os.path.basename(c.path), "metrics": storage.to_jsonable(m)}
+                    for c, m in self.checkpoints
+                ],
+                "latest": os.path.basename(self.latest_checkpoint.path) if self.latest_checkpoint else None,
+            },
+        )
+
+    def after_report(self, metrics: list[dict[str, Any]], checkpoint: Checkpoint | None) -> None:
+        for callback in self.run_config.callbacks or []:
+            callback.after_report(self.context, metrics, checkpoint)
+
+    # ----------------------------------------------------------------- the fit loop
+    def _prepare_dir(self) -> None:
+        os.makedirs(self.run_dir, exist_ok=True)
+        storage.write_json_atomic(
+            os.path.join(self.run_dir, "run.json"),
+            {
+                "name": self.name,
+                "run_id": self.run_id,
+                "started": time.time(),
+                "host": self.hostname,
+                "argv": sys.argv,
+                "num_workers": self.scaling_config.num_workers,
+                "use_gpu": self.scaling_config.use_gpu,
+                "backend_config": repr(self.backend_config),
+            },
+        )
+        self._metrics_file = open(os.path.join(self.run_dir, METRICS_FILE), "a")  # noqa: SIM115
+
+    def _check_gpus(self) -> None:
+        if not self.scaling_config.use_gpu:
+            return
+        import torch
+
+        needed = self.scaling_config.num_gpus_per_worker * self.scaling_config.num_workers
+        available = torch.cuda.device_count()
+        if needed > available:
+            raise ConfigError(
+                f"`ScalingConfig` asks for {needed:g} GPU(s) on this machine "
+                f"({self.scaling_config.num_workers} workers x {self.scaling_config.num_gpus_per_worker:g}), "
+                f"but torch sees {available}. Lower `num_workers` or set `use_gpu=False`."
+            )
+
+    def fit(self) -> Result:
+        """Run attempts until one succeeds or the failure budget is spent."""
+        self._check_gpus()
+        env = self.agent_env()
+        launcher = LocalLauncher(env)  # starts importing torch while we set up
+        max_failures = self.run_config.failure_config.max_failures if self.run_config.failure_config else 0
+        attempt_errors: list[WorkerFailure] = []
+        try:
+            self._prepare_dir()
+            _logger.info("ddptrain: run %r in %s with %d workers", self.name, self.run_dir, self.scaling_config.num_workers)
+            index = 0
+            while True:
+                attempt = Attempt(self, index, launcher)
+                try:
+                    return_values = attempt.run_group()
+                    break
+                except GroupFailed as failed:
+                    launcher.shutdown(0)
+                    failures = sorted(failed.failures, key=lambda f: (f.timestamp, f.rank))
+                    attempt_errors.append(failures[0])
+                    self._after_exception(failures)
+                    if max_failures != -1 and len(attempt_errors) > max_failures:
+                        error = WorkerGroupError.from_failures(failures, str(self.log_dir(index)))
+                        raise error from failures[0].exception
+                    _logger.warning(
+                        "ddptrain: attempt %d failed (%s); restarting from %s (failure %d of %s allowed)",
+                        index, failures[0].headline(),
+                        self.latest_checkpoint.path if self.latest_checkpoint else "scratch",
+                        len(attempt_errors), "unlimited" if max_failures == -1 else max_failures,
+                    )
+                    index += 1
+                    launcher = LocalLauncher(env)
+        finally:
+            launcher.shutdown(_env.shutdown_grace_s())
+            if self._metrics_file is not None:
+                self._metrics_file.close()
+        return Result(
+            metrics=self.metrics_history[-1] if self.metrics_history else None,
+            checkpoint=self.latest_checkpoint,
+            path=self.run_dir,
+            metrics_history=list(self.metrics_history),
+            best_checkpoints=list(self.checkpoints),
+            return_value=return_values[0] if return_values else None,
+            return_values=return_values,
+        )
+
+    def _after_exception(self, failures: list[WorkerFailure]) -> None:
+        exceptions = {f.rank: f.exception for f in failures}
+        for callback in self.run_config.callbacks or []:
+            try:
+                callback.after_exception(self.context, exceptions)  # type: ignore[arg-type]
+            except Exception as exc:
+                _logger.warning("ddptrain: callback %r failed in after_exception: %r", callback, exc)

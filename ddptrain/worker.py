@@ -1,0 +1,146 @@
+"""The worker process: connect to the driver's store, run commands, run the training function.
+
+A worker is forked by its host's agent (``ddptrain._agent``) and then obeys the driver:
+``execute`` (backend hooks such as process-group setup), ``train`` (the user's function),
+``exit``. A failure of the training function is written to the status pipe, which the
+agent relays to the driver together with the exit code, and the worker exits with code 1.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import socket
+import sys
+import traceback
+from typing import Any
+
+import cloudpickle
+
+from ddptrain import channel, context
+from ddptrain.checkpoint import Checkpoint
+from ddptrain.errors import exception_to_bytes
+
+__all__ = ["reopen_std_streams", "run"]
+
+_logger = logging.getLogger(__name__)
+
+
+def reopen_std_streams() -> None:
+    """Line-buffered ``sys.stdout``/``sys.stderr`` on fds 1 and 2 (the agent's pipes)."""
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        stream = io.TextIOWrapper(
+            io.FileIO(fd, "w", closefd=False),
+            encoding="utf-8",
+            errors="backslashreplace",
+            line_buffering=True,
+            write_through=True,
+        )
+        setattr(sys, name, stream)
+
+
+def failure_record(exc: BaseException) -> dict[str, Any]:
+    """What the driver needs to explain an exception raised in this worker."""
+    return {
+        "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(exc)),
+        "exception": exception_to_bytes(exc),
+    }
+
+
+def _write_status(status_fd: int, record: dict[str, Any]) -> None:
+    data = memoryview(cloudpickle.dumps(record))
+    while data:
+        data = data[os.write(status_fd, data) :]
+
+
+def _setup_logging(level: str) -> None:
+    logger = logging.getLogger("ddptrain")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = False
+
+
+def _make_session(spec: dict[str, Any], run: dict[str, Any], user: dict[str, Any]) -> context._Session:
+    storage = context.StorageContext(run["storage_path"], run["name"])
+    ctx = context.TrainContext(
+        experiment_name=run["name"],
+        world_size=spec["world_size"],
+        world_rank=spec["rank"],
+        local_rank=spec["local_rank"],
+        local_world_size=spec["local_world_size"],
+        node_rank=spec["node_rank"],
+        storage=storage,
+    )
+    latest = run.get("checkpoint")
+    shards = user.get("dataset_shards", {}).get(spec["rank"], {})
+    return context._Session(
+        context=ctx,
+        run_dir=run["run_dir"],
+        attempt=run["attempt"],
+        checkpoint=Checkpoint(latest) if latest else None,
+        dataset_shards=shards,
+        devices=spec["devices"],
+    )
+
+
+def _execute(ch: channel.WorkerChannel, command: tuple[Any, ...]) -> None:
+    _, call_id, (fn, args, kwargs) = command
+    try:
+        value = fn(*args, **kwargs)
+        ch.send(("result", ch.rank, call_id, True, cloudpickle.dumps(value)))
+    except Exception as exc:
+        ch.send(("result", ch.rank, call_id, False, failure_record(exc)))
+
+
+def _train(user: dict[str, Any]) -> Any:
+    fn = user["train_fn"]
+    backend_config = user["backend_config"]
+    with backend_config.train_func_context():
+        if user["takes_config"]:
+            return fn(user["train_loop_config"])
+        return fn()
+
+
+def run(spec: dict[str, Any], shared: dict[str, Any], status_fd: int) -> int:
+    """Run one worker to completion; returns its exit code."""
+    run_info, user = shared["run"], shared["user"]
+    os.environ.update(spec["env"])
+    sys.argv = list(run_info.get("argv") or sys.argv)
+    _setup_logging(run_info.get("log_level", "INFO"))
+    rank = spec["rank"]
+    try:
+        store = channel.connect(run_info["store_host"], run_info["store_port"], run_info["connect_timeout_s"])
+        store.set_timeout(channel._LONG_WAIT)
+        keys = channel.Keys(run_info["run_id"], run_info["attempt"])
+        ch = channel.WorkerChannel(store, keys, run_info["secret"], rank)
+        session = _make_session(spec, run_info, user)
+        session.channel = ch
+        context._set_session(session)
+        ch.send(("hello", rank, os.getpid(), socket.gethostname()))
+    except BaseException as exc:
+        _write_status(status_fd, failure_record(exc))
+        return 1
+    while True:
+        command = ch.recv()
+        kind = command[0]
+        if kind == "execute":
+            _execute(ch, command)
+        elif kind == "train":
+            try:
+                value = _train(user)
+            except BaseException as exc:
+                _write_status(status_fd, failure_record(exc))
+                return 1
+            try:
+                returned = cloudpickle.dumps(value)
+                note = None
+            except Exception as exc:
+                returned, note = None, f"the return value of rank {rank} could not be pickled: {exc!r}"
+            ch.send(("done", rank, returned, note))
+        elif kind in ("exit", "abort"):
+            return 0 if kind == "exit" else 1
