@@ -40,12 +40,23 @@ def reopen_std_streams() -> None:
         setattr(sys, name, stream)
 
 
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def user_traceback(exc: BaseException) -> str:
+    """The traceback of ``exc`` without ddptrain's own frames at the top of the stack."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__))
+
+
 def failure_record(exc: BaseException) -> dict[str, Any]:
     """What the driver needs to explain an exception raised in this worker."""
     return {
         "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
         "message": str(exc),
-        "traceback": "".join(traceback.format_exception(exc)),
+        "traceback": user_traceback(exc),
         "exception": exception_to_bytes(exc),
     }
 
@@ -134,7 +145,9 @@ def run(spec: dict[str, Any], shared: dict[str, Any], status_fd: int) -> int:
             try:
                 value = _train(user)
             except BaseException as exc:
-                _write_status(status_fd, failure_record(exc))
+                record = failure_record(exc)
+                sys.stderr.write(record["traceback"])
+                _write_status(status_fd, record)
                 return 1
             try:
                 returned = cloudpickle.dumps(value)

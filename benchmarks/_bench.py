@@ -1,0 +1,105 @@
+"""Shared helpers of the benchmark scripts (driver side only): arguments, statistics, JSON
+output, and the check that a script leaves no process of its own behind.
+
+Every process a benchmark starts inherits ``DDPTRAIN_BENCH_TAG`` in its environment, so the
+leftover check finds exactly the processes this run started (the ddptrain agent, its forked
+workers, spawned processes) and nothing else on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+TAG_VAR = "DDPTRAIN_BENCH_TAG"
+os.environ.setdefault(TAG_VAR, uuid.uuid4().hex)
+
+
+def parse_args(description: str, default_repeats: int, quick_repeats: int) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--repeats", type=int, default=None,
+                        help=f"measured repeats (default {default_repeats}; {quick_repeats} with --quick)")
+    parser.add_argument("--quick", action="store_true", help="small, fast run (smoke test)")
+    args = parser.parse_args()
+    if args.repeats is None:
+        args.repeats = quick_repeats if args.quick else default_repeats
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    return args
+
+
+def emit(record: dict[str, Any]) -> None:
+    """One JSON line on stdout."""
+    print(json.dumps(record, sort_keys=False), flush=True)
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def summary(values: Sequence[float]) -> dict[str, Any]:
+    return {
+        "median": median(values),
+        "min": float(min(values)),
+        "max": float(max(values)),
+        "n": len(values),
+    }
+
+
+def environment() -> dict[str, Any]:
+    import torch
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "executable": sys.executable,
+    }
+
+
+def tagged_processes() -> list[int]:
+    """Live (non-zombie) processes other than this one that carry this run's tag."""
+    marker = f"{TAG_VAR}={os.environ[TAG_VAR]}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if marker not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def check_leftovers(bench: str, wait_s: float = 5.0) -> list[int]:
+    """Report (and kill) processes this benchmark started that are still alive."""
+    deadline = time.monotonic() + wait_s
+    left = tagged_processes()
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = tagged_processes()
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    emit({"bench": bench, "metric": "leftover_processes", "value": len(left), "pids": left})
+    if left:
+        print(f"WARNING: {len(left)} process(es) of this benchmark were still alive and were killed: {left}",
+              file=sys.stderr)
+    return left

@@ -1,0 +1,112 @@
+"""Config validation: bad input raises a ConfigError (a ValueError) that says what to fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import ddptrain as train
+from ddptrain.torch import TorchConfig
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_workers": -1}, "`num_workers` must be >= 0, got -1"),
+        ({"num_workers": 2.5}, "`num_workers` must be an integer"),
+        ({"num_workers": (1, 4)}, "elastic training is not supported"),
+        ({"use_gpu": "yes"}, "`use_gpu` must be True or False"),
+        ({"resources_per_worker": {"GPU": 1}}, "`use_gpu` is False"),
+        ({"use_gpu": True, "resources_per_worker": {"GPU": 0}}, "at least part of a GPU"),
+        ({"resources_per_worker": {"CPU": -1}}, "must be a number >= 0"),
+        ({"placement_strategy": "RANDOM"}, "`placement_strategy` must be one of"),
+        ({"trainer_resources": {"CPU": 1}}, None),
+    ],
+)
+def test_scaling_config_rejects_bad_input(kwargs: dict, message: str | None) -> None:
+    if message is None:
+        with pytest.raises(DeprecationWarning):
+            train.ScalingConfig(**kwargs)
+        return
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")) as info:
+        train.ScalingConfig(**kwargs)
+    assert isinstance(info.value, train.ConfigError)
+
+
+def test_scaling_config_resources() -> None:
+    assert train.ScalingConfig(num_workers=2).total_resources == {"CPU": 2, "GPU": 0}
+    gpu = train.ScalingConfig(num_workers=2, use_gpu=True, resources_per_worker={"GPU": 2})
+    assert gpu.num_gpus_per_worker == 2
+    assert train.ScalingConfig(resources_per_worker={"CPU": 3})._omp_num_threads() == 3
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"name": ""}, "`name` must be a non-empty string"),
+        ({"name": "a/b"}, "plain folder name"),
+        ({"storage_path": "s3://bucket/x"}, "Mount the bucket"),
+        ({"storage_path": 3}, "`storage_path` must be a path"),
+        ({"failure_config": {"max_failures": 1}}, "must be a ddptrain.FailureConfig"),
+        ({"callbacks": [object()]}, "UserCallback"),
+        ({"worker_runtime_env": {"pip": ["x"]}}, "supports only 'env_vars'"),
+    ],
+)
+def test_run_config_rejects_bad_input(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        train.RunConfig(**kwargs)
+
+
+def test_run_config_deprecated_fields_raise_like_ray() -> None:
+    with pytest.raises(DeprecationWarning):
+        train.RunConfig(verbose=1)
+    with pytest.raises(DeprecationWarning):
+        train.CheckpointConfig(checkpoint_frequency=1)
+
+
+def test_run_config_storage_path_expands_home_and_accepts_path(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert train.RunConfig(storage_path="~/runs")._storage_root() == tmp_path / "runs"
+    assert train.RunConfig(storage_path=tmp_path / "x")._storage_root() == tmp_path / "x"
+    monkeypatch.delenv("DDPTRAIN_STORAGE_PATH", raising=False)
+    assert train.RunConfig()._storage_root() == tmp_path / "ddptrain_results"
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs", "message"),
+    [
+        (train.CheckpointConfig, {"num_to_keep": 0}, "`num_to_keep` must be >= 1"),
+        (train.CheckpointConfig, {"checkpoint_score_order": "best"}, "'max' or 'min'"),
+        (train.FailureConfig, {"max_failures": -2}, "`max_failures` must be >= -1"),
+        (train.LoggingConfig, {"log_level": "LOUD"}, "logging level name"),
+        (train.DataConfig, {"datasets_to_split": "some"}, "'all' or a list"),
+        (TorchConfig, {"init_method": "file"}, "'env' or 'tcp'"),
+        (TorchConfig, {"timeout_s": 0}, "`timeout_s` must be"),
+    ],
+)
+def test_other_configs_reject_bad_input(cls: type, kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        cls(**kwargs)
+
+
+def test_trainer_rejects_wrong_config_types() -> None:
+    def fn() -> None:
+        pass
+
+    with pytest.raises(ValueError, match="`scaling_config` must be a ddptrain.ScalingConfig"):
+        train.DataParallelTrainer(fn, scaling_config={"num_workers": 2})
+    with pytest.raises(ValueError, match="not its result"):
+        train.DataParallelTrainer(fn())  # type: ignore[func-returns-value]
+    with pytest.raises(ValueError, match="requires 2: a, b"):
+        train.DataParallelTrainer(lambda a, b: None)
+    with pytest.raises(ValueError, match="`train_loop_config` must be a dict"):
+        train.DataParallelTrainer(fn, train_loop_config=[1])
+
+
+def test_config_changed_after_creation_is_checked_at_fit(storage: str) -> None:
+    scaling = train.ScalingConfig(num_workers=1)
+    trainer = train.DataParallelTrainer(lambda: None, scaling_config=scaling)
+    scaling.num_workers = -3
+    with pytest.raises(ValueError, match="got -3"):
+        trainer.fit()

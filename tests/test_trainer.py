@@ -1,0 +1,166 @@
+"""The core runtime end to end: real worker processes joined over gloo."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+import ddptrain as train
+from ddptrain.torch import TorchConfig, TorchTrainer
+
+ENV_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
+             "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
+
+
+def allreduce_and_report(config: dict) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    ctx = train.get_context()
+    total = torch.tensor([float(ctx.get_world_rank() + 1)])
+    dist.all_reduce(total)
+    for step in range(config["steps"]):
+        train.report({"step": step, "rank": ctx.get_world_rank(), "sum": total.item()})
+    return {
+        "env": {name: os.environ.get(name) for name in ENV_NAMES},
+        "backend": dist.get_backend(),
+        "context": [ctx.get_world_size(), ctx.get_world_rank(), ctx.get_local_rank(),
+                    ctx.get_local_world_size(), ctx.get_node_rank(), ctx.get_experiment_name()],
+        "storage": ctx.get_storage().experiment_fs_path,
+        "config": config,
+    }
+
+
+@pytest.mark.parametrize("num_workers", [1, 2, 4])
+def test_workers_train_together_and_report(storage: str, num_workers: int) -> None:
+    trainer = TorchTrainer(
+        allreduce_and_report,
+        train_loop_config={"steps": 3},
+        scaling_config=train.ScalingConfig(num_workers=num_workers),
+        run_config=train.RunConfig(name="run", storage_path=storage),
+    )
+    result = trainer.fit()
+
+    expected_sum = float(sum(range(1, num_workers + 1)))
+    assert result.metrics == {"step": 2, "rank": 0, "sum": expected_sum}
+    assert [m["step"] for m in result.metrics_history] == [0, 1, 2]
+    assert result.path == os.path.join(storage, "run")
+    assert len(result.return_values) == num_workers
+    assert result.return_value == result.return_values[0]
+    for rank, value in enumerate(result.return_values):
+        env = value["env"]
+        assert env["RANK"] == str(rank)
+        assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == str(num_workers)
+        assert env["LOCAL_RANK"] == str(rank)
+        assert env["NODE_RANK"] == env["GROUP_RANK"] == "0"
+        assert env["MASTER_ADDR"] and env["MASTER_PORT"]
+        assert env["OMP_NUM_THREADS"] == "1"
+        assert value["backend"] == "gloo"
+        assert value["context"] == [num_workers, rank, rank, num_workers, 0, "run"]
+        assert value["storage"] == os.path.join(storage, "run")
+        assert value["config"] == {"steps": 3}
+    lines = Path(storage, "run", "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["metrics"]["step"] for line in lines] == [0, 1, 2]
+    assert Path(storage, "run", "run.json").exists()
+
+
+def returns_omp_threads() -> str | None:
+    return os.environ.get("OMP_NUM_THREADS")
+
+
+def test_user_omp_num_threads_is_kept(storage: str, monkeypatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    result = TorchTrainer(
+        returns_omp_threads,
+        scaling_config=train.ScalingConfig(num_workers=2),
+        run_config=train.RunConfig(storage_path=storage),
+    ).fit()
+    assert result.return_values == ["3", "3"]
+
+
+def returns_env_var() -> tuple[str | None, str | None]:
+    import torch
+
+    return os.environ.get("MY_SETTING"), str(torch.get_num_threads())
+
+
+def test_runtime_env_vars_and_cpu_resources_reach_workers(storage: str, monkeypatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    result = TorchTrainer(
+        returns_env_var,
+        scaling_config=train.ScalingConfig(num_workers=2, resources_per_worker={"CPU": 2}),
+        run_config=train.RunConfig(storage_path=storage, worker_runtime_env={"env_vars": {"MY_SETTING": "on"}}),
+    ).fit()
+    assert result.return_values == [("on", "2"), ("on", "2")]
+
+
+def tcp_init() -> str:
+    import torch.distributed as dist
+
+    return dist.get_backend()
+
+
+def test_torch_config_tcp_init_method(storage: str) -> None:
+    result = TorchTrainer(
+        tcp_init,
+        torch_config=TorchConfig(init_method="tcp", timeout_s=60),
+        scaling_config=train.ScalingConfig(num_workers=2),
+        run_config=train.RunConfig(storage_path=storage),
+    ).fit()
+    assert result.return_values == ["gloo", "gloo"]
+
+
+def no_argument_function() -> int:
+    train.report({"x": 1})
+    return train.get_context().get_world_size()
+
+
+def test_function_without_arguments_and_default_name(storage: str) -> None:
+    result = train.DataParallelTrainer(
+        no_argument_function,
+        scaling_config=train.ScalingConfig(num_workers=2),
+        run_config=train.RunConfig(storage_path=storage),
+    ).fit()
+    assert result.return_values == [2, 2]
+    assert os.path.basename(result.path).startswith("ddptrain_run-")
+
+
+def test_local_mode_runs_in_the_driver_process() -> None:
+    def loop(config: dict) -> int:
+        train.report({"pid": os.getpid(), "lr": config["lr"]})
+        ctx = train.get_context()
+        assert (ctx.get_world_size(), ctx.get_world_rank()) == (1, 0)
+        return 7
+
+    result = TorchTrainer(
+        loop, train_loop_config={"lr": 0.1}, scaling_config=train.ScalingConfig(num_workers=0)
+    ).fit()
+    assert result.metrics == {"pid": os.getpid(), "lr": 0.1}
+    assert result.return_value == 7
+    assert result.path is None
+
+
+def test_local_mode_failure_is_a_training_failed_error() -> None:
+    def loop() -> None:
+        raise KeyError("missing")
+
+    with pytest.raises(train.TrainingFailedError) as info:
+        train.DataParallelTrainer(loop, scaling_config=train.ScalingConfig(num_workers=0)).fit()
+    assert isinstance(info.value.__cause__, KeyError)
+
+
+def test_metrics_dataframe_has_every_report(storage: str) -> None:
+    result = TorchTrainer(
+        allreduce_and_report,
+        train_loop_config={"steps": 4},
+        scaling_config=train.ScalingConfig(num_workers=2),
+        run_config=train.RunConfig(name="df", storage_path=storage),
+    ).fit()
+    frame = result.metrics_dataframe
+    assert list(frame["step"]) == [0, 1, 2, 3]
+    again = train.Result.from_path(result.path)
+    assert again.metrics == result.metrics
+    assert again.metrics_history == result.metrics_history
