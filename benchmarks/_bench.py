@@ -65,7 +65,45 @@ def environment() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "platform": platform.platform(),
         "executable": sys.executable,
+        "loadavg_1m": round(os.getloadavg()[0], 2),
     }
+
+
+def _busy_cpu_s() -> float:
+    """CPU seconds the whole machine has spent busy since boot (from /proc/stat)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    """CPU seconds of this process and its reaped descendants (the agent, workers, spawned
+    processes: each is waited for by its parent, so their time rolls up to here)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+class ForeignLoad:
+    """How much CPU other processes on the machine used while the benchmark ran.
+
+    Other work on a 2-core machine skews every figure here; this puts a number on it.
+    """
+
+    def __init__(self) -> None:
+        self._wall = time.monotonic()
+        self._busy = _busy_cpu_s()
+        self._own = _own_cpu_s()
+
+    def result(self) -> dict[str, float]:
+        wall = time.monotonic() - self._wall
+        foreign = max(0.0, (_busy_cpu_s() - self._busy) - (_own_cpu_s() - self._own))
+        return {
+            "wall_s": round(wall, 2),
+            "foreign_cpu_s": round(foreign, 2),
+            # Average number of cores other processes kept busy.
+            "foreign_cores": round(foreign / wall, 3) if wall > 0 else 0.0,
+        }
 
 
 def tagged_processes() -> list[int]:

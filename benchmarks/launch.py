@@ -71,6 +71,7 @@ def main() -> int:
 
     env = _bench.environment()
     _bench.emit({"bench": BENCH, "metric": "environment", **env, "repeats": args.repeats})
+    load = _bench.ForeignLoad()
     storage = tempfile.mkdtemp(prefix="ddptrain-bench-launch-")
     baseline: list[float] = []
     results: dict[int, dict[str, list[float]]] = {
@@ -101,6 +102,8 @@ def main() -> int:
         shutil.rmtree(storage, ignore_errors=True)
         left = _bench.check_leftovers(BENCH)
 
+    foreign = load.result()
+    _bench.emit({"bench": BENCH, "metric": "foreign_load", **foreign})
     base = _bench.median(baseline)
     _bench.emit({"bench": BENCH, "metric": "bare_torch_import_s", "summary": True,
                  **_bench.summary(baseline)})
@@ -127,7 +130,8 @@ def main() -> int:
             f"({ratios['first_line_latest_ratio']:.2f}x), "
             f"whole fit() {stats['fit_total_s']['median']:.3f} s ({ratios['fit_total_ratio']:.2f}x)"
         )
-    lines.append(f"  leftover processes: {len(left)}")
+    lines.append(f"  leftover processes: {len(left)}; other processes kept {foreign['foreign_cores']:.2f} "
+                 f"of {env['cpus']} cores busy during the run")
     print("\n".join(lines))
     return 1 if left else 0
 

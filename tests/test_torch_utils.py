@@ -7,6 +7,8 @@ rank, and the assertions run in the test process.
 
 from __future__ import annotations
 
+import copy
+import pickle
 import random
 import warnings
 from collections import namedtuple
@@ -255,12 +257,16 @@ def data_train_func() -> dict:
 
     # DataLoader workers: their settings survive the rebuild.
     with_workers = prepare_data_loader(
-        DataLoader(make_dataset(), batch_size=2, num_workers=1, prefetch_factor=3, persistent_workers=True)
+        DataLoader(
+            make_dataset(), batch_size=2, num_workers=1, prefetch_factor=3, persistent_workers=True,
+            in_order=False,
+        )
     )
     out["workers"] = (
         with_workers.num_workers,
         with_workers.prefetch_factor,
         with_workers.persistent_workers,
+        with_workers.in_order,
         type(with_workers.sampler).__name__,
     )
     out["workers_values"] = values_of(with_workers)
@@ -343,8 +349,8 @@ def test_prepare_data_loader_with_two_workers(storage: str) -> None:
         assert out["loose_len"] == 2
         assert out["loose_sizes"] == [3, 2]
 
-        assert out["workers"] == (1, 3, True, "DistributedSampler")
-        assert out["workers_values"] == halves[rank]
+        assert out["workers"] == (1, 3, True, False, "DistributedSampler")
+        assert sorted(out["workers_values"]) == halves[rank]
 
         assert out["unbatched_warnings"] == []
         assert out["unbatched_values"] == halves[rank]
@@ -394,8 +400,11 @@ def test_device_loader_moves_nested_batches_and_exposes_loader() -> None:
     assert isinstance(batches[0], dict)
     assert batches[0]["a"].tolist() == [[0], [1]]
     assert isinstance(batches[0]["b"], list)
-    assert batches[0]["b"][1] == ["s", "s"]
+    assert list(batches[0]["b"][1]) == ["s", "s"]
     assert batches[1]["b"][0].tolist() == [2.0, 3.0]
+    # The wrapper survives copy and pickle (which build it without __init__).
+    assert [b["a"].tolist() for b in copy.copy(loader)] == [[[0], [1]], [[2], [3]]]
+    assert len(pickle.loads(pickle.dumps(loader))) == 2
 
 
 # ---------------------------------------------------------------------- reproducibility

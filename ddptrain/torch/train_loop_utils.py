@@ -124,6 +124,9 @@ class _DeviceLoader:
         return len(self._loader)
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("_loader", "_device", "_non_blocking"):
+            # Not set yet (copy/pickle build the object without __init__): no recursion.
+            raise AttributeError(name)
         return getattr(self._loader, name)
 
 
@@ -137,7 +140,7 @@ def _with_sampler(loader: DataLoader[Any], world_size: int, rank: int) -> DataLo
                 stacklevel=3,
             )
         return loader
-    if loader.batch_size is None:
+    if loader.batch_size is None and loader.batch_sampler is not None:
         warnings.warn(
             "prepare_data_loader: the DataLoader uses a custom batch_sampler, which is kept as is; "
             "shard the data yourself.",
@@ -153,6 +156,9 @@ def _with_sampler(loader: DataLoader[Any], world_size: int, rank: int) -> DataLo
         )
     shuffle = not isinstance(sampler, SequentialSampler)
     extra: dict[str, Any] = {}
+    for name in ("pin_memory_device", "in_order"):  # DataLoader arguments of newer torch versions
+        if hasattr(loader, name):
+            extra[name] = getattr(loader, name)
     if loader.num_workers > 0:
         extra["prefetch_factor"] = loader.prefetch_factor
         extra["persistent_workers"] = loader.persistent_workers
