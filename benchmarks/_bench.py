@@ -124,6 +124,13 @@ def tagged_processes() -> list[int]:
     return found
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return "?"
+
+
 def check_leftovers(bench: str, wait_s: float = 5.0) -> list[int]:
     """Report (and kill) processes this benchmark started that are still alive."""
     deadline = time.monotonic() + wait_s
@@ -131,12 +138,14 @@ def check_leftovers(bench: str, wait_s: float = 5.0) -> list[int]:
     while left and time.monotonic() < deadline:
         time.sleep(0.1)
         left = tagged_processes()
+    commands = {pid: _cmdline(pid) for pid in left}
     for pid in left:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    emit({"bench": bench, "metric": "leftover_processes", "value": len(left), "pids": left})
+    emit({"bench": bench, "metric": "leftover_processes", "value": len(left), "pids": left,
+          "commands": commands})
     if left:
         print(f"WARNING: {len(left)} process(es) of this benchmark were still alive and were killed: {left}",
               file=sys.stderr)

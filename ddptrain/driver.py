@@ -123,6 +123,8 @@ class Attempt:
                 waiting_for="workers to start and connect to the driver's store",
             )
             backend = self.run.backend_config.backend_cls()
+            if isinstance(backend, type):  # `backend_cls` written as a method, not a property
+                backend = backend()
             backend.on_start(worker_group, self.run.backend_config)
             backend.on_training_start(worker_group, self.run.backend_config)
             for rank in range(self.world_size):

@@ -137,6 +137,7 @@ class Run:
                 "secret": secret,
                 "connect_timeout_s": _env.store_connect_timeout_s(),
                 "checkpoint": self.latest_checkpoint.path if self.latest_checkpoint else None,
+                "report_index": len(self.metrics_history),
                 "argv": list(sys.argv),
                 "log_level": self.run_config.logging_config.log_level if self.run_config.logging_config else "INFO",
             },

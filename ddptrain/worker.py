@@ -96,6 +96,7 @@ def _make_session(spec: dict[str, Any], run: dict[str, Any], user: dict[str, Any
         checkpoint=Checkpoint(latest) if latest else None,
         dataset_shards=shards,
         devices=spec["devices"],
+        report_index=run.get("report_index", 0),
     )
 
 

@@ -1,0 +1,36 @@
+"""The examples run as a user would run them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def run_example(name: str, storage: str, *args: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / name), *args],
+        capture_output=True, text=True, timeout=240,
+        env={**__import__("os").environ, "DDPTRAIN_STORAGE_PATH": storage},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_torch_quickstart(storage: str) -> None:
+    out = run_example("torch_quickstart.py", storage, "--num-workers", "2", "--epochs", "2")
+    assert "[rank0] {'loss':" in out
+    assert "loaded the checkpoint from" in out
+
+
+@pytest.mark.timeout(300)
+def test_data_parallel_trainer_examples(storage: str) -> None:
+    out = run_example("data_parallel_trainer.py", storage)
+    assert "each worker's batch: [[1], [2], [3]]" in out
+    assert "predefined loop returned: [1, 1]" in out
+    assert "MY_ENV_VAR on the workers: ['default_value', 'default_value']" in out
