@@ -151,7 +151,9 @@ def main() -> int:
     lost = 0
     try:
         for repeat in range(args.repeats):
+            window = _bench.ForeignLoad()
             per_rank, extra = one_fit(n, storage, f"run{repeat}")
+            extra["foreign_cores"] = window.result()["foreign_cores"]
             for r in per_rank:
                 _bench.emit({"bench": BENCH, "metric": "per_rank", "repeat": repeat,
                              **{k: v for k, v in r.items() if k != "last_report_time"}})

@@ -127,6 +127,16 @@ def run_plain(config: dict) -> list[dict]:
         shutil.rmtree(out_dir, ignore_errors=True)
 
 
+def _stop_resource_tracker() -> None:
+    """``spawn`` started multiprocessing's resource tracker; it would only exit with this
+    process, so stop it now, before the check for leftover processes."""
+    from multiprocessing import resource_tracker
+
+    stop = getattr(resource_tracker._resource_tracker, "_stop", None)
+    if stop is not None:
+        stop()
+
+
 def samples_per_s(per_rank: list[dict]) -> float:
     slowest = max(r["elapsed_s"] for r in per_rank)
     return sum(r["steps"] * r["batch"] for r in per_rank) / slowest
@@ -151,6 +161,7 @@ def main() -> int:
         for repeat in range(args.repeats):
             order = ["ddptrain", "plain"] if repeat % 2 == 0 else ["plain", "ddptrain"]
             for variant in order:
+                window = _bench.ForeignLoad()
                 if variant == "ddptrain":
                     per_rank = run_ddptrain(config, storage, f"run{repeat}")
                 else:
@@ -160,9 +171,11 @@ def main() -> int:
                 checksums[variant].update(round(r["param_checksum"], 6) for r in per_rank)
                 _bench.emit({"bench": BENCH, "metric": "samples_per_s", "variant": variant, "repeat": repeat,
                              "position": order.index(variant), "value": value,
-                             "elapsed_s": [r["elapsed_s"] for r in per_rank]})
+                             "elapsed_s": [r["elapsed_s"] for r in per_rank],
+                             "foreign_cores": window.result()["foreign_cores"]})
     finally:
         shutil.rmtree(storage, ignore_errors=True)
+        _stop_resource_tracker()
         left = _bench.check_leftovers(BENCH)
 
     foreign = load.result()

@@ -19,7 +19,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import IO, Any
 
 __all__ = ["FRAME", "AGENT_RANK", "read_frame", "write_frame", "main"]
 
@@ -37,13 +37,24 @@ def write_frame(fd: int, kind: bytes, rank: int, payload: bytes) -> None:
         data = data[written:]
 
 
-def read_frame(stream: BinaryIO) -> tuple[bytes, int, bytes] | None:
-    """Read one frame, or ``None`` at end of stream."""
-    header = stream.read(FRAME.size)
+def _read_exactly(stream: IO[bytes], size: int) -> bytes:
+    chunks, missing = [], size
+    while missing:
+        chunk = stream.read(missing)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        missing -= len(chunk)
+    return b"".join(chunks)
+
+
+def read_frame(stream: IO[bytes]) -> tuple[bytes, int, bytes] | None:
+    """Read one frame, or ``None`` at end of stream (short reads on pipes are retried)."""
+    header = _read_exactly(stream, FRAME.size)
     if len(header) < FRAME.size:
         return None
     kind, rank, length = FRAME.unpack(header)
-    payload = stream.read(length) if length else b""
+    payload = _read_exactly(stream, length)
     if len(payload) < length:
         return None
     return kind, rank, payload
@@ -210,7 +221,7 @@ def main() -> int:
 
         from ddptrain import worker  # noqa: F401
 
-        frame = read_frame(stdin)  # type: ignore[arg-type]
+        frame = read_frame(stdin)
         if frame is None:
             return 0
         bootstrap: dict[str, Any] = pickle.loads(frame[2])

@@ -77,6 +77,4 @@ def console_ranks() -> set[int] | None:
     try:
         return {int(part) for part in raw.split(",") if part.strip()}
     except ValueError:
-        raise ValueError(
-            f"`DDPTRAIN_CONSOLE_RANKS` must be 'all' or comma-separated ranks, got {raw!r}."
-        ) from None
+        raise ValueError(f"`DDPTRAIN_CONSOLE_RANKS` must be 'all' or comma-separated ranks, got {raw!r}.") from None

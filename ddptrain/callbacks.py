@@ -51,7 +51,5 @@ class UserCallback:
     ) -> None:
         """Called once every rank made a report: ``metrics[i]`` is rank ``i``'s metrics."""
 
-    def after_exception(
-        self, run_context: TrainRunContext, worker_exceptions: dict[int, Exception]
-    ) -> None:
+    def after_exception(self, run_context: TrainRunContext, worker_exceptions: dict[int, Exception]) -> None:
         """Called when workers failed: world rank to the exception."""

@@ -68,9 +68,7 @@ def verify(secret: bytes, data: bytes) -> Any:
 
 def connect(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     """A client connection to the driver's store."""
-    return dist.TCPStore(
-        host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s)
-    )
+    return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 class DriverChannel:

@@ -42,5 +42,3 @@ def barrier() -> None:
     """Wait until every rank has called ``barrier()``."""
     _get_session("collective.barrier")
     broadcast_from_rank_zero(None)
-
-

@@ -92,9 +92,7 @@ class ScalingConfig:
                 raise ConfigError(f"`resources_per_worker` must be a dict, got {resources!r}.")
             for key, amount in resources.items():
                 if isinstance(amount, bool) or not isinstance(amount, (int, float)) or amount < 0:
-                    raise ConfigError(
-                        f"`resources_per_worker[{key!r}]` must be a number >= 0, got {amount!r}."
-                    )
+                    raise ConfigError(f"`resources_per_worker[{key!r}]` must be a number >= 0, got {amount!r}.")
             gpus = resources.get("GPU", 0)
             if gpus and not self.use_gpu:
                 raise ConfigError(
@@ -107,9 +105,7 @@ class ScalingConfig:
                     "Give each worker at least part of a GPU, or set `use_gpu=False`."
                 )
             if gpus > 1 and not float(gpus).is_integer():
-                raise ConfigError(
-                    f"`resources_per_worker['GPU']` above 1 must be a whole number, got {gpus}."
-                )
+                raise ConfigError(f"`resources_per_worker['GPU']` above 1 must be a whole number, got {gpus}.")
 
     @property
     def num_gpus_per_worker(self) -> float:
@@ -158,15 +154,10 @@ class CheckpointConfig:
         if self.num_to_keep is not None:
             _check_int("num_to_keep", self.num_to_keep, 1)
         if self.checkpoint_score_order not in ("max", "min"):
+            raise ConfigError(f"`checkpoint_score_order` must be 'max' or 'min', got {self.checkpoint_score_order!r}.")
+        if self.checkpoint_score_attribute is not None and not isinstance(self.checkpoint_score_attribute, str):
             raise ConfigError(
-                f"`checkpoint_score_order` must be 'max' or 'min', got {self.checkpoint_score_order!r}."
-            )
-        if self.checkpoint_score_attribute is not None and not isinstance(
-            self.checkpoint_score_attribute, str
-        ):
-            raise ConfigError(
-                "`checkpoint_score_attribute` must be a metric name (str), "
-                f"got {self.checkpoint_score_attribute!r}."
+                f"`checkpoint_score_attribute` must be a metric name (str), got {self.checkpoint_score_attribute!r}."
             )
         hint = "Call `ddptrain.report(..., checkpoint=...)` whenever you want a checkpoint."
         _deprecated("CheckpointConfig", "checkpoint_frequency", self.checkpoint_frequency, hint)
@@ -225,13 +216,9 @@ class DataConfig:
         split = self.datasets_to_split
         if isinstance(split, str):
             if split != "all":
-                raise ConfigError(
-                    f"`datasets_to_split` must be 'all' or a list of dataset names, got {split!r}."
-                )
+                raise ConfigError(f"`datasets_to_split` must be 'all' or a list of dataset names, got {split!r}.")
         elif not isinstance(split, (list, tuple)) or not all(isinstance(n, str) for n in split):
-            raise ConfigError(
-                f"`datasets_to_split` must be 'all' or a list of dataset names, got {split!r}."
-            )
+            raise ConfigError(f"`datasets_to_split` must be 'all' or a list of dataset names, got {split!r}.")
 
 
 @dataclass
@@ -317,9 +304,7 @@ def _check_types(run_config: RunConfig) -> None:
             raise ConfigError(f"`{name}` must be a ddptrain.{cls.__name__}, got {value!r}.")
     for callback in run_config.callbacks or []:
         if not isinstance(callback, UserCallback):
-            raise ConfigError(
-                f"`callbacks` must hold ddptrain.UserCallback objects, got {callback!r}."
-            )
+            raise ConfigError(f"`callbacks` must hold ddptrain.UserCallback objects, got {callback!r}.")
     runtime_env = run_config.worker_runtime_env or {}
     unknown = set(runtime_env) - {"env_vars"}
     if unknown:

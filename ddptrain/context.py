@@ -224,8 +224,7 @@ def _check_dir_name(name: str | None) -> None:
         return
     if not isinstance(name, str) or not _DIR_NAME.match(name) or name in (".", ".."):
         raise ValueError(
-            f"`checkpoint_dir_name` must be a plain folder name (letters, digits, '._=+-', "
-            f"no '/'), got {name!r}."
+            f"`checkpoint_dir_name` must be a plain folder name (letters, digits, '._=+-', no '/'), got {name!r}."
         )
 
 
@@ -297,7 +296,10 @@ def _stage_checkpoint(session: _Session, checkpoint: Checkpoint) -> str:
 
     assert session.run_dir is not None
     return storage.stage_files(
-        session.run_dir, checkpoint.path, session.attempt, session.report_index,
+        session.run_dir,
+        checkpoint.path,
+        session.attempt,
+        session.report_index,
         session.context.get_world_rank(),
     )
 

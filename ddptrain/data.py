@@ -69,9 +69,7 @@ class DataIterator:
         """The rows one by one."""
         return iter(self._dataset._rows)
 
-    def iter_batches(
-        self, *, batch_size: int | None = 256, drop_last: bool = False, **_: Any
-    ) -> Iterator[Any]:
+    def iter_batches(self, *, batch_size: int | None = 256, drop_last: bool = False, **_: Any) -> Iterator[Any]:
         """Batches of ``batch_size`` rows (``None``: the whole shard as one batch)."""
         rows = self._dataset._rows
         step = batch_size or max(1, len(rows))
@@ -98,9 +96,7 @@ def range(n: int) -> Dataset:  # noqa: A001 (Ray's name)
     return Dataset([{"id": i} for i in builtins.range(n)])
 
 
-def shard_datasets(
-    datasets: dict[str, Any], config: DataConfig, world_size: int
-) -> dict[int, dict[str, Any]]:
+def shard_datasets(datasets: dict[str, Any], config: DataConfig, world_size: int) -> dict[int, dict[str, Any]]:
     """Per rank, the dataset shards it gets from ``get_dataset_shard``."""
     shards: dict[int, dict[str, Any]] = {rank: {} for rank in builtins.range(max(world_size, 1))}
     split_all = config.datasets_to_split == "all"

@@ -28,10 +28,7 @@ def _takes_config(fn: Callable[..., Any]) -> bool:
     except (TypeError, ValueError):
         return False
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    required = [
-        p for p in params
-        if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-    ]
+    required = [p for p in params if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     if len(required) > 1:
         names = ", ".join(p.name for p in required)
         raise ConfigError(
@@ -111,7 +108,9 @@ class DataParallelTrainer:
         if self.train_loop_config is not None and not isinstance(self.train_loop_config, dict):
             raise ConfigError(f"`train_loop_config` must be a dict, got {type(self.train_loop_config).__name__}.")
         if self.resume_from_checkpoint is not None and not isinstance(self.resume_from_checkpoint, Checkpoint):
-            raise ConfigError(f"`resume_from_checkpoint` must be a ddptrain.Checkpoint, got {self.resume_from_checkpoint!r}.")
+            raise ConfigError(
+                f"`resume_from_checkpoint` must be a ddptrain.Checkpoint, got {self.resume_from_checkpoint!r}."
+            )
         for name in self.datasets:
             if not isinstance(name, str):
                 raise ConfigError(f"`datasets` keys must be dataset names (str), got {name!r}.")
@@ -152,7 +151,7 @@ class DataParallelTrainer:
             raise ConfigError(
                 "`fit()` was called while a ddptrain worker was loading the training function: the "
                 "module that defines it starts training when it is imported. Put the code that "
-                "builds the trainer and calls `fit()` under `if __name__ == \"__main__\":`."
+                'builds the trainer and calls `fit()` under `if __name__ == "__main__":`.'
             )
         self._validate()
         if self.scaling_config.num_workers == 0:
@@ -174,7 +173,12 @@ class DataParallelTrainer:
         """Local mode: run the function in this process, as rank 0 of 1."""
         ctx = context.TrainContext(
             experiment_name=self.run_config.name or "local",
-            world_size=1, world_rank=0, local_rank=0, local_world_size=1, node_rank=0, storage=None,
+            world_size=1,
+            world_rank=0,
+            local_rank=0,
+            local_world_size=1,
+            node_rank=0,
+            storage=None,
         )
         session = context._Session(
             context=ctx,
@@ -192,7 +196,11 @@ class DataParallelTrainer:
             import traceback
 
             failure = WorkerFailure(
-                rank=0, host=socket.gethostname(), pid=None, exitcode=None, exception=exc,
+                rank=0,
+                host=socket.gethostname(),
+                pid=None,
+                exitcode=None,
+                exception=exc,
                 traceback_str="".join(traceback.format_exception(exc)),
             )
             raise WorkerGroupError.from_failures([failure], None) from exc

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import cloudpickle
 import torch.distributed as dist
 
-from ddptrain import _env, storage
+from ddptrain import _env
 from ddptrain._agent import AGENT_RANK
 from ddptrain._logs import LogSink
 from ddptrain.channel import DriverChannel, Keys
@@ -107,7 +107,10 @@ class Attempt:
         worker_group = WorkerGroup(self)
         try:
             store = dist.TCPStore(
-                "127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                "127.0.0.1",
+                0,
+                is_master=True,
+                wait_for_workers=False,
                 timeout=datetime.timedelta(seconds=30),
             )
             secret = secrets.token_bytes(32)
@@ -141,8 +144,9 @@ class Attempt:
             for rank in range(self.world_size):
                 self.channel.send(rank, ("exit",))
             try:
-                self.pump_until(lambda: len(self.exited) == self.world_size, timeout_s=10.0,
-                                waiting_for="workers to exit")
+                self.pump_until(
+                    lambda: len(self.exited) == self.world_size, timeout_s=10.0, waiting_for="workers to exit"
+                )
             except TimeoutError as exc:
                 _logger.warning("ddptrain: %s; killing them", exc)
             return [self._load_return(rank) for rank in range(self.world_size)]
@@ -162,9 +166,7 @@ class Attempt:
         return cloudpickle.loads(data) if data is not None else None
 
     # ----------------------------------------------------------------- event pump
-    def pump_until(
-        self, done: Callable[[], bool], timeout_s: float | None = None, waiting_for: str = ""
-    ) -> None:
+    def pump_until(self, done: Callable[[], bool], timeout_s: float | None = None, waiting_for: str = "") -> None:
         """Handle events until ``done()``; raises GroupFailed on a failure."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not done():
@@ -243,9 +245,7 @@ class Attempt:
             return self._failure(missing[0], None, LaunchError("The ddptrain agent process died."))
         return None
 
-    def _failure(
-        self, rank: int, exitcode: int | None, exc: BaseException, traceback_str: str = ""
-    ) -> WorkerFailure:
+    def _failure(self, rank: int, exitcode: int | None, exc: BaseException, traceback_str: str = "") -> WorkerFailure:
         pid, host = self.hosts.get(rank, (None, self.run.hostname))
         assert self.sink is not None
         return WorkerFailure(
@@ -261,7 +261,9 @@ class Attempt:
         )
 
     # ----------------------------------------------------------------- calls and rounds
-    def execute(self, ranks: list[int], fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    def execute(
+        self, ranks: list[int], fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on ``ranks``; results in the order of ``ranks``."""
         assert self.channel is not None
         call_id = self._next_call
@@ -320,7 +322,11 @@ class Attempt:
             _logger.warning(
                 "ddptrain: rank(s) %s have not reached %s call #%d yet; rank(s) %s reached it %.1f s ago. "
                 "Every worker must call it the same number of times.",
-                missing, what, oldest.index, sorted(oldest.entries), age,
+                missing,
+                what,
+                oldest.index,
+                sorted(oldest.entries),
+                age,
             )
 
     def _warn_unfinished_rounds(self) -> None:
@@ -330,6 +336,8 @@ class Attempt:
                 _logger.warning(
                     "ddptrain: report() call #%d was made by rank(s) %s but never by rank(s) %s; "
                     "every worker must call report() the same number of times.",
-                    round_.index, sorted(round_.entries), missing,
+                    round_.index,
+                    sorted(round_.entries),
+                    missing,
                 )
         self.rounds.clear()

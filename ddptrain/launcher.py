@@ -73,9 +73,7 @@ class LocalLauncher:
             proc.stdin.write(FRAME.pack(b"B", AGENT_RANK, len(payload)) + payload)
             proc.stdin.flush()
         except BrokenPipeError:
-            raise LaunchError(
-                f"The ddptrain agent exited before it got its work (exit code {proc.poll()})."
-            ) from None
+            raise LaunchError(f"The ddptrain agent exited before it got its work (exit code {proc.poll()}).") from None
 
         def read_frames() -> None:
             assert proc.stdout is not None

@@ -107,7 +107,9 @@ class Result:
         metrics_file = os.path.join(run_dir, METRICS_FILE)
         index_file = os.path.join(run_dir, CHECKPOINT_INDEX)
         if not os.path.isdir(run_dir) or not (
-            os.path.exists(metrics_file) or os.path.exists(index_file) or os.path.exists(os.path.join(run_dir, "run.json"))
+            os.path.exists(metrics_file)
+            or os.path.exists(index_file)
+            or os.path.exists(os.path.join(run_dir, "run.json"))
         ):
             raise RuntimeError(f"{run_dir} is not a ddptrain run directory (no run.json or metrics.jsonl).")
         history: list[dict[str, Any]] = []

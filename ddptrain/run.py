@@ -107,15 +107,17 @@ class Run:
                 "TORCHELASTIC_USE_AGENT_STORE": "True",
                 "TORCHELASTIC_RESTART_COUNT": str(attempt),
             }
-            specs.append({
-                "rank": rank,
-                "local_rank": local_rank,
-                "node_rank": 0,
-                "world_size": world,
-                "local_world_size": world,
-                "devices": devices,
-                "env": env,
-            })
+            specs.append(
+                {
+                    "rank": rank,
+                    "local_rank": local_rank,
+                    "node_rank": 0,
+                    "world_size": world,
+                    "local_world_size": world,
+                    "devices": devices,
+                    "env": env,
+                }
+            )
         return specs
 
     def bootstrap(self, attempt: int, store_host: str, store_port: int, secret: bytes) -> dict[str, Any]:
@@ -224,7 +226,9 @@ class Run:
         attempt_errors: list[WorkerFailure] = []
         try:
             self._prepare_dir()
-            _logger.info("ddptrain: run %r in %s with %d workers", self.name, self.run_dir, self.scaling_config.num_workers)
+            _logger.info(
+                "ddptrain: run %r in %s with %d workers", self.name, self.run_dir, self.scaling_config.num_workers
+            )
             index = 0
             while True:
                 attempt = Attempt(self, index, launcher)
@@ -241,9 +245,11 @@ class Run:
                         raise error from failures[0].exception
                     _logger.warning(
                         "ddptrain: attempt %d failed (%s); restarting from %s (failure %d of %s allowed)",
-                        index, failures[0].headline(),
+                        index,
+                        failures[0].headline(),
                         self.latest_checkpoint.path if self.latest_checkpoint else "scratch",
-                        len(attempt_errors), "unlimited" if max_failures == -1 else max_failures,
+                        len(attempt_errors),
+                        "unlimited" if max_failures == -1 else max_failures,
                     )
                     index += 1
                     launcher = LocalLauncher(env)

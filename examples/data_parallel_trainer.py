@@ -73,7 +73,5 @@ if __name__ == "__main__":
     result = MyDataParallelTrainer(scaling_config=ScalingConfig(num_workers=2)).fit()
     print("predefined loop returned:", result.return_values)
 
-    result = MyTrainer(
-        read_my_env_var, MyBackendConfig(), scaling_config=ScalingConfig(num_workers=2)
-    ).fit()
+    result = MyTrainer(read_my_env_var, MyBackendConfig(), scaling_config=ScalingConfig(num_workers=2)).fit()
     print("MY_ENV_VAR on the workers:", result.return_values)

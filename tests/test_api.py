@@ -221,7 +221,9 @@ def test_a_late_rank_is_named_in_a_warning(storage: str, caplog, monkeypatch) ->
     monkeypatch.setenv("DDPTRAIN_REPORT_WARN_INTERVAL_S", "0.5")
     with caplog.at_level(logging.WARNING, logger="ddptrain"):
         DataParallelTrainer(
-            late_rank_one, scaling_config=train.ScalingConfig(num_workers=2), run_config=train.RunConfig(storage_path=storage)
+            late_rank_one,
+            scaling_config=train.ScalingConfig(num_workers=2),
+            run_config=train.RunConfig(storage_path=storage),
         ).fit()
     warnings = [r.getMessage() for r in caplog.records if "have not reached" in r.getMessage()]
     assert any("rank(s) [1] have not reached report() call #1" in w for w in warnings)
@@ -235,15 +237,22 @@ def reports_unevenly() -> None:
 def test_uneven_report_counts_are_named_at_the_end(storage: str, caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="ddptrain"):
         DataParallelTrainer(
-            reports_unevenly, scaling_config=train.ScalingConfig(num_workers=2), run_config=train.RunConfig(storage_path=storage)
+            reports_unevenly,
+            scaling_config=train.ScalingConfig(num_workers=2),
+            run_config=train.RunConfig(storage_path=storage),
         ).fit()
     assert any("never by rank(s) [1]" in r.getMessage() for r in caplog.records)
 
 
 # --- misuse ---------------------------------------------------------------------------
 def test_worker_functions_outside_a_worker_raise() -> None:
-    for call in (train.get_context, train.get_checkpoint, lambda: train.report({}),
-                 lambda: train.get_dataset_shard("train"), train.collective.barrier):
+    for call in (
+        train.get_context,
+        train.get_checkpoint,
+        lambda: train.report({}),
+        lambda: train.get_dataset_shard("train"),
+        train.collective.barrier,
+    ):
         with pytest.raises(RuntimeError, match="only be called inside a training function"):
             call()
 
@@ -259,7 +268,9 @@ def test_unpicklable_function_fails_before_anything_starts(storage: str) -> None
 
     with pytest.raises(ValueError, match="Could not pickle the training function `uses_lock`"):
         DataParallelTrainer(
-            uses_lock, scaling_config=train.ScalingConfig(num_workers=2), run_config=train.RunConfig(storage_path=storage)
+            uses_lock,
+            scaling_config=train.ScalingConfig(num_workers=2),
+            run_config=train.RunConfig(storage_path=storage),
         ).fit()
     assert tagged_processes() == []
     assert not os.path.exists(storage)
@@ -268,8 +279,10 @@ def test_unpicklable_function_fails_before_anything_starts(storage: str) -> None
 def test_unpicklable_config_fails_before_anything_starts(storage: str) -> None:
     with pytest.raises(ValueError, match="Could not pickle"):
         DataParallelTrainer(
-            read_env_var, train_loop_config={"lock": threading.Lock()},
-            scaling_config=train.ScalingConfig(num_workers=1), run_config=train.RunConfig(storage_path=storage),
+            read_env_var,
+            train_loop_config={"lock": threading.Lock()},
+            scaling_config=train.ScalingConfig(num_workers=1),
+            run_config=train.RunConfig(storage_path=storage),
         ).fit()
 
 
@@ -282,7 +295,9 @@ def reports_a_tensor() -> None:
 def test_tensor_metrics_fail_at_the_report_call(storage: str) -> None:
     with pytest.raises(train.TrainingFailedError) as info:
         DataParallelTrainer(
-            reports_a_tensor, scaling_config=train.ScalingConfig(num_workers=1), run_config=train.RunConfig(storage_path=storage)
+            reports_a_tensor,
+            scaling_config=train.ScalingConfig(num_workers=1),
+            run_config=train.RunConfig(storage_path=storage),
         ).fit()
     assert isinstance(info.value.__cause__, ValueError)
     assert "metrics['loss'] is a torch.Tensor" in str(info.value)
@@ -290,8 +305,9 @@ def test_tensor_metrics_fail_at_the_report_call(storage: str) -> None:
 
 
 def test_fit_at_import_time_asks_for_a_main_guard(tmp_path: Path, storage: str) -> None:
-    (tmp_path / "noguard.py").write_text(textwrap.dedent(
-        f"""
+    (tmp_path / "noguard.py").write_text(
+        textwrap.dedent(
+            f"""
         import ddptrain as train
 
         def loop():
@@ -302,7 +318,8 @@ def test_fit_at_import_time_asks_for_a_main_guard(tmp_path: Path, storage: str) 
             run_config=train.RunConfig(storage_path={storage!r}),
         ).fit()
         """
-    ))
+        )
+    )
     proc = subprocess.run(
         [sys.executable, "-c", "import noguard"], cwd=tmp_path, capture_output=True, text=True, timeout=60
     )

@@ -71,7 +71,9 @@ def test_forged_messages_are_rejected_before_unpickling(storage: str, tmp_path: 
         evil = pickle.dumps(("report", 0, 1, {"x": _RunsCommand(f"touch {pwned}")}, None, None))
         store.queue_push(target["to_driver"], evil)  # no signature at all
         store.queue_push(target["to_driver"], os.urandom(32) + evil)  # a made-up signature
-        store.queue_push(target["to_driver"], os.urandom(32) + pickle.dumps(("report", 0, 1, {"forged": 1}, None, None)))
+        store.queue_push(
+            target["to_driver"], os.urandom(32) + pickle.dumps(("report", 0, 1, {"forged": 1}, None, None))
+        )
         command = pickle.dumps(("execute", 0, (os.system, (f"touch {pwned}",), {})))
         store.queue_push(target["to_worker"], os.urandom(32) + command)  # a command to rank 1
         (tmp_path / "attacked").touch()

@@ -14,7 +14,9 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 def run_example(name: str, storage: str, *args: str) -> str:
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / name), *args],
-        capture_output=True, text=True, timeout=240,
+        capture_output=True,
+        text=True,
+        timeout=240,
         env={**__import__("os").environ, "DDPTRAIN_STORAGE_PATH": storage},
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr

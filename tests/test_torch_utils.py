@@ -246,9 +246,7 @@ def data_train_func() -> dict:
     out["shuf_epochs"] = epochs
 
     # batch_size, drop_last and collate_fn are kept (5 items per rank, batches of 3).
-    kept = prepare_data_loader(
-        DataLoader(make_dataset(), batch_size=3, drop_last=True, collate_fn=collate_pairs)
-    )
+    kept = prepare_data_loader(DataLoader(make_dataset(), batch_size=3, drop_last=True, collate_fn=collate_pairs))
     out["kept"] = (kept.batch_size, kept.drop_last, kept.collate_fn is collate_pairs, len(kept))
     pairs = list(kept)
     out["kept_batches"] = [(type(p).__name__, p.x.tolist(), p.tag, p.x.device == device) for p in pairs]
@@ -259,7 +257,11 @@ def data_train_func() -> dict:
     # DataLoader workers: their settings survive the rebuild.
     with_workers = prepare_data_loader(
         DataLoader(
-            make_dataset(), batch_size=2, num_workers=1, prefetch_factor=3, persistent_workers=True,
+            make_dataset(),
+            batch_size=2,
+            num_workers=1,
+            prefetch_factor=3,
+            persistent_workers=True,
             in_order=False,
         )
     )

@@ -11,8 +11,17 @@ import pytest
 import ddptrain as train
 from ddptrain.torch import TorchConfig, TorchTrainer
 
-ENV_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
-             "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
+ENV_NAMES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "OMP_NUM_THREADS",
+)
 
 
 def allreduce_and_report(config: dict) -> dict:
@@ -27,8 +36,14 @@ def allreduce_and_report(config: dict) -> dict:
     return {
         "env": {name: os.environ.get(name) for name in ENV_NAMES},
         "backend": dist.get_backend(),
-        "context": [ctx.get_world_size(), ctx.get_world_rank(), ctx.get_local_rank(),
-                    ctx.get_local_world_size(), ctx.get_node_rank(), ctx.get_experiment_name()],
+        "context": [
+            ctx.get_world_size(),
+            ctx.get_world_rank(),
+            ctx.get_local_rank(),
+            ctx.get_local_world_size(),
+            ctx.get_node_rank(),
+            ctx.get_experiment_name(),
+        ],
         "storage": ctx.get_storage().experiment_fs_path,
         "config": config,
     }
@@ -135,9 +150,7 @@ def test_local_mode_runs_in_the_driver_process() -> None:
         assert (ctx.get_world_size(), ctx.get_world_rank()) == (1, 0)
         return 7
 
-    result = TorchTrainer(
-        loop, train_loop_config={"lr": 0.1}, scaling_config=train.ScalingConfig(num_workers=0)
-    ).fit()
+    result = TorchTrainer(loop, train_loop_config={"lr": 0.1}, scaling_config=train.ScalingConfig(num_workers=0)).fit()
     assert result.metrics == {"pid": os.getpid(), "lr": 0.1}
     assert result.return_value == 7
     assert result.path is None
@@ -164,3 +177,18 @@ def test_metrics_dataframe_has_every_report(storage: str) -> None:
     again = train.Result.from_path(result.path)
     assert again.metrics == result.metrics
     assert again.metrics_history == result.metrics_history
+
+
+def returns_blob_size(config: dict) -> int:
+    return len(config["blob"])
+
+
+def test_large_config_reaches_every_worker(storage: str) -> None:
+    blob = os.urandom(8 * 1024 * 1024)
+    result = train.DataParallelTrainer(
+        returns_blob_size,
+        train_loop_config={"blob": blob},
+        scaling_config=train.ScalingConfig(num_workers=2),
+        run_config=train.RunConfig(storage_path=storage),
+    ).fit()
+    assert result.return_values == [len(blob), len(blob)]

@@ -104,9 +104,7 @@ class _TorchBackend(Backend):
 
     def on_start(self, worker_group: WorkerGroup, backend_config: BackendConfig) -> None:
         assert isinstance(backend_config, TorchConfig)
-        backend = backend_config.backend or (
-            "nccl" if worker_group.get_resources_per_worker().get("GPU") else "gloo"
-        )
+        backend = backend_config.backend or ("nccl" if worker_group.get_resources_per_worker().get("GPU") else "gloo")
         worker_group.execute(_setup_process_group, backend, backend_config.init_method, backend_config.timeout_s)
 
     def on_shutdown(self, worker_group: WorkerGroup, backend_config: BackendConfig) -> None:

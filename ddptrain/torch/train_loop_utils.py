@@ -88,6 +88,11 @@ def prepare_model(
             kwargs.setdefault("output_device", device)
         model = DistributedDataParallel(model, **kwargs)
     elif world_size > 1 and parallel_strategy == "fsdp":
+        if device.type != "cuda":
+            raise RuntimeError(
+                "FSDP needs CUDA devices: use `ScalingConfig(use_gpu=True)`, or "
+                "`parallel_strategy='ddp'` when training on CPUs."
+            )
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         if rank == 0:
@@ -150,8 +155,7 @@ def _with_sampler(loader: DataLoader[Any], world_size: int, rank: int) -> DataLo
     sampler = loader.sampler
     if not isinstance(sampler, (RandomSampler, SequentialSampler)):
         warnings.warn(
-            f"prepare_data_loader: the custom sampler {type(sampler).__name__} is replaced by a "
-            "DistributedSampler.",
+            f"prepare_data_loader: the custom sampler {type(sampler).__name__} is replaced by a DistributedSampler.",
             stacklevel=3,
         )
     shuffle = not isinstance(sampler, SequentialSampler)
