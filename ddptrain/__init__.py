@@ -4,8 +4,6 @@ Change ``import ray.train`` to ``import ddptrain as train`` (and ``ray.train.tor
 ``ddptrain.torch``); the rest of the script stays as it is.
 """
 
-import logging
-
 from ddptrain import collective, data
 from ddptrain.backend import Backend, BackendConfig
 from ddptrain.callbacks import TrainRunContext, UserCallback
@@ -19,6 +17,7 @@ from ddptrain.config import (
     ScalingConfig,
 )
 from ddptrain.context import (
+    ReportedCheckpoint,
     StorageContext,
     TrainContext,
     get_all_reported_checkpoints,
@@ -42,7 +41,8 @@ __version__ = "0.1.0"
 
 TRAIN_DATASET_KEY = "train"
 
-logging.getLogger(__name__).addHandler(logging.NullHandler())
+# No handler is added on purpose: without logging configured, Python still prints our
+# warnings (a late rank, a resumed run) to stderr, and users who configure logging get them there.
 
 __all__ = [
     "Backend",
@@ -55,6 +55,7 @@ __all__ = [
     "DdpTrainError",
     "FailureConfig",
     "LoggingConfig",
+    "ReportedCheckpoint",
     "Result",
     "RunConfig",
     "ScalingConfig",

@@ -28,6 +28,7 @@ __all__ = [
     "get_checkpoint",
     "get_dataset_shard",
     "get_all_reported_checkpoints",
+    "ReportedCheckpoint",
 ]
 
 _logger = logging.getLogger(__name__)
@@ -155,7 +156,6 @@ class _Session:
     report_index: int = 0
     collective_index: int = 0
     local_reports: list[tuple[dict[str, Any], Checkpoint | None]] = field(default_factory=list)
-    reported_checkpoints: list[Any] = field(default_factory=list)
 
     def call_driver(self, message: tuple[Any, ...]) -> Any:
         """Send a message and wait for the driver's reply to it."""
@@ -322,10 +322,26 @@ def get_checkpoint() -> Checkpoint | None:
     return _get_session("get_checkpoint").checkpoint
 
 
-def get_all_reported_checkpoints(consistency_mode: Any = None, timeout_s: float | None = None) -> list[Any]:
-    """Checkpoints this run has committed so far (in report order)."""
+@dataclass(frozen=True)
+class ReportedCheckpoint:
+    """A committed checkpoint and rank 0's metrics reported with it."""
+
+    checkpoint: Checkpoint
+    metrics: dict[str, Any]
+
+
+def get_all_reported_checkpoints(
+    consistency_mode: Any = None, timeout_s: float | None = None
+) -> list[ReportedCheckpoint]:
+    """The run's kept checkpoints, oldest first, including those of earlier attempts.
+
+    Every checkpoint this worker's earlier ``report()`` calls committed is included.
+    """
     session = _get_session("get_all_reported_checkpoints")
-    return list(session.reported_checkpoints)
+    if session.channel is None:
+        return []
+    reply = session.call_driver(("checkpoints", session.context.get_world_rank()))
+    return [ReportedCheckpoint(Checkpoint(path), metrics) for path, metrics in reply[1]]
 
 
 def get_dataset_shard(dataset_name: str | None = None) -> Any:

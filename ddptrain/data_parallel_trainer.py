@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +21,9 @@ from ddptrain.result import Result
 __all__ = ["DataParallelTrainer"]
 
 _logger = logging.getLogger(__name__)
+
+# The pickled trainer saved in every run directory, for `restore()`.
+TRAINER_FILE = "trainer.pkl"
 
 
 def _takes_config(fn: Callable[..., Any]) -> bool:
@@ -140,6 +145,14 @@ class DataParallelTrainer:
             ) from exc
         return payload
 
+    def _trainer_bytes(self) -> bytes | None:
+        try:
+            data: bytes = cloudpickle.dumps(self)
+        except Exception as exc:
+            _logger.warning("ddptrain: the trainer cannot be pickled, so `restore()` will not work: %r", exc)
+            return None
+        return data
+
     def fit(self) -> Result:
         """Run training on the workers and return the :class:`~ddptrain.Result`.
 
@@ -160,13 +173,14 @@ class DataParallelTrainer:
 
         run = Run(
             payload=self._payload(),
+            trainer_bytes=self._trainer_bytes(),
             train_loop_config=self.train_loop_config,
             scaling_config=self.scaling_config,
             run_config=self.run_config,
             backend_config=self.backend_config,
             dataset_config=self.dataset_config,
         )
-        run.latest_checkpoint = self.resume_from_checkpoint
+        run.start_checkpoint = self.resume_from_checkpoint
         return run.fit()
 
     def _fit_local(self) -> Result:
@@ -219,8 +233,53 @@ class DataParallelTrainer:
         )
 
     @classmethod
-    def can_restore(cls, path: str) -> bool:
-        """Whether ``path`` holds a run directory that can be resumed."""
-        import os
+    def can_restore(cls, path: str | os.PathLike[str]) -> bool:
+        """Whether ``path`` is a run directory that :meth:`restore` can continue."""
+        return os.path.exists(os.path.join(os.path.expanduser(os.fspath(path)), TRAINER_FILE))
 
-        return os.path.exists(os.path.join(os.path.expanduser(str(path)), "run.json"))
+    @classmethod
+    def restore(
+        cls,
+        path: str | os.PathLike[str],
+        train_loop_per_worker: Callable[..., Any] | None = None,
+        train_loop_config: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> DataParallelTrainer:
+        """The trainer of an interrupted run, set to resume it from its latest checkpoint.
+
+        Args:
+            path: The run directory (``<storage_path>/<name>``).
+            train_loop_per_worker: Replaces the saved training function.
+            train_loop_config: Replaces the saved config.
+            **kwargs: Other constructor arguments to replace (``datasets``, ``scaling_config``...).
+
+        Raises:
+            RunDirectoryError: ``path`` holds no restorable run.
+        """
+        from ddptrain.checkpoint_manager import RunDirectoryError
+
+        run_dir = os.path.abspath(os.path.expanduser(os.fspath(path)))
+        file = os.path.join(run_dir, TRAINER_FILE)
+        try:
+            with open(file, "rb") as f:
+                trainer = cloudpickle.load(f)
+        except FileNotFoundError:
+            raise RunDirectoryError(f"{run_dir} cannot be restored: it has no {TRAINER_FILE}.") from None
+        except Exception as exc:
+            raise RunDirectoryError(f"{file} cannot be loaded: {exc!r}.") from exc
+        if not isinstance(trainer, cls):
+            raise RunDirectoryError(f"{file} holds a {type(trainer).__name__}, not a {cls.__name__}.")
+        if train_loop_per_worker is not None:
+            trainer.train_loop_per_worker = train_loop_per_worker
+            trainer._takes_config = _takes_config(train_loop_per_worker)
+        if train_loop_config is not None:
+            trainer.train_loop_config = train_loop_config
+        for name, value in kwargs.items():
+            if not hasattr(trainer, name):
+                raise ConfigError(f"`restore()` got an unknown argument {name!r}.")
+            setattr(trainer, name, value)
+        trainer.run_config = dataclasses.replace(
+            trainer.run_config, name=os.path.basename(run_dir), storage_path=os.path.dirname(run_dir)
+        )
+        trainer._validate()
+        return trainer

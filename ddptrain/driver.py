@@ -209,11 +209,14 @@ class Attempt:
         elif kind == "report":
             _, _, index, metrics, staged, dir_name = message
             if rank == 0:
-                self.run.record_metrics(metrics)
+                self.run.record_metrics(metrics, self.index)
             self._add_to_round("report", index, rank, (metrics, staged, dir_name))
         elif kind == "collective":
             _, _, index, data = message
             self._add_to_round("collective", index, rank, data)
+        elif kind == "checkpoints":
+            assert self.channel is not None
+            self.channel.send(rank, ("checkpoints", self.run.checkpoints.reported()))
         elif kind == "done":
             self.done[rank] = (message[2], message[3])
         return None
@@ -300,7 +303,7 @@ class Attempt:
         checkpoint = None
         if staged_ranks:
             name = entries[0][2] or f"checkpoint_{index:06d}"
-            checkpoint = self.run.commit_checkpoint([entries[r][1] for r in staged_ranks], name, entries[0][0])
+            checkpoint = self.run.commit_checkpoint([entries[r][1] for r in staged_ranks], name, entries[0][0], index)
             for r in staged_ranks:
                 self.channel.send(r, ("ack", index, checkpoint.path))
         self.run.after_report([metrics for metrics, _, _ in entries], checkpoint)

@@ -9,10 +9,9 @@ from typing import Any
 
 from ddptrain.checkpoint import Checkpoint
 
-__all__ = ["Result"]
+__all__ = ["Result", "read_metrics"]
 
 METRICS_FILE = "metrics.jsonl"
-CHECKPOINT_INDEX = "checkpoints.json"
 
 
 def _lookup(metrics: dict[str, Any], metric: str) -> Any:
@@ -101,41 +100,41 @@ class Result:
         """Rebuild the result of a finished, failed or interrupted run from its directory.
 
         Raises:
-            RuntimeError: ``path`` is not a ddptrain run directory.
+            RuntimeError: ``path`` is not a ddptrain run directory, or its checkpoint index
+                cannot be read.
         """
+        from ddptrain.checkpoint_manager import CheckpointManager
+
         run_dir = os.path.abspath(os.path.expanduser(os.fspath(path)))
-        metrics_file = os.path.join(run_dir, METRICS_FILE)
-        index_file = os.path.join(run_dir, CHECKPOINT_INDEX)
-        if not os.path.isdir(run_dir) or not (
-            os.path.exists(metrics_file)
-            or os.path.exists(index_file)
-            or os.path.exists(os.path.join(run_dir, "run.json"))
-        ):
-            raise RuntimeError(f"{run_dir} is not a ddptrain run directory (no run.json or metrics.jsonl).")
-        history: list[dict[str, Any]] = []
-        if os.path.exists(metrics_file):
-            with open(metrics_file) as f:
-                for line in f:
-                    line = line.strip()
-                    if not line:
-                        continue
-                    try:
-                        history.append(json.loads(line)["metrics"])
-                    except (ValueError, KeyError):
-                        break  # a line cut short by a crash ends the history
-        kept: list[tuple[Checkpoint, dict[str, Any]]] = []
-        latest = None
-        if os.path.exists(index_file):
-            with open(index_file) as f:
-                index = json.load(f)
-            for entry in index.get("checkpoints", []):
-                kept.append((Checkpoint(os.path.join(run_dir, entry["dir_name"])), entry.get("metrics", {})))
-            if index.get("latest"):
-                latest = Checkpoint(os.path.join(run_dir, index["latest"]))
+        if not os.path.exists(os.path.join(run_dir, "run.json")):
+            raise RuntimeError(f"{run_dir} is not a ddptrain run directory (it has no run.json).")
+        history = read_metrics(run_dir)
+        manager = CheckpointManager.from_run_dir(run_dir)
         return cls(
             metrics=history[-1] if history else None,
-            checkpoint=latest,
+            checkpoint=manager.latest,
             path=run_dir,
             metrics_history=history,
-            best_checkpoints=kept,
+            best_checkpoints=manager.best_checkpoints(),
         )
+
+
+def read_metrics(run_dir: str) -> list[dict[str, Any]]:
+    """Rank 0's metrics of every report in ``run_dir/metrics.jsonl``, oldest first.
+
+    A last line cut short by a crash is ignored.
+    """
+    history: list[dict[str, Any]] = []
+    path = os.path.join(run_dir, METRICS_FILE)
+    if not os.path.exists(path):
+        return history
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                history.append(json.loads(line)["metrics"])
+            except (ValueError, KeyError, TypeError):
+                break
+    return history

@@ -16,10 +16,12 @@ from typing import TYPE_CHECKING, Any
 from ddptrain import _env, storage
 from ddptrain.callbacks import TrainRunContext
 from ddptrain.checkpoint import Checkpoint
+from ddptrain.checkpoint_manager import CheckpointManager
+from ddptrain.config import CheckpointConfig
 from ddptrain.driver import Attempt, GroupFailed
 from ddptrain.errors import ConfigError, WorkerFailure, WorkerGroupError
 from ddptrain.launcher import LocalLauncher
-from ddptrain.result import CHECKPOINT_INDEX, METRICS_FILE, Result
+from ddptrain.result import METRICS_FILE, Result, read_metrics
 
 if TYPE_CHECKING:
     from ddptrain.backend import BackendConfig
@@ -41,6 +43,7 @@ class Run:
         self,
         *,
         payload: bytes,
+        trainer_bytes: bytes | None = None,
         train_loop_config: dict[str, Any] | None,
         scaling_config: ScalingConfig,
         run_config: RunConfig,
@@ -48,6 +51,7 @@ class Run:
         dataset_config: DataConfig,
     ) -> None:
         self.payload = payload
+        self.trainer_bytes = trainer_bytes
         self.scaling_config = scaling_config
         self.run_config = run_config
         self.backend_config = backend_config
@@ -65,8 +69,8 @@ class Run:
             dataset_config=dataset_config,
         )
         self.metrics_history: list[dict[str, Any]] = []
-        self.checkpoints: list[tuple[Checkpoint, dict[str, Any]]] = []
-        self.latest_checkpoint: Checkpoint | None = None
+        self.checkpoints = CheckpointManager(self.run_dir, run_config.checkpoint_config or CheckpointConfig())
+        self.start_checkpoint: Checkpoint | None = None  # resume_from_checkpoint
         self._metrics_file: Any = None
 
     # ----------------------------------------------------------------- what workers get
@@ -152,42 +156,54 @@ class Run:
         return {rank: f"rank{rank}" for rank in range(self.scaling_config.num_workers)}
 
     # ----------------------------------------------------------------- what workers report
-    def record_metrics(self, metrics: dict[str, Any]) -> None:
+    def record_metrics(self, metrics: dict[str, Any], attempt: int) -> None:
         """Persist rank 0's metrics of one report (one JSON line, flushed)."""
         self.metrics_history.append(metrics)
-        line = {"time": time.time(), "metrics": storage.to_jsonable(metrics)}
+        line = {"time": time.time(), "attempt": attempt, "metrics": storage.to_jsonable(metrics)}
         self._metrics_file.write(json.dumps(line) + "\n")
         self._metrics_file.flush()
 
-    def commit_checkpoint(self, staged: list[str], name: str, metrics: dict[str, Any]) -> Checkpoint:
-        """Commit staged files as checkpoint ``name`` and record it in the index."""
-        checkpoint = Checkpoint(storage.commit_checkpoint(self.run_dir, staged, name))
-        self.checkpoints = [(c, m) for c, m in self.checkpoints if c != checkpoint]
-        self.checkpoints.append((checkpoint, metrics))
-        self.latest_checkpoint = checkpoint
-        self._write_index()
-        return checkpoint
+    @property
+    def latest_checkpoint(self) -> Checkpoint | None:
+        """What ``get_checkpoint()`` returns to a (re)started group."""
+        return self.checkpoints.latest or self.start_checkpoint
 
-    def _write_index(self) -> None:
-        storage.write_json_atomic(
-            os.path.join(self.run_dir, CHECKPOINT_INDEX),
-            {
-                "version": 1,
-                "checkpoints": [
-                    {"dir_name": os.path.basename(c.path), "metrics": storage.to_jsonable(m)}
-                    for c, m in self.checkpoints
-                ],
-                "latest": os.path.basename(self.latest_checkpoint.path) if self.latest_checkpoint else None,
-            },
-        )
+    def commit_checkpoint(self, staged: list[str], name: str, metrics: dict[str, Any], index: int) -> Checkpoint:
+        """Commit staged files as checkpoint ``name``, record it, and apply retention."""
+        path = storage.commit_checkpoint(self.run_dir, staged, name)
+        return self.checkpoints.register(path, metrics, index)
 
     def after_report(self, metrics: list[dict[str, Any]], checkpoint: Checkpoint | None) -> None:
         for callback in self.run_config.callbacks or []:
             callback.after_report(self.context, metrics, checkpoint)
 
     # ----------------------------------------------------------------- the fit loop
+    def _load_previous(self) -> None:
+        """Pick up an earlier run of the same name: its checkpoints and metrics. Loud on purpose."""
+        if not os.path.isdir(self.run_dir):
+            return
+        self.checkpoints.load()
+        self.metrics_history = read_metrics(self.run_dir)
+        latest = self.checkpoints.latest
+        if latest is not None:
+            _logger.warning(
+                "ddptrain: resuming run %r from checkpoint %s (%d earlier reports in %s)",
+                self.name,
+                latest.path,
+                len(self.metrics_history),
+                self.run_dir,
+            )
+        elif self.metrics_history or os.path.exists(os.path.join(self.run_dir, "run.json")):
+            _logger.warning(
+                "ddptrain: run %r already exists in %s but has no committed checkpoint; "
+                "starting from scratch and appending to its metrics",
+                self.name,
+                self.run_dir,
+            )
+
     def _prepare_dir(self) -> None:
         os.makedirs(self.run_dir, exist_ok=True)
+        storage.clean_leftovers(self.run_dir)
         storage.write_json_atomic(
             os.path.join(self.run_dir, "run.json"),
             {
@@ -201,6 +217,11 @@ class Run:
                 "backend_config": repr(self.backend_config),
             },
         )
+        if self.trainer_bytes is not None:
+            trainer_file = os.path.join(self.run_dir, "trainer.pkl")
+            with open(trainer_file + ".tmp", "wb") as f:
+                f.write(self.trainer_bytes)
+            os.replace(trainer_file + ".tmp", trainer_file)
         self._metrics_file = open(os.path.join(self.run_dir, METRICS_FILE), "a")  # noqa: SIM115
 
     def _check_gpus(self) -> None:
@@ -220,10 +241,11 @@ class Run:
     def fit(self) -> Result:
         """Run attempts until one succeeds or the failure budget is spent."""
         self._check_gpus()
+        self._load_previous()
         env = self.agent_env()
         launcher = LocalLauncher(env)  # starts importing torch while we set up
         max_failures = self.run_config.failure_config.max_failures if self.run_config.failure_config else 0
-        attempt_errors: list[WorkerFailure] = []
+        root_causes: list[WorkerFailure] = []
         try:
             self._prepare_dir()
             _logger.info(
@@ -237,18 +259,18 @@ class Run:
                     break
                 except GroupFailed as failed:
                     launcher.shutdown(0)
+                    storage.clean_leftovers(self.run_dir)
                     failures = sorted(failed.failures, key=lambda f: (f.timestamp, f.rank))
-                    attempt_errors.append(failures[0])
+                    root_causes.append(failures[0])
                     self._after_exception(failures)
-                    if max_failures != -1 and len(attempt_errors) > max_failures:
-                        error = WorkerGroupError.from_failures(failures, str(self.log_dir(index)))
-                        raise error from failures[0].exception
+                    if max_failures != -1 and len(root_causes) > max_failures:
+                        raise self._final_error(failures, root_causes, index) from failures[0].exception
                     _logger.warning(
                         "ddptrain: attempt %d failed (%s); restarting from %s (failure %d of %s allowed)",
                         index,
                         failures[0].headline(),
                         self.latest_checkpoint.path if self.latest_checkpoint else "scratch",
-                        len(attempt_errors),
+                        len(root_causes),
                         "unlimited" if max_failures == -1 else max_failures,
                     )
                     index += 1
@@ -262,10 +284,19 @@ class Run:
             checkpoint=self.latest_checkpoint,
             path=self.run_dir,
             metrics_history=list(self.metrics_history),
-            best_checkpoints=list(self.checkpoints),
+            best_checkpoints=self.checkpoints.best_checkpoints(),
             return_value=return_values[0] if return_values else None,
             return_values=return_values,
         )
+
+    def _final_error(
+        self, failures: list[WorkerFailure], root_causes: list[WorkerFailure], index: int
+    ) -> WorkerGroupError:
+        error = WorkerGroupError.from_failures(failures, str(self.log_dir(index)))
+        if len(root_causes) > 1:
+            lines = [f"  attempt {i}: {f.headline()} (log: {f.log_path})" for i, f in enumerate(root_causes)]
+            error.args = (f"{error.args[0]}\nRoot cause of every attempt ({len(root_causes)}):\n" + "\n".join(lines),)
+        return error
 
     def _after_exception(self, failures: list[WorkerFailure]) -> None:
         exceptions = {f.rank: f.exception for f in failures}

@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-__all__ = ["stage_files", "commit_checkpoint", "safe_child", "write_json_atomic", "to_jsonable"]
+__all__ = ["stage_files", "commit_checkpoint", "clean_leftovers", "safe_child", "write_json_atomic", "to_jsonable"]
 
 STAGING = ".staging"
 
@@ -71,9 +71,11 @@ def commit_checkpoint(run_dir: str, staged: list[str], name: str) -> str:
         os.rename(building, final)
     for folder in staged:
         shutil.rmtree(folder, ignore_errors=True)
-        parent = Path(folder).parent
-        if parent.exists() and not any(parent.iterdir()):
-            parent.rmdir()
+        for parent in (Path(folder).parent, Path(folder).parent.parent):
+            try:
+                parent.rmdir()  # only once empty: another report may be staging next to it
+            except OSError:
+                break
     return str(final)
 
 
@@ -106,3 +108,17 @@ def write_json_atomic(path: str | Path, data: Any) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def clean_leftovers(run_dir: str) -> None:
+    """Remove what an interrupted attempt left: staged files and half-built checkpoints.
+
+    Committed checkpoints are never touched.
+    """
+    root = Path(run_dir)
+    if not root.is_dir():
+        return
+    shutil.rmtree(root / STAGING, ignore_errors=True)
+    for entry in root.iterdir():
+        if entry.name.startswith(".") and entry.name.endswith((".partial", ".old")) and entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)

@@ -1,0 +1,418 @@
+"""Checkpoints: persisted atomically, merged across ranks, kept by score, and resumed from."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import ddptrain as train
+from ddptrain.checkpoint_manager import RunDirectoryError
+
+
+def write_checkpoint(directory: str, **files: str) -> None:
+    for name, text in files.items():
+        Path(directory, name).write_text(text)
+
+
+# --- the seed's loop: every rank saves, every epoch -------------------------------------------
+def save_every_epoch(config: dict) -> dict:
+    rank = train.get_context().get_world_rank()
+    start = 0
+    checkpoint = train.get_checkpoint()
+    if checkpoint:
+        with checkpoint.as_directory() as d:
+            start = json.loads(Path(d, "state.json").read_text())["epoch"] + 1
+    for epoch in range(start, config["epochs"]):
+        if config.get("crash_at") == epoch and rank == 1 and not Path(config["dir"], "crashed").exists():
+            Path(config["dir"], "crashed").touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+        with tempfile.TemporaryDirectory() as d:
+            write_checkpoint(d, **{"state.json": json.dumps({"epoch": epoch}), f"rank_{rank}.txt": str(epoch)})
+            train.report(
+                {"epoch": epoch, "score": config.get("scores", [0] * 99)[epoch]},
+                checkpoint=train.Checkpoint.from_directory(d),
+            )
+        # The temporary directory is gone; the persisted copy is what get_checkpoint() returns.
+        assert Path(train.get_checkpoint().path, "state.json").exists()
+    return {"start": start}
+
+
+def test_checkpoints_from_every_rank_are_merged_and_loadable(storage: str) -> None:
+    result = train.DataParallelTrainer(
+        save_every_epoch,
+        train_loop_config={"epochs": 3},
+        scaling_config=train.ScalingConfig(num_workers=2),
+        run_config=train.RunConfig(name="seed", storage_path=storage),
+    ).fit()
+    assert result.checkpoint is not None
+    with result.checkpoint.as_directory() as d:
+        assert sorted(os.listdir(d)) == ["rank_0.txt", "rank_1.txt", "state.json"]
+        assert json.loads(Path(d, "state.json").read_text()) == {"epoch": 2}
+    assert [os.path.basename(c.path) for c, _ in result.best_checkpoints] == [
+        "checkpoint_000001",
+        "checkpoint_000002",
+        "checkpoint_000003",
+    ]
+    assert result.best_checkpoints[-1][1] == {"epoch": 2, "score": 0}
+    run_dir = Path(storage, "seed")
+    assert not (run_dir / ".staging").exists()
+    again = train.Result.from_path(run_dir)
+    assert again.checkpoint == result.checkpoint
+    assert again.metrics == result.metrics
+
+
+def rank_zero_name_wins() -> None:
+    rank = train.get_context().get_world_rank()
+    with tempfile.TemporaryDirectory() as d:
+        write_checkpoint(d, **{"common.txt": f"from rank {rank}", f"only_{rank}.txt": "x"})
+        sub = Path(d, "nested")
+        sub.mkdir()
+        (sub / f"deep_{rank}.txt").write_text("y")
+        train.report(
+            {"rank": rank}, checkpoint=train.Checkpoint.from_directory(d), checkpoint_dir_name=f"named_by_{rank}"
+        )
+    if rank == 0:  # only rank 0 passes a checkpoint now
+        with tempfile.TemporaryDirectory() as d:
+            write_checkpoint(d, **{"solo.txt": "0"})
+            train.report({"rank": 0}, checkpoint=train.Checkpoint.from_directory(d))
+    else:
+        train.report({"rank": rank})
+
+
+def test_rank_zero_names_the_merged_checkpoint_and_subsets_work(storage: str) -> None:
+    result = train.DataParallelTrainer(
+        rank_zero_name_wins,
+        scaling_config=train.ScalingConfig(num_workers=2),
+        run_config=train.RunConfig(name="merge", storage_path=storage),
+    ).fit()
+    merged = Path(storage, "merge", "named_by_0")
+    assert sorted(p.relative_to(merged).as_posix() for p in merged.rglob("*") if p.is_file()) == [
+        "common.txt",
+        "nested/deep_0.txt",
+        "nested/deep_1.txt",
+        "only_0.txt",
+        "only_1.txt",
+    ]
+    assert (merged / "common.txt").read_text() == "from rank 0"
+    assert not Path(storage, "merge", "named_by_1").exists()
+    assert os.listdir(result.checkpoint.path) == ["solo.txt"]
+
+
+def bad_dir_name(config: dict) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        train.report({}, checkpoint=train.Checkpoint.from_directory(d), checkpoint_dir_name=config["name"])
+
+
+@pytest.mark.parametrize("name", ["../escape", "/abs/path", "a/b", "..", ".hidden"])
+def test_checkpoint_names_that_escape_the_run_directory_are_refused(storage: str, name: str) -> None:
+    with pytest.raises(train.TrainingFailedError) as info:
+        train.DataParallelTrainer(
+            bad_dir_name,
+            train_loop_config={"name": name},
+            scaling_config=train.ScalingConfig(num_workers=1),
+            run_config=train.RunConfig(storage_path=storage),
+        ).fit()
+    assert isinstance(info.value.__cause__, ValueError)
+    assert "`checkpoint_dir_name` must be a plain folder name" in str(info.value)
+
+
+def test_checkpoint_metadata_and_local_helpers(tmp_path: Path) -> None:
+    source = tmp_path / "ckpt"
+    source.mkdir()
+    (source / "weights.bin").write_bytes(b"\0" * 1000)
+    checkpoint = train.Checkpoint.from_directory(source)
+    assert checkpoint.get_metadata() == {}
+    checkpoint.set_metadata({"epoch": 3})
+    checkpoint.update_metadata({"lr": 0.1})
+    assert train.Checkpoint(source).get_metadata() == {"epoch": 3, "lr": 0.1}
+    with pytest.raises(TypeError, match="as_directory"):
+        open(checkpoint)  # noqa: SIM115
+    assert repr(checkpoint) == f"Checkpoint(filesystem=local, path={source})"
+    # Several threads copying to one target share one copy and all see it complete.
+    target = tmp_path / "copy"
+    results: list[str] = []
+    threads = [threading.Thread(target=lambda: results.append(checkpoint.to_directory(target))) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == [str(target)] * 4
+    assert (target / "weights.bin").stat().st_size == 1000
+    assert train.Checkpoint(target).get_metadata() == {"epoch": 3, "lr": 0.1}
+    assert Path(checkpoint.to_directory()).is_dir()
+
+
+def metadata_in_worker() -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        checkpoint = train.Checkpoint.from_directory(d)
+        checkpoint.set_metadata({"step": 10})
+        train.report({"x": 1}, checkpoint=checkpoint)
+    return train.get_checkpoint().get_metadata()
+
+
+def test_metadata_travels_with_the_persisted_checkpoint(storage: str) -> None:
+    result = train.DataParallelTrainer(
+        metadata_in_worker,
+        scaling_config=train.ScalingConfig(num_workers=1),
+        run_config=train.RunConfig(storage_path=storage),
+    ).fit()
+    assert result.return_value == {"step": 10}
+    assert result.checkpoint.get_metadata() == {"step": 10}
+
+
+# --- retention ------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("attribute", "order", "kept_epochs", "best_epoch"),
+    [("score", "max", [0, 4], 0), ("score", "min", [1, 4], 1), (None, "max", [3, 4], 4)],
+)
+def test_retention_keeps_the_best_and_always_the_latest(
+    storage: str, attribute: str | None, order: str, kept_epochs: list[int], best_epoch: int
+) -> None:
+    result = train.DataParallelTrainer(
+        save_every_epoch,
+        train_loop_config={"epochs": 5, "scores": [5, 1, 4, 2, 3]},
+        scaling_config=train.ScalingConfig(num_workers=2),
+        run_config=train.RunConfig(
+            name="keep",
+            storage_path=storage,
+            checkpoint_config=train.CheckpointConfig(
+                num_to_keep=2, checkpoint_score_attribute=attribute, checkpoint_score_order=order
+            ),
+        ),
+    ).fit()
+    on_disk = sorted(p.name for p in Path(storage, "keep").glob("checkpoint_*"))
+    assert on_disk == [f"checkpoint_{e + 1:06d}" for e in kept_epochs]
+    assert sorted(m["epoch"] for _, m in result.best_checkpoints) == kept_epochs
+    assert result.checkpoint.path.endswith("checkpoint_000005")  # the latest survives any score
+    if attribute:
+        assert result.best_checkpoints[-1][1]["epoch"] == best_epoch
+        best = result.get_best_checkpoint("score", order)
+        assert best.path.endswith(f"checkpoint_{best_epoch + 1:06d}")
+    with pytest.raises(RuntimeError, match="metric 'nope'"):
+        result.get_best_checkpoint("nope", "max")
+
+
+def list_reported() -> list:
+    for epoch in range(2):
+        with tempfile.TemporaryDirectory() as d:
+            train.report({"epoch": epoch}, checkpoint=train.Checkpoint.from_directory(d))
+    return [(os.path.basename(r.checkpoint.path), r.metrics) for r in train.get_all_reported_checkpoints()]
+
+
+def test_get_all_reported_checkpoints(storage: str) -> None:
+    result = train.DataParallelTrainer(
+        list_reported,
+        scaling_config=train.ScalingConfig(num_workers=2),
+        run_config=train.RunConfig(storage_path=storage),
+    ).fit()
+    expected = [("checkpoint_000001", {"epoch": 0}), ("checkpoint_000002", {"epoch": 1})]
+    assert result.return_values == [expected, expected]
+
+
+# --- failures and restarts ------------------------------------------------------------
+@pytest.mark.timeout(120)
+def test_a_killed_worker_restarts_from_the_latest_checkpoint(storage: str, tmp_path: Path) -> None:
+    result = train.DataParallelTrainer(
+        save_every_epoch,
+        train_loop_config={"epochs": 4, "crash_at": 2, "dir": str(tmp_path)},
+        scaling_config=train.ScalingConfig(num_workers=2),
+        run_config=train.RunConfig(name="ft", storage_path=storage, failure_config=train.FailureConfig(max_failures=1)),
+    ).fit()
+    assert result.return_values == [{"start": 2}, {"start": 2}]
+    # Rank 0 may have reported epoch 2 in the first attempt before rank 1 died; every report is kept.
+    epochs = [m["epoch"] for m in result.metrics_history]
+    assert epochs in ([0, 1, 2, 3], [0, 1, 2, 2, 3])
+    assert result.metrics["epoch"] == 3
+    logs = Path(storage, "ft", "logs")
+    assert sorted(p.name for p in logs.iterdir()) == ["attempt_0", "attempt_1"]
+
+
+def always_fails() -> None:
+    if train.get_context().get_world_rank() == 0:
+        raise RuntimeError(f"failure in pid {os.getpid()}")
+    time.sleep(60)
+
+
+@pytest.mark.timeout(120)
+def test_every_attempts_root_cause_is_listed_once_the_budget_is_spent(storage: str) -> None:
+    with pytest.raises(train.TrainingFailedError) as info:
+        train.DataParallelTrainer(
+            always_fails,
+            scaling_config=train.ScalingConfig(num_workers=2),
+            run_config=train.RunConfig(
+                name="budget", storage_path=storage, failure_config=train.FailureConfig(max_failures=2)
+            ),
+        ).fit()
+    message = str(info.value)
+    assert "Root cause of every attempt (3):" in message
+    for attempt in range(3):
+        assert f"attempt {attempt}: rank 0" in message
+        assert f"attempt_{attempt}/rank_0.log" in message
+
+
+def kill_during_copy(config: dict) -> None:
+    checkpoint = train.get_checkpoint()
+    rank = train.get_context().get_world_rank()
+    if checkpoint is None:
+        with tempfile.TemporaryDirectory() as d:
+            write_checkpoint(d, **{"state.json": json.dumps({"epoch": 0})})
+            train.report({"epoch": 0}, checkpoint=train.Checkpoint.from_directory(d))
+        if rank == 1:
+            staging = Path(train.get_context().get_storage().experiment_fs_path, ".staging")
+
+            def kill_when_copying() -> None:
+                while not any(p.name.startswith(".rank_1.") for p in staging.rglob(".rank_*")):
+                    time.sleep(0.001)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            threading.Thread(target=kill_when_copying, daemon=True).start()
+        with tempfile.TemporaryDirectory() as d:
+            Path(d, "big.bin").write_bytes(os.urandom(64 * 1024 * 1024))
+            train.report({"epoch": 1}, checkpoint=train.Checkpoint.from_directory(d))
+        time.sleep(30)  # not reached by rank 1
+    return json.loads(Path(checkpoint.path, "state.json").read_text())
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_killed_while_copying_leaves_earlier_checkpoints_intact(storage: str) -> None:
+    result = train.DataParallelTrainer(
+        kill_during_copy,
+        scaling_config=train.ScalingConfig(num_workers=2),
+        run_config=train.RunConfig(
+            name="copy", storage_path=storage, failure_config=train.FailureConfig(max_failures=1)
+        ),
+    ).fit()
+    assert result.return_values == [{"epoch": 0}, {"epoch": 0}]
+    run_dir = Path(storage, "copy")
+    assert sorted(p.name for p in run_dir.glob("checkpoint_*")) == ["checkpoint_000001"]
+    assert not (run_dir / ".staging").exists()
+
+
+# --- resume ---------------------------------------------------------------------------
+RESUME_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys, tempfile, time
+    from pathlib import Path
+    import ddptrain as train
+
+    def loop(config):
+        start = 0
+        checkpoint = train.get_checkpoint()
+        if checkpoint:
+            start = json.loads(Path(checkpoint.path, "state.json").read_text())["step"] + 1
+        for step in range(start, config["steps"]):
+            with tempfile.TemporaryDirectory() as d:
+                for i in range(20):
+                    Path(d, f"part_{i}.bin").write_bytes(os.urandom(20_000))
+                Path(d, "state.json").write_text(json.dumps({"step": step}))
+                train.report({"step": step}, checkpoint=train.Checkpoint.from_directory(d))
+            print("step", step, flush=True)
+        return start
+
+    if __name__ == "__main__":
+        result = train.DataParallelTrainer(
+            loop, train_loop_config={"steps": int(sys.argv[2])},
+            scaling_config=train.ScalingConfig(num_workers=2),
+            run_config=train.RunConfig(name="resumable", storage_path=sys.argv[1]),
+        ).fit()
+        print("RESULT", json.dumps({"start": result.return_value, "steps": len(result.metrics_history)}))
+    """
+)
+
+
+def run_script(script: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.timeout(180)
+def test_killed_driver_resumes_loudly_from_the_last_committed_checkpoint(storage: str, tmp_path: Path) -> None:
+    script = tmp_path / "resume.py"
+    script.write_text(RESUME_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script), storage, "100000"], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:  # let it commit a good number of checkpoints, then kill it mid-stream
+        if line.startswith("[rank0] step 40"):
+            break
+    proc.kill()
+    proc.wait()
+    proc.stdout.close()
+
+    run_dir = Path(storage, "resumable")
+    crashed = train.Result.from_path(run_dir)  # a crashed run directory is loadable
+    last = json.loads(Path(crashed.checkpoint.path, "state.json").read_text())["step"]
+    assert last >= 40
+    assert len(list(Path(crashed.checkpoint.path).glob("part_*.bin"))) == 20
+    for checkpoint, _ in crashed.best_checkpoints:  # every committed checkpoint is complete
+        assert Path(checkpoint.path, "state.json").exists()
+
+    done = run_script(script, storage, str(last + 3))
+    assert done.returncode == 0, done.stderr
+    assert f"resuming run 'resumable' from checkpoint {crashed.checkpoint.path}" in done.stderr
+    summary = json.loads(done.stdout.split("RESULT ", 1)[1])
+    assert summary["start"] == last + 1
+    assert not list(run_dir.glob(".*partial"))
+
+
+def test_a_corrupt_index_is_a_clear_error_and_changes_nothing(storage: str) -> None:
+    run_dir = Path(storage, "corrupt")
+    run_dir.mkdir(parents=True)
+    index = run_dir / "checkpoints.json"
+    index.write_text('{"version": 1, "checkpoints": [')
+    before = sorted(p.name for p in run_dir.iterdir())
+    with pytest.raises(RunDirectoryError, match="Cannot read the checkpoint index .*Nothing was changed"):
+        train.DataParallelTrainer(
+            save_every_epoch,
+            train_loop_config={"epochs": 1},
+            scaling_config=train.ScalingConfig(num_workers=1),
+            run_config=train.RunConfig(name="corrupt", storage_path=storage),
+        ).fit()
+    assert index.read_text() == '{"version": 1, "checkpoints": ['
+    assert sorted(p.name for p in run_dir.iterdir()) == before
+    index.write_text(json.dumps({"version": 99}))
+    with pytest.raises(RunDirectoryError, match="version 99"):
+        train.Result.from_path(run_dir) if (run_dir / "run.json").exists() else train.DataParallelTrainer(
+            save_every_epoch,
+            train_loop_config={"epochs": 1},
+            run_config=train.RunConfig(name="corrupt", storage_path=storage),
+        ).fit()
+
+
+def test_resume_from_checkpoint_starts_a_new_run_from_it(storage: str, tmp_path: Path) -> None:
+    source = tmp_path / "given"
+    source.mkdir()
+    (source / "state.json").write_text(json.dumps({"epoch": 1}))
+    result = train.DataParallelTrainer(
+        save_every_epoch,
+        train_loop_config={"epochs": 3},
+        scaling_config=train.ScalingConfig(num_workers=2),
+        run_config=train.RunConfig(name="fresh", storage_path=storage),
+        resume_from_checkpoint=train.Checkpoint.from_directory(source),
+    ).fit()
+    assert result.return_values == [{"start": 2}, {"start": 2}]
+
+
+def test_restore_continues_an_interrupted_run(storage: str, tmp_path: Path) -> None:
+    result = train.DataParallelTrainer(
+        save_every_epoch,
+        train_loop_config={"epochs": 2},
+        scaling_config=train.ScalingConfig(num_workers=2),
+        run_config=train.RunConfig(name="restorable", storage_path=storage),
+    ).fit()
+    assert train.DataParallelTrainer.can_restore(result.path)
+    assert not train.DataParallelTrainer.can_restore(tmp_path)
+    trainer = train.DataParallelTrainer.restore(result.path, train_loop_config={"epochs": 4})
+    again = trainer.fit()
+    assert again.return_values == [{"start": 2}, {"start": 2}]
+    assert [m["epoch"] for m in again.metrics_history] == [0, 1, 2, 3]
+    with pytest.raises(RunDirectoryError, match="has no trainer.pkl"):
+        train.DataParallelTrainer.restore(tmp_path)
