@@ -416,3 +416,27 @@ def test_restore_continues_an_interrupted_run(storage: str, tmp_path: Path) -> N
     assert [m["epoch"] for m in again.metrics_history] == [0, 1, 2, 3]
     with pytest.raises(RunDirectoryError, match="has no trainer.pkl"):
         train.DataParallelTrainer.restore(tmp_path)
+
+
+def crash_right_after_report(config: dict) -> int:
+    checkpoint = train.get_checkpoint()
+    step = 0 if checkpoint is None else json.loads(Path(checkpoint.path, "state.json").read_text())["step"] + 1
+    if step == 0:
+        with tempfile.TemporaryDirectory() as d:
+            write_checkpoint(d, **{"state.json": json.dumps({"step": 0})})
+            train.report({"step": 0}, checkpoint=train.Checkpoint.from_directory(d))
+        if train.get_context().get_world_rank() == 1:
+            os._exit(3)  # milliseconds after report() returned
+        time.sleep(30)
+    return step
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_is_never_lost_once_report_returned(storage: str) -> None:
+    for run in range(3):  # the crash follows the report by microseconds: try a few times
+        result = train.DataParallelTrainer(
+            crash_right_after_report, scaling_config=train.ScalingConfig(num_workers=2),
+            run_config=train.RunConfig(name=f"race{run}", storage_path=storage,
+                                       failure_config=train.FailureConfig(max_failures=1)),
+        ).fit()
+        assert result.return_values == [1, 1]

@@ -36,3 +36,14 @@ def test_data_parallel_trainer_examples(storage: str) -> None:
     assert "each worker's batch: [[1], [2], [3]]" in out
     assert "predefined loop returned: [1, 1]" in out
     assert "MY_ENV_VAR on the workers: ['default_value', 'default_value']" in out
+
+
+@pytest.mark.timeout(300)
+def test_checkpoint_resume(storage: str) -> None:
+    first = run_example(
+        "checkpoint_resume.py", storage, "--storage-path", storage, "--name", "demo", "--epochs", "3", "--crash-at", "1"
+    )
+    assert "last attempt started at epoch 1" in first
+    second = run_example("checkpoint_resume.py", storage, "--storage-path", storage, "--name", "demo", "--epochs", "5")
+    assert "last attempt started at epoch 3" in second
+    assert "final metrics: {'epoch': 4" in second
