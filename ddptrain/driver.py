@@ -185,6 +185,7 @@ class Attempt:
         failure = self._handle_message(item) if source == "msg" else self._handle_agent(item)
         if failure is None:
             return
+        self.run.prepare_restart()
         failures = [failure]
         # Gather the other ranks that failed on their own at about the same time.
         deadline = time.monotonic() + 0.2
@@ -281,6 +282,7 @@ class Attempt:
             if not ok
         ]
         if failed:
+            self.run.prepare_restart()
             raise GroupFailed(failed)
         return [cloudpickle.loads(replies[rank][1]) for rank in ranks]
 

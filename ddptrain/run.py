@@ -72,6 +72,10 @@ class Run:
         self.checkpoints = CheckpointManager(self.run_dir, run_config.checkpoint_config or CheckpointConfig())
         self.start_checkpoint: Checkpoint | None = None  # resume_from_checkpoint
         self._metrics_file: Any = None
+        failure_config = run_config.failure_config
+        self._max_failures = failure_config.max_failures if failure_config else 0
+        self._failures_seen = 0
+        self._spare: LocalLauncher | None = None  # the next attempt's agent, started on a failure
 
     # ----------------------------------------------------------------- what workers get
     def agent_env(self) -> dict[str, str]:
@@ -238,13 +242,17 @@ class Run:
                 f"but torch sees {available}. Lower `num_workers` or set `use_gpu=False`."
             )
 
+    def prepare_restart(self) -> None:
+        """On a failure: if a restart will follow, start its agent now, during the teardown."""
+        allowed = self._max_failures
+        if self._spare is None and (allowed == -1 or self._failures_seen < allowed):
+            self._spare = LocalLauncher(self.agent_env())
+
     def fit(self) -> Result:
         """Run attempts until one succeeds or the failure budget is spent."""
         self._check_gpus()
         self._load_previous()
-        env = self.agent_env()
-        launcher = LocalLauncher(env)  # starts importing torch while we set up
-        max_failures = self.run_config.failure_config.max_failures if self.run_config.failure_config else 0
+        launcher: LocalLauncher | None = LocalLauncher(self.agent_env())  # imports torch while we set up
         root_causes: list[WorkerFailure] = []
         try:
             self._prepare_dir()
@@ -253,17 +261,20 @@ class Run:
             )
             index = 0
             while True:
+                assert launcher is not None
                 attempt = Attempt(self, index, launcher)
                 try:
                     return_values = attempt.run_group()
                     break
                 except GroupFailed as failed:
                     launcher.shutdown(0)
+                    launcher, self._spare = self._spare, None
                     storage.clean_leftovers(self.run_dir)
                     failures = sorted(failed.failures, key=lambda f: (f.timestamp, f.rank))
                     root_causes.append(failures[0])
+                    self._failures_seen = len(root_causes)
                     self._after_exception(failures)
-                    if max_failures != -1 and len(root_causes) > max_failures:
+                    if launcher is None:
                         raise self._final_error(failures, root_causes, index) from failures[0].exception
                     _logger.warning(
                         "ddptrain: attempt %d failed (%s); restarting from %s (failure %d of %s allowed)",
@@ -271,12 +282,14 @@ class Run:
                         failures[0].headline(),
                         self.latest_checkpoint.path if self.latest_checkpoint else "scratch",
                         len(root_causes),
-                        "unlimited" if max_failures == -1 else max_failures,
+                        "unlimited" if self._max_failures == -1 else self._max_failures,
                     )
                     index += 1
-                    launcher = LocalLauncher(env)
         finally:
-            launcher.shutdown(_env.shutdown_grace_s())
+            for leftover in (launcher, self._spare):
+                if leftover is not None:
+                    leftover.shutdown(_env.shutdown_grace_s())
+            self._spare = None
             if self._metrics_file is not None:
                 self._metrics_file.close()
         return Result(
