@@ -56,10 +56,27 @@ def summary(values: Sequence[float]) -> dict[str, Any]:
     }
 
 
+def _source_digest() -> str:
+    """Short digest of the ddptrain sources measured (the package may change between runs)."""
+    import hashlib
+
+    import ddptrain
+
+    digest = hashlib.sha256()
+    root = Path(ddptrain.__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def environment() -> dict[str, Any]:
     import torch
 
+    import ddptrain
+
     return {
+        "ddptrain": ddptrain.__version__,
+        "ddptrain_src_sha256": _source_digest(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cpus": os.cpu_count(),

@@ -30,6 +30,7 @@ from ddptrain.data_parallel_trainer import DataParallelTrainer
 from ddptrain.errors import (
     ConfigError,
     DdpTrainError,
+    LaunchError,
     TrainingFailedError,
     WorkerDiedError,
     WorkerError,
@@ -54,6 +55,7 @@ __all__ = [
     "DataParallelTrainer",
     "DdpTrainError",
     "FailureConfig",
+    "LaunchError",
     "LoggingConfig",
     "ReportedCheckpoint",
     "Result",

@@ -120,11 +120,18 @@ class Attempt:
             self.sink = LogSink(self.run.log_dir(self.index), self.run.rank_labels(), _env.console_ranks())
             bootstrap = self.run.bootstrap(self.index, store.host, store.port, secret)
             self.launcher.start(bootstrap, self.sink, lambda event: self.events.put(("agent", event)))
-            self.pump_until(
-                lambda: len(self.connected) == self.world_size,
-                timeout_s=_env.worker_start_timeout_s(),
-                waiting_for="workers to start and connect to the driver's store",
-            )
+            try:
+                self.pump_until(
+                    lambda: len(self.connected) == self.world_size,
+                    timeout_s=_env.worker_start_timeout_s(),
+                    waiting_for="workers to start and connect to the driver's store",
+                )
+            except TimeoutError as exc:
+                missing = sorted(set(range(self.world_size)) - self.connected)
+                raise LaunchError(
+                    f"Rank(s) {missing} did not start: {exc} (DDPTRAIN_WORKER_START_TIMEOUT_S). "
+                    f"Their output is in {self.run.log_dir(self.index)}."
+                ) from None
             backend = self.run.backend_config.backend_cls()
             if isinstance(backend, type):  # `backend_cls` written as a method, not a property
                 backend = backend()

@@ -32,6 +32,16 @@ __all__ = ["Run"]
 _logger = logging.getLogger(__name__)
 
 
+def _fresh_name(storage_path: str) -> str:
+    """A generated run name that no earlier run used (only an explicit name resumes a run)."""
+    base = datetime.datetime.now().strftime("ddptrain_run-%Y-%m-%d_%H-%M-%S")
+    name, n = base, 1
+    while os.path.exists(os.path.join(storage_path, name)):
+        n += 1
+        name = f"{base}_{n}"
+    return name
+
+
 class Run:
     """State of one ``fit()``: configs, run directory, reported metrics and checkpoints.
 
@@ -56,8 +66,8 @@ class Run:
         self.run_config = run_config
         self.backend_config = backend_config
         self.run_id = uuid.uuid4().hex
-        self.name = run_config.name or datetime.datetime.now().strftime("ddptrain_run-%Y-%m-%d_%H-%M-%S")
         self.storage_path = str(run_config._storage_root())
+        self.name = run_config.name or _fresh_name(self.storage_path)
         self.run_dir = os.path.join(self.storage_path, self.name)
         self.hostname = socket.gethostname()
         self.context = TrainRunContext(

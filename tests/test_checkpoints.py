@@ -435,8 +435,10 @@ def crash_right_after_report(config: dict) -> int:
 def test_a_checkpoint_is_never_lost_once_report_returned(storage: str) -> None:
     for run in range(3):  # the crash follows the report by microseconds: try a few times
         result = train.DataParallelTrainer(
-            crash_right_after_report, scaling_config=train.ScalingConfig(num_workers=2),
-            run_config=train.RunConfig(name=f"race{run}", storage_path=storage,
-                                       failure_config=train.FailureConfig(max_failures=1)),
+            crash_right_after_report,
+            scaling_config=train.ScalingConfig(num_workers=2),
+            run_config=train.RunConfig(
+                name=f"race{run}", storage_path=storage, failure_config=train.FailureConfig(max_failures=1)
+            ),
         ).fit()
         assert result.return_values == [1, 1]

@@ -192,3 +192,28 @@ def test_large_config_reaches_every_worker(storage: str) -> None:
         run_config=train.RunConfig(storage_path=storage),
     ).fit()
     assert result.return_values == [len(blob), len(blob)]
+
+
+def test_generated_names_never_resume_another_run(storage: str) -> None:
+    first = train.DataParallelTrainer(
+        no_argument_function,
+        scaling_config=train.ScalingConfig(num_workers=1),
+        run_config=train.RunConfig(storage_path=storage),
+    ).fit()
+    second = train.DataParallelTrainer(
+        no_argument_function,
+        scaling_config=train.ScalingConfig(num_workers=1),
+        run_config=train.RunConfig(storage_path=storage),
+    ).fit()
+    assert first.path != second.path
+    assert len(second.metrics_history) == 1
+
+
+def test_workers_that_do_not_start_in_time_are_a_launch_error(storage: str, monkeypatch) -> None:
+    monkeypatch.setenv("DDPTRAIN_WORKER_START_TIMEOUT_S", "0.01")
+    with pytest.raises(train.LaunchError, match=r"Rank\(s\) \[0, 1\] did not start"):
+        train.DataParallelTrainer(
+            no_argument_function,
+            scaling_config=train.ScalingConfig(num_workers=2),
+            run_config=train.RunConfig(storage_path=storage),
+        ).fit()
