@@ -86,12 +86,15 @@ def environment() -> dict[str, Any]:
     }
 
 
-def _busy_cpu_s() -> float:
-    """CPU seconds the whole machine has spent busy since boot (from /proc/stat)."""
+def _cpu_s() -> tuple[float, float]:
+    """(busy, steal) CPU seconds of the whole machine since boot, from /proc/stat. Steal is
+    time the hypervisor gave this VM's CPUs to someone else."""
     with open("/proc/stat") as f:
         fields = [int(x) for x in f.readline().split()[1:]]
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+    steal = fields[7] if len(fields) > 7 else 0
+    hz = os.sysconf("SC_CLK_TCK")
+    return (sum(fields[:8]) - idle - steal) / hz, steal / hz
 
 
 def _own_cpu_s() -> float:
@@ -109,17 +112,21 @@ class ForeignLoad:
 
     def __init__(self) -> None:
         self._wall = time.monotonic()
-        self._busy = _busy_cpu_s()
+        self._busy, self._steal = _cpu_s()
         self._own = _own_cpu_s()
 
     def result(self) -> dict[str, float]:
         wall = time.monotonic() - self._wall
-        foreign = max(0.0, (_busy_cpu_s() - self._busy) - (_own_cpu_s() - self._own))
+        busy, steal = _cpu_s()
+        foreign = max(0.0, (busy - self._busy) - (_own_cpu_s() - self._own))
+        steal -= self._steal
         return {
             "wall_s": round(wall, 2),
             "foreign_cpu_s": round(foreign, 2),
             # Average number of cores other processes kept busy.
             "foreign_cores": round(foreign / wall, 3) if wall > 0 else 0.0,
+            # Average number of cores the hypervisor took away.
+            "steal_cores": round(steal / wall, 3) if wall > 0 else 0.0,
         }
 
 

@@ -17,7 +17,10 @@ from ddptrain.config import (
     ScalingConfig,
 )
 from ddptrain.context import (
+    CheckpointConsistencyMode,
+    CheckpointUploadMode,
     ReportedCheckpoint,
+    ReportedCheckpointStatus,
     StorageContext,
     TrainContext,
     get_all_reported_checkpoints,
@@ -29,6 +32,7 @@ from ddptrain.context import (
 from ddptrain.data_parallel_trainer import DataParallelTrainer
 from ddptrain.errors import (
     ConfigError,
+    ControllerError,
     DdpTrainError,
     LaunchError,
     TrainingFailedError,
@@ -50,6 +54,9 @@ __all__ = [
     "BackendConfig",
     "Checkpoint",
     "CheckpointConfig",
+    "CheckpointConsistencyMode",
+    "CheckpointUploadMode",
+    "ControllerError",
     "ConfigError",
     "DataConfig",
     "DataParallelTrainer",
@@ -58,6 +65,7 @@ __all__ = [
     "LaunchError",
     "LoggingConfig",
     "ReportedCheckpoint",
+    "ReportedCheckpointStatus",
     "Result",
     "RunConfig",
     "ScalingConfig",

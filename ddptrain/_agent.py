@@ -21,20 +21,27 @@ import traceback
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-__all__ = ["FRAME", "AGENT_RANK", "read_frame", "write_frame", "main"]
+__all__ = ["FRAME", "AGENT_RANK", "read_frame", "write_frame", "write_all", "main"]
 
 # kind (1 byte), rank, payload length
 FRAME = struct.Struct(">cII")
 AGENT_RANK = 0xFFFFFFFF
 _POLL_S = 0.05
+# After a worker exits, how long its pipes may stay open (held by processes it started,
+# such as DataLoader workers) before its exit is reported anyway.
+_DRAIN_S = 0.3
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data`` to a file descriptor."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def write_frame(fd: int, kind: bytes, rank: int, payload: bytes) -> None:
     """Write one frame to a file descriptor, in full."""
-    data = memoryview(FRAME.pack(kind, rank, len(payload)) + payload)
-    while data:
-        written = os.write(fd, data)
-        data = data[written:]
+    write_all(fd, FRAME.pack(kind, rank, len(payload)) + payload)
 
 
 def _read_exactly(stream: IO[bytes], size: int) -> bytes:
@@ -68,9 +75,10 @@ class _Child:
     status: bytearray = field(default_factory=bytearray)
     status_fd: int = -1
     exitcode: int | None = None
+    exited_at: float = 0.0
 
 
-def _set_pdeathsig() -> None:
+def _set_pdeathsig(agent_pid: int) -> None:
     try:
         import ctypes
 
@@ -78,17 +86,20 @@ def _set_pdeathsig() -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except Exception:
         pass
+    if os.getppid() != agent_pid:  # the agent died before the request took effect
+        os._exit(1)
 
 
 def _fork_worker(spec: dict[str, Any], shared: dict[str, Any], close_fds: list[int]) -> _Child:
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     status_r, status_w = os.pipe()
+    agent_pid = os.getpid()
     pid = os.fork()
     if pid == 0:  # the worker
         code = 1
         try:
-            _set_pdeathsig()
+            _set_pdeathsig(agent_pid)
             for fd in (*close_fds, out_r, err_r, status_r):
                 os.close(fd)
             devnull = os.open(os.devnull, os.O_RDONLY)
@@ -165,6 +176,7 @@ def _reaped(child: _Child) -> bool:
     if pid == 0:
         return False
     child.exitcode = os.waitstatus_to_exitcode(status)
+    child.exited_at = time.monotonic()
     return True
 
 
@@ -175,35 +187,48 @@ def _relay(out_fd: int, stdin_fd: int, children: list[_Child], grace_s: float) -
         for fd in child.fds:
             selector.register(fd, selectors.EVENT_READ, ("out", child))
         selector.register(child.status_fd, selectors.EVENT_READ, ("status", child))
+
+    def forward(key: selectors.SelectorKey) -> None:
+        what, child = key.data
+        data = os.read(key.fd, 65536)
+        if not data:
+            selector.unregister(key.fd)
+            os.close(key.fd)
+            if what == "out":
+                del child.fds[key.fd]
+            else:
+                child.status_fd = -1
+        elif what == "out":
+            write_frame(out_fd, child.fds[key.fd], child.rank, data)
+        else:
+            child.status.extend(data)
+
     pending = list(children)  # children whose exit has not been reported
     while pending:
         for key, _ in selector.select(_POLL_S):
-            what, child = key.data
-            fd = key.fd
-            if what == "stdin":
-                data = os.read(fd, 4096)
+            if key.data[0] == "stdin":
+                data = os.read(key.fd, 4096)
                 if not data or b"K" in data:  # driver gone, or asked us to stop
                     _kill_all(children, grace_s)
                     return
-                continue
-            data = os.read(fd, 65536)
-            if not data:
-                selector.unregister(fd)
-                os.close(fd)
-                if what == "out":
-                    del child.fds[fd]
-                else:
-                    child.status_fd = -1
-            elif what == "out":
-                write_frame(out_fd, child.fds[fd], child.rank, data)
             else:
-                child.status.extend(data)
+                forward(key)
         for child in list(pending):
-            # Report an exit only once its pipes are drained, so output comes before it.
             if child.exitcode is None and not _reaped(child):
                 continue
-            if child.fds or child.status_fd != -1:
-                continue
+            drained = not child.fds and child.status_fd == -1
+            if not drained and time.monotonic() - child.exited_at < _DRAIN_S:
+                continue  # give its last output a moment, so it comes before the exit
+            if child.status_fd != -1:  # held open by a process it started; its status is in the pipe
+                os.set_blocking(child.status_fd, False)
+                try:
+                    while chunk := os.read(child.status_fd, 65536):
+                        child.status.extend(chunk)
+                except BlockingIOError:
+                    pass
+                selector.unregister(child.status_fd)
+                os.close(child.status_fd)
+                child.status_fd = -1
             payload = pickle.dumps({"exitcode": child.exitcode, "status": bytes(child.status)})
             write_frame(out_fd, b"X", child.rank, payload)
             pending.remove(child)
@@ -259,4 +284,6 @@ def main() -> int:
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
-    sys.exit(main())
+    exit_code = main()
+    sys.stderr.flush()
+    os._exit(exit_code)  # skip interpreter teardown with torch loaded (about half a second)

@@ -31,6 +31,8 @@ class LogSink:
         self._partial: dict[tuple[int, bytes], bytes] = {}
         self._tails: dict[int, collections.deque[str]] = {}
         self._lock = threading.Lock()
+        for rank in labels:  # every rank gets its file, even one that prints nothing
+            self._files[rank] = open(self.path(rank), "ab")  # noqa: SIM115 (closed in close())
 
     def path(self, rank: int) -> str:
         """The log file of ``rank``."""

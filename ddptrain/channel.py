@@ -47,21 +47,37 @@ class Keys:
     def to_worker(self, rank: int) -> str:
         return f"{self.prefix}/to_worker/{rank}"
 
-    def collective(self, seq: int, part: str) -> str:
-        return f"{self.prefix}/collective/{seq}/{part}"
+
+def _mac(secret: bytes, key: str, payload: bytes) -> bytes:
+    # The MAC covers the queue's key too: a message is only valid on the queue it was sent to.
+    return hmac.new(secret, key.encode() + b"\0" + payload, _DIGEST).digest()
 
 
-def sign(secret: bytes, obj: Any) -> bytes:
-    """Pickle ``obj`` and put its MAC in front."""
-    payload = cloudpickle.dumps(obj)
-    return hmac.new(secret, payload, _DIGEST).digest() + payload
+def sign(secret: bytes, key: str, obj: Any, *, plain_pickle: bool = False) -> bytes:
+    """Pickle ``obj`` for the queue ``key`` and put its MAC in front.
+
+    ``plain_pickle`` tries the (faster) standard pickle first; only for plain data whose
+    classes the receiver can import, such as metrics sent to the driver.
+    """
+    payload = b""
+    if plain_pickle:
+        try:
+            payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:
+            payload = b""
+    if not payload:
+        payload = cloudpickle.dumps(obj)
+    return _mac(secret, key, payload) + payload
 
 
-def verify(secret: bytes, data: bytes) -> Any:
-    """Check the MAC of ``data``, then unpickle it. Raises ForgedMessageError on a bad MAC."""
+def verify(secret: bytes, key: str, data: bytes) -> Any:
+    """Check the MAC of ``data`` read from queue ``key``, then unpickle it.
+
+    Raises:
+        ForgedMessageError: The MAC is wrong; nothing was unpickled.
+    """
     mac, payload = data[:_MAC_BYTES], data[_MAC_BYTES:]
-    expected = hmac.new(secret, payload, _DIGEST).digest()
-    if len(mac) != _MAC_BYTES or not hmac.compare_digest(mac, expected):
+    if len(mac) != _MAC_BYTES or not hmac.compare_digest(mac, _mac(secret, key, payload)):
         raise ForgedMessageError(f"rejected a store message of {len(data)} bytes with a bad signature")
     return pickle.loads(payload)
 
@@ -79,7 +95,6 @@ class DriverChannel:
         self._keys = keys
         self._secret = secret
         self._thread: threading.Thread | None = None
-        self.forged_count = 0
 
     def start(self, on_message: Callable[[Any], None]) -> None:
         """Start consuming; ``on_message`` runs in the consumer thread."""
@@ -94,9 +109,8 @@ class DriverChannel:
                     _logger.debug("driver channel stopped: %s", exc)
                     return
                 try:
-                    message = verify(self._secret, data)
+                    message = verify(self._secret, self._keys.to_driver, data)
                 except ForgedMessageError as exc:
-                    self.forged_count += 1
                     _logger.warning("ddptrain: %s (someone else is writing to this run's store)", exc)
                     continue
                 except Exception as exc:
@@ -111,14 +125,16 @@ class DriverChannel:
 
     def send(self, rank: int, obj: Any) -> None:
         """Push a signed command to one worker."""
-        self._store.queue_push(self._keys.to_worker(rank), sign(self._secret, obj))
+        key = self._keys.to_worker(rank)
+        self._store.queue_push(key, sign(self._secret, key, obj))
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop the consumer thread (safe to call twice)."""
         if self._thread is None:
             return
         try:
-            self._store.queue_push(self._keys.to_driver, sign(self._secret, STOP))
+            key = self._keys.to_driver
+            self._store.queue_push(key, sign(self._secret, key, STOP))
         except Exception as exc:
             _logger.debug("could not wake the channel thread: %s", exc)
         self._thread.join(timeout_s)
@@ -136,13 +152,15 @@ class WorkerChannel:
 
     def send(self, obj: Any) -> None:
         """Push a signed message to the driver."""
-        self.store.queue_push(self.keys.to_driver, sign(self.secret, obj))
+        key = self.keys.to_driver
+        self.store.queue_push(key, sign(self.secret, key, obj, plain_pickle=True))
 
     def recv(self) -> Any:
         """Block until the driver sends this rank a command."""
         while True:
-            data = self.store.queue_pop(self.keys.to_worker(self.rank))
+            key = self.keys.to_worker(self.rank)
+            data = self.store.queue_pop(key)
             try:
-                return verify(self.secret, data)
+                return verify(self.secret, key, data)
             except ForgedMessageError as exc:
                 _logger.warning("ddptrain rank %d: %s", self.rank, exc)

@@ -66,13 +66,13 @@ class Checkpoint:
         if target == Path(self.path):
             return str(target)
         target.parent.mkdir(parents=True, exist_ok=True)
+        # The marker says "target holds a complete copy of this checkpoint"; it stays, so that
+        # callers that waited on the lock reuse the copy instead of copying over it.
         done_marker = target.parent / f".{target.name}.complete"
         with FileLock(str(target.parent / f".{target.name}.lock")):
-            if not done_marker.exists():
+            if not (done_marker.exists() and target.is_dir() and done_marker.read_text() == self.path):
                 shutil.copytree(self.path, target, dirs_exist_ok=True)
-                done_marker.touch()
-        with contextlib.suppress(OSError):
-            done_marker.unlink()
+                done_marker.write_text(self.path)
         return str(target)
 
     @contextlib.contextmanager

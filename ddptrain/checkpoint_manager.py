@@ -78,9 +78,9 @@ class CheckpointManager:
         ordered = sorted(self._entries, key=self._score)
         return [(self._checkpoint(e), e.metrics) for e in ordered]
 
-    def reported(self) -> list[tuple[str, dict[str, Any]]]:
-        """Kept checkpoints (path, metrics) in commit order."""
-        return [(os.path.join(self.run_dir, e.dir_name), e.metrics) for e in self._entries]
+    def is_committed(self, dir_name: str) -> bool:
+        """Whether ``dir_name`` is a kept checkpoint of this run."""
+        return any(e.dir_name == dir_name for e in self._entries)
 
     # ----------------------------------------------------------------- changes
     def register(self, path: str, metrics: dict[str, Any], report_index: int) -> Checkpoint:

@@ -6,9 +6,9 @@ local mode, ``num_workers=0``). One module-global session holds the worker's sta
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
-import re
 import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -29,10 +29,34 @@ __all__ = [
     "get_dataset_shard",
     "get_all_reported_checkpoints",
     "ReportedCheckpoint",
+    "ReportedCheckpointStatus",
+    "CheckpointUploadMode",
+    "CheckpointConsistencyMode",
 ]
 
 _logger = logging.getLogger(__name__)
-_DIR_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]*$")
+
+
+class CheckpointUploadMode(enum.Enum):
+    """How ``report()`` persists a checkpoint. ddptrain always persists before ``report()``
+    returns; ``ASYNC`` only changes the default of ``delete_local_checkpoint_after_upload``."""
+
+    SYNC = "SYNC"
+    ASYNC = "ASYNC"
+    NO_UPLOAD = "NO_UPLOAD"
+
+
+class CheckpointConsistencyMode(enum.Enum):
+    """Accepted by ``get_all_reported_checkpoints``; every listed checkpoint is committed."""
+
+    COMMITTED = "COMMITTED"
+    VALIDATED = "VALIDATED"
+
+
+class ReportedCheckpointStatus(enum.Enum):
+    """State of a reported checkpoint (ddptrain has no validation step: always COMMITTED)."""
+
+    COMMITTED = "COMMITTED"
 
 
 class ContextError(DdpTrainError, RuntimeError):
@@ -161,10 +185,7 @@ class _Session:
         """Send a message and wait for the driver's reply to it."""
         assert self.channel is not None
         self.channel.send(message)
-        reply = self.channel.recv()
-        if reply[0] == "abort":
-            raise SystemExit(f"ddptrain: the driver stopped this run ({reply[1]}).")
-        return reply
+        return self.channel.recv()
 
 
 _session: _Session | None = None
@@ -220,12 +241,10 @@ def _check_metrics(metrics: Any) -> dict[str, Any]:
 
 
 def _check_dir_name(name: str | None) -> None:
-    if name is None:
-        return
-    if not isinstance(name, str) or not _DIR_NAME.match(name) or name in (".", ".."):
-        raise ValueError(
-            f"`checkpoint_dir_name` must be a plain folder name (letters, digits, '._=+-', no '/'), got {name!r}."
-        )
+    from ddptrain import storage
+
+    if name is not None:
+        storage.check_dir_name(name)
 
 
 def report(
@@ -278,6 +297,15 @@ def report(
         if checkpoint is not None:
             session.checkpoint = checkpoint
         return
+    if checkpoint_upload_mode == CheckpointUploadMode.ASYNC and delete_local_checkpoint_after_upload is None:
+        delete_local_checkpoint_after_upload = True  # Ray's default for ASYNC
+    if delete_local_checkpoint_after_upload and checkpoint is not None and session.run_dir:
+        local, run_dir = os.path.realpath(checkpoint.path), os.path.realpath(session.run_dir)
+        if os.path.commonpath([local, run_dir]) in (local, run_dir):
+            raise ValueError(
+                f"`delete_local_checkpoint_after_upload=True` would delete {checkpoint.path}, which is "
+                f"inside the run directory {session.run_dir} or contains it."
+            )
     rank = session.context.get_world_rank()
     staged = _stage_checkpoint(session, checkpoint) if checkpoint is not None else None
     message = ("report", rank, session.report_index, metrics, staged, checkpoint_dir_name)
@@ -285,6 +313,8 @@ def report(
         session.channel.send(message)
         return
     reply = session.call_driver(message)
+    if reply[3]:  # the driver refused to commit it
+        raise ValueError(reply[3])
     session.checkpoint = Checkpoint(reply[2])
     if delete_local_checkpoint_after_upload and checkpoint is not None:
         shutil.rmtree(checkpoint.path, ignore_errors=True)
@@ -328,14 +358,16 @@ class ReportedCheckpoint:
 
     checkpoint: Checkpoint
     metrics: dict[str, Any]
+    status: ReportedCheckpointStatus = ReportedCheckpointStatus.COMMITTED
 
 
 def get_all_reported_checkpoints(
     consistency_mode: Any = None, timeout_s: float | None = None
 ) -> list[ReportedCheckpoint]:
-    """The run's kept checkpoints, oldest first, including those of earlier attempts.
+    """The run's kept checkpoints in score order (worst first, as ``Result.best_checkpoints``),
+    including those of earlier attempts and of a resumed run.
 
-    Every checkpoint this worker's earlier ``report()`` calls committed is included.
+    Every checkpoint that this worker's earlier ``report()`` calls committed is included.
     """
     session = _get_session("get_all_reported_checkpoints")
     if session.channel is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import logging
@@ -95,6 +96,7 @@ class DataParallelTrainer:
         self.datasets = dict(datasets or {})
         self.dataset_config = dataset_config if dataset_config is not None else DataConfig()
         self.resume_from_checkpoint = resume_from_checkpoint
+        self._dataset_names: list[str] = []
         self._validate()
 
     def _validate(self) -> None:
@@ -146,8 +148,12 @@ class DataParallelTrainer:
         return payload
 
     def _trainer_bytes(self) -> bytes | None:
+        # Datasets are left out (they are in the payload already); restore() asks for them again.
+        saved = copy.copy(self)
+        saved.datasets = {}
+        saved._dataset_names = sorted(self.datasets)
         try:
-            data: bytes = cloudpickle.dumps(self)
+            data: bytes = cloudpickle.dumps(saved)
         except Exception as exc:
             _logger.warning("ddptrain: the trainer cannot be pickled, so `restore()` will not work: %r", exc)
             return None
@@ -274,6 +280,12 @@ class DataParallelTrainer:
             trainer._takes_config = _takes_config(train_loop_per_worker)
         if train_loop_config is not None:
             trainer.train_loop_config = train_loop_config
+        needed = getattr(trainer, "_dataset_names", [])
+        if needed and "datasets" not in kwargs:
+            raise ConfigError(
+                f"The run in {run_dir} used the datasets {needed}; pass them again: "
+                "`restore(path, datasets={...})`."
+            )
         for name, value in kwargs.items():
             if not hasattr(trainer, name):
                 raise ConfigError(f"`restore()` got an unknown argument {name!r}.")

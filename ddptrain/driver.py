@@ -30,6 +30,7 @@ from ddptrain.errors import (
     WorkerDiedError,
     WorkerError,
     WorkerFailure,
+    describe_exitcode,
 )
 from ddptrain.worker_group import WorkerGroup
 
@@ -95,6 +96,7 @@ class Attempt:
         self.exited: set[int] = set()
         self.exit_expected = False
         self.rounds: dict[tuple[str, int], _Round] = {}
+        self.finishing = False  # every rank returned; only teardown is left
         self.sink: LogSink | None = None
         self.channel: DriverChannel | None = None
         self._next_call = 0
@@ -140,22 +142,7 @@ class Attempt:
             for rank in range(self.world_size):
                 self.channel.send(rank, ("train",))
             self.pump_until(lambda: len(self.done) == self.world_size)
-            self._warn_unfinished_rounds()
-            try:
-                backend.on_shutdown(worker_group, self.run.backend_config)
-            except GroupFailed:
-                raise
-            except Exception as exc:
-                _logger.warning("ddptrain: backend shutdown failed (ignored): %r", exc)
-            self.exit_expected = True
-            for rank in range(self.world_size):
-                self.channel.send(rank, ("exit",))
-            try:
-                self.pump_until(
-                    lambda: len(self.exited) == self.world_size, timeout_s=10.0, waiting_for="workers to exit"
-                )
-            except TimeoutError as exc:
-                _logger.warning("ddptrain: %s; killing them", exc)
+            self._finish(backend, worker_group)
             return [self._load_return(rank) for rank in range(self.world_size)]
         finally:
             self.exit_expected = True
@@ -164,7 +151,28 @@ class Attempt:
                 self.channel.stop()
             if self.sink is not None:
                 self.sink.close()
-            del store
+            self.channel = None
+            store = None
+
+    def _finish(self, backend: Any, worker_group: WorkerGroup) -> None:
+        """Every rank returned: run the backend's teardown and let the workers exit.
+
+        Training succeeded, so problems from here on are logged, not raised.
+        """
+        self.finishing = True
+        self._warn_unfinished_rounds()
+        try:
+            backend.on_shutdown(worker_group, self.run.backend_config)
+        except Exception as exc:
+            _logger.warning("ddptrain: the backend's shutdown failed after training finished (ignored): %s", exc)
+        assert self.channel is not None
+        self.exit_expected = True
+        for rank in range(self.world_size):
+            self.channel.send(rank, ("exit",))
+        try:
+            self.pump_until(lambda: len(self.exited) == self.world_size, timeout_s=10.0, waiting_for="workers to exit")
+        except (GroupFailed, TimeoutError) as exc:
+            _logger.warning("ddptrain: workers did not exit cleanly after training finished (ignored): %s", exc)
 
     def _load_return(self, rank: int) -> Any:
         data, note = self.done[rank]
@@ -183,28 +191,31 @@ class Attempt:
                 event = None
             if event is not None:
                 self._handle(event)
-            self._warn_stragglers()
+            self._check_rounds()
             if deadline is not None and time.monotonic() > deadline and not done():
                 raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {waiting_for}")
 
     def _handle(self, event: tuple[str, Any]) -> None:
-        source, item = event
-        failure = self._handle_message(item) if source == "msg" else self._handle_agent(item)
+        failure = self._dispatch(event)
         if failure is None:
             return
-        self.run.prepare_restart()
+        if not self.finishing:
+            self.run.prepare_restart()
         failures = [failure]
         # Gather the other ranks that failed on their own at about the same time.
         deadline = time.monotonic() + 0.2
         while time.monotonic() < deadline:
             try:
-                source, item = self.events.get(timeout=0.05)
+                more = self._dispatch(self.events.get(timeout=0.05))
             except queue.Empty:
                 continue
-            more = self._handle_message(item) if source == "msg" else self._handle_agent(item)
             if more is not None and more.rank not in {f.rank for f in failures}:
                 failures.append(more)
         raise GroupFailed(failures)
+
+    def _dispatch(self, event: tuple[str, Any]) -> WorkerFailure | None:
+        source, item = event
+        return self._handle_message(item) if source == "msg" else self._handle_agent(item)
 
     def _handle_message(self, message: tuple[Any, ...]) -> WorkerFailure | None:
         kind, rank = message[0], message[1]
@@ -224,7 +235,8 @@ class Attempt:
             self._add_to_round("collective", index, rank, data)
         elif kind == "checkpoints":
             assert self.channel is not None
-            self.channel.send(rank, ("checkpoints", self.run.checkpoints.reported()))
+            reported = [(c.path, m) for c, m in self.run.checkpoints.best_checkpoints()]
+            self.channel.send(rank, ("checkpoints", reported))
         elif kind == "done":
             self.done[rank] = (message[2], message[3])
         return None
@@ -253,7 +265,13 @@ class Attempt:
             return self._failure(0, None, error, text)
         if kind == b"D" and rank == AGENT_RANK and len(self.exited) < self.world_size and not self.exit_expected:
             missing = sorted(set(range(self.world_size)) - self.exited)
-            return self._failure(missing[0], None, LaunchError("The ddptrain agent process died."))
+            code = payload.decode()
+            how = "did not exit" if code == "None" else describe_exitcode(int(code))
+            hint = " (SIGKILL often means the kernel's out-of-memory killer)" if code == "-9" else ""
+            error = LaunchError(
+                f"The ddptrain agent process that runs rank(s) {missing} died ({how}){hint}; its workers died with it."
+            )
+            return self._failure(missing[0], None, error)
         return None
 
     def _failure(self, rank: int, exitcode: int | None, exc: BaseException, traceback_str: str = "") -> WorkerFailure:
@@ -312,10 +330,30 @@ class Attempt:
         checkpoint = None
         if staged_ranks:
             name = entries[0][2] or f"checkpoint_{index:06d}"
-            checkpoint = self.run.commit_checkpoint([entries[r][1] for r in staged_ranks], name, entries[0][0], index)
+            problem = self.run.name_problem(name)
+            if problem is None:
+                checkpoint = self.run.commit_checkpoint(
+                    [entries[r][1] for r in staged_ranks], name, entries[0][0], index
+                )
             for r in staged_ranks:
-                self.channel.send(r, ("ack", index, checkpoint.path))
+                self.channel.send(r, ("ack", index, checkpoint.path if checkpoint else None, problem))
         self.run.after_report([metrics for metrics, _, _ in entries], checkpoint)
+
+    def _check_rounds(self) -> None:
+        """Fail when a rank waits for one that already returned; warn about late ranks."""
+        for round_ in self.rounds.values():
+            gone = sorted(set(self.done) - set(round_.entries))
+            waits = round_.kind == "collective" or any(entry[1] for entry in round_.entries.values())
+            if gone and waits:
+                what = "report()" if round_.kind == "report" else "a collective (barrier/broadcast)"
+                error = RuntimeError(
+                    f"rank(s) {gone} returned from the training function while rank(s) {sorted(round_.entries)} "
+                    f"wait for them in {what} call #{round_.index}. Every worker must call it the same "
+                    "number of times."
+                )
+                self.run.prepare_restart()
+                raise GroupFailed([self._failure(gone[0], None, error)])
+        self._warn_stragglers()
 
     def _warn_stragglers(self) -> None:
         interval = _env.report_warn_interval_s()

@@ -12,6 +12,7 @@ __all__ = [
     "ConfigError",
     "LaunchError",
     "TrainingFailedError",
+    "ControllerError",
     "WorkerGroupError",
     "WorkerError",
     "WorkerDiedError",
@@ -33,6 +34,10 @@ class LaunchError(DdpTrainError, RuntimeError):
 
 class TrainingFailedError(DdpTrainError, RuntimeError):
     """Raised by ``fit()`` when training failed (Ray Train's name)."""
+
+
+class ControllerError(TrainingFailedError):
+    """Training failed because of the driver itself (Ray Train's name), not a worker."""
 
 
 class WorkerError(DdpTrainError, RuntimeError):

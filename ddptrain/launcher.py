@@ -59,6 +59,21 @@ class LocalLauncher:
             start_new_session=True,
         )
         self._threads: list[threading.Thread] = []
+        # Read the agent's stderr from the start: a full pipe would stall it.
+        self._spawn_thread(self._read_stderr, self._proc)
+
+    def _spawn_thread(self, target: Callable[..., None], *args: Any) -> None:
+        thread = threading.Thread(target=target, args=args, name=f"ddptrain-{target.__name__}", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    @staticmethod
+    def _read_stderr(proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            text = line.decode("utf-8", errors="replace").rstrip()
+            if text:
+                sys.stderr.write(f"[ddptrain agent] {text}\n")
 
     @property
     def pid(self) -> int | None:
@@ -83,19 +98,13 @@ class LocalLauncher:
                     sink.write(rank, kind, data)
                 else:
                     on_event((kind, rank, data))
-            on_event((b"D", AGENT_RANK, b""))
+            try:
+                code = proc.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                code = None
+            on_event((b"D", AGENT_RANK, repr(code).encode()))
 
-        def read_stderr() -> None:
-            assert proc.stderr is not None
-            for line in proc.stderr:
-                text = line.decode("utf-8", errors="replace").rstrip()
-                if text:
-                    sys.stderr.write(f"[ddptrain agent] {text}\n")
-
-        for target in (read_frames, read_stderr):
-            thread = threading.Thread(target=target, name=f"ddptrain-{target.__name__}", daemon=True)
-            thread.start()
-            self._threads.append(thread)
+        self._spawn_thread(read_frames)
 
     def shutdown(self, grace_s: float) -> None:
         proc, self._proc = self._proc, None

@@ -122,7 +122,7 @@ class Result:
 def read_metrics(run_dir: str) -> list[dict[str, Any]]:
     """Rank 0's metrics of every report in ``run_dir/metrics.jsonl``, oldest first.
 
-    A last line cut short by a crash is ignored.
+    A line cut short by a crash is skipped.
     """
     history: list[dict[str, Any]] = []
     path = os.path.join(run_dir, METRICS_FILE)
@@ -136,5 +136,5 @@ def read_metrics(run_dir: str) -> list[dict[str, Any]]:
             try:
                 history.append(json.loads(line)["metrics"])
             except (ValueError, KeyError, TypeError):
-                break
+                continue  # a line cut short by a crash
     return history

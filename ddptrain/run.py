@@ -182,6 +182,19 @@ class Run:
         """What ``get_checkpoint()`` returns to a (re)started group."""
         return self.checkpoints.latest or self.start_checkpoint
 
+    def name_problem(self, name: str) -> str | None:
+        """Why a checkpoint may not be committed as ``name``, or ``None`` when it may."""
+        try:
+            target = storage.safe_child(self.run_dir, name)
+        except ValueError as exc:
+            return str(exc)
+        if target.exists() and not self.checkpoints.is_committed(name):
+            return (
+                f"`checkpoint_dir_name` {name!r} names a folder of the run directory that is not a "
+                "checkpoint of this run; choose another name."
+            )
+        return None
+
     def commit_checkpoint(self, staged: list[str], name: str, metrics: dict[str, Any], index: int) -> Checkpoint:
         """Commit staged files as checkpoint ``name``, record it, and apply retention."""
         path = storage.commit_checkpoint(self.run_dir, staged, name)
@@ -196,6 +209,7 @@ class Run:
         """Pick up an earlier run of the same name: its checkpoints and metrics. Loud on purpose."""
         if not os.path.isdir(self.run_dir):
             return
+        storage.clean_leftovers(self.run_dir)  # before reading the index: it may move a checkpoint back
         self.checkpoints.load()
         self.metrics_history = read_metrics(self.run_dir)
         latest = self.checkpoints.latest
@@ -236,7 +250,11 @@ class Run:
             with open(trainer_file + ".tmp", "wb") as f:
                 f.write(self.trainer_bytes)
             os.replace(trainer_file + ".tmp", trainer_file)
-        self._metrics_file = open(os.path.join(self.run_dir, METRICS_FILE), "a")  # noqa: SIM115
+        self._metrics_file = open(os.path.join(self.run_dir, METRICS_FILE), "a+")  # noqa: SIM115
+        if self._metrics_file.tell() > 0:  # end a line a crash may have cut short
+            self._metrics_file.seek(self._metrics_file.tell() - 1)
+            if self._metrics_file.read(1) != "\n":
+                self._metrics_file.write("\n")
 
     def _check_gpus(self) -> None:
         if not self.scaling_config.use_gpu:

@@ -14,21 +14,46 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import uuid
 from pathlib import Path
 from typing import Any
 
-__all__ = ["stage_files", "commit_checkpoint", "clean_leftovers", "safe_child", "write_json_atomic", "to_jsonable"]
+__all__ = [
+    "stage_files",
+    "commit_checkpoint",
+    "clean_leftovers",
+    "check_dir_name",
+    "safe_child",
+    "write_json_atomic",
+    "to_jsonable",
+]
 
 STAGING = ".staging"
+# Files and folders of the run directory that a checkpoint may never be named after.
+RESERVED_NAMES = frozenset({"run.json", "trainer.pkl", "metrics.jsonl", "checkpoints.json", "logs"})
+_DIR_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]*$")
+
+
+def check_dir_name(name: str) -> None:
+    """Refuse checkpoint folder names that are not plain names, or that name run files."""
+    if not isinstance(name, str) or not _DIR_NAME.match(name) or name in (".", ".."):
+        raise ValueError(
+            f"`checkpoint_dir_name` must be a plain folder name (letters, digits, '._=+-', no '/'), got {name!r}."
+        )
+    if name in RESERVED_NAMES:
+        raise ValueError(
+            f"`checkpoint_dir_name` {name!r} is the name of one of the run's own files; choose another name."
+        )
 
 
 def safe_child(run_dir: str, name: str) -> Path:
-    """``run_dir/name``, refusing names that would land outside ``run_dir``."""
+    """``run_dir/name``, refusing names that would land outside ``run_dir`` or on its own files."""
+    check_dir_name(name)
     root = Path(run_dir).resolve()
     target = (root / name).resolve()
-    if target.parent != root or name.startswith("."):
+    if target.parent != root:
         raise ValueError(f"Checkpoint folder name {name!r} would escape the run directory {run_dir}.")
     return target
 
@@ -111,14 +136,24 @@ def write_json_atomic(path: str | Path, data: Any) -> None:
 
 
 def clean_leftovers(run_dir: str) -> None:
-    """Remove what an interrupted attempt left: staged files and half-built checkpoints.
+    """Undo or remove what an interrupted commit left; committed checkpoints are never lost.
 
-    Committed checkpoints are never touched.
+    A checkpoint being replaced under its own name is moved aside as ``.<name>.<id>.old``
+    until its successor is renamed into place: if the successor never arrived, the old one
+    is moved back. Staged files and half-built checkpoints are removed.
     """
     root = Path(run_dir)
     if not root.is_dir():
         return
     shutil.rmtree(root / STAGING, ignore_errors=True)
     for entry in root.iterdir():
-        if entry.name.startswith(".") and entry.name.endswith((".partial", ".old")) and entry.is_dir():
+        if not (entry.name.startswith(".") and entry.is_dir()):
+            continue
+        if entry.name.endswith(".old"):
+            original = root / entry.name[1:].rsplit(".", 2)[0]
+            if not original.exists():
+                os.rename(entry, original)
+                continue
+            shutil.rmtree(entry, ignore_errors=True)
+        elif entry.name.endswith(".partial"):
             shutil.rmtree(entry, ignore_errors=True)

@@ -62,9 +62,9 @@ def failure_record(exc: BaseException) -> dict[str, Any]:
 
 
 def _write_status(status_fd: int, record: dict[str, Any]) -> None:
-    data = memoryview(cloudpickle.dumps(record))
-    while data:
-        data = data[os.write(status_fd, data) :]
+    from ddptrain._agent import write_all
+
+    write_all(status_fd, cloudpickle.dumps(record))
 
 
 def _setup_logging(level: str) -> None:
@@ -156,5 +156,5 @@ def run(spec: dict[str, Any], shared: dict[str, Any], status_fd: int) -> int:
             except Exception as exc:
                 returned, note = None, f"the return value of rank {rank} could not be pickled: {exc!r}"
             ch.send(("done", rank, returned, note))
-        elif kind in ("exit", "abort"):
-            return 0 if kind == "exit" else 1
+        elif kind == "exit":
+            return 0

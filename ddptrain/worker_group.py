@@ -16,11 +16,19 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class WorkerMetadata:
-    """Where one worker runs."""
+    """Where one worker runs (also reachable as ``worker.metadata``, Ray's spelling)."""
 
     rank: int
     hostname: str
     pid: int
+
+    @property
+    def metadata(self) -> WorkerMetadata:
+        return self
+
+    @property
+    def node_ip(self) -> str:
+        return self.hostname
 
 
 class WorkerGroup:

@@ -17,15 +17,18 @@ from ddptrain import channel
 
 def test_sign_and_verify_round_trip() -> None:
     secret = os.urandom(32)
-    assert channel.verify(secret, channel.sign(secret, {"a": 1})) == {"a": 1}
+    assert channel.verify(secret, "q", channel.sign(secret, "q", {"a": 1})) == {"a": 1}
     with pytest.raises(channel.ForgedMessageError):
-        channel.verify(os.urandom(32), channel.sign(secret, {"a": 1}))
+        channel.verify(os.urandom(32), "q", channel.sign(secret, "q", {"a": 1}))
     with pytest.raises(channel.ForgedMessageError):
-        channel.verify(secret, b"short")
-    tampered = bytearray(channel.sign(secret, {"a": 1}))
+        channel.verify(secret, "q", b"short")
+    tampered = bytearray(channel.sign(secret, "q", {"a": 1}))
     tampered[-2] ^= 1
     with pytest.raises(channel.ForgedMessageError):
-        channel.verify(secret, bytes(tampered))
+        channel.verify(secret, "q", bytes(tampered))
+    # A genuine message replayed onto another queue is refused.
+    with pytest.raises(channel.ForgedMessageError):
+        channel.verify(secret, "other", channel.sign(secret, "q", {"a": 1}))
 
 
 class _RunsCommand:

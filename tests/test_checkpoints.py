@@ -442,3 +442,83 @@ def test_a_checkpoint_is_never_lost_once_report_returned(storage: str) -> None:
             ),
         ).fit()
         assert result.return_values == [1, 1]
+
+
+def reserved_name(config: dict) -> str:
+    with tempfile.TemporaryDirectory() as d:
+        try:
+            train.report({}, checkpoint=train.Checkpoint.from_directory(d), checkpoint_dir_name=config["name"])
+        except ValueError as exc:
+            return str(exc)
+    return "accepted"
+
+
+@pytest.mark.parametrize("name", ["logs", "checkpoints.json", "metrics.jsonl", "run.json", "trainer.pkl"])
+def test_checkpoint_names_of_run_files_are_refused(storage: str, name: str) -> None:
+    result = train.DataParallelTrainer(
+        reserved_name,
+        train_loop_config={"name": name},
+        scaling_config=train.ScalingConfig(num_workers=1),
+        run_config=train.RunConfig(name="r", storage_path=storage),
+    ).fit()
+    assert "is the name of one of the run's own files" in result.return_value
+    assert Path(storage, "r", "logs", "attempt_0", "rank_0.log").exists()
+
+
+def test_a_folder_that_is_not_a_checkpoint_is_not_overwritten(storage: str) -> None:
+    Path(storage, "r", "notes").mkdir(parents=True)
+    Path(storage, "r", "notes", "keep.txt").write_text("mine")
+    result = train.DataParallelTrainer(
+        reserved_name,
+        train_loop_config={"name": "notes"},
+        scaling_config=train.ScalingConfig(num_workers=1),
+        run_config=train.RunConfig(name="r", storage_path=storage),
+    ).fit()
+    assert "is not a checkpoint of this run" in result.return_value
+    assert Path(storage, "r", "notes", "keep.txt").read_text() == "mine"
+
+
+def test_an_interrupted_overwrite_is_rolled_back(storage: str) -> None:
+    from ddptrain import storage as store
+
+    run_dir = Path(storage, "roll")
+    run_dir.mkdir(parents=True)
+    staged = run_dir / "staged"
+    staged.mkdir()
+    (staged / "v.txt").write_text("1")
+    path = store.commit_checkpoint(str(run_dir), [str(staged)], "latest")
+    # The driver died between moving the old copy aside and renaming the new one in.
+    os.rename(path, run_dir / ".latest.0123abcd.old")
+    (run_dir / ".latest.4567ef.partial").mkdir()
+    store.clean_leftovers(str(run_dir))
+    assert (run_dir / "latest" / "v.txt").read_text() == "1"
+    assert sorted(p.name for p in run_dir.iterdir()) == ["latest"]
+
+
+def returns_early_while_rank0_waits() -> None:
+    if train.get_context().get_world_rank() == 0:
+        train.collective.barrier()
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_returned_while_others_wait_fails_the_run(storage: str) -> None:
+    with pytest.raises(train.TrainingFailedError) as info:
+        train.DataParallelTrainer(
+            returns_early_while_rank0_waits,
+            scaling_config=train.ScalingConfig(num_workers=2),
+            run_config=train.RunConfig(storage_path=storage),
+        ).fit()
+    assert "rank(s) [1] returned from the training function while rank(s) [0] wait" in str(info.value)
+
+
+def test_restore_asks_for_the_datasets_again(storage: str) -> None:
+    result = train.DataParallelTrainer(
+        lambda: None,
+        datasets={"train": train.data.from_items([1, 2])},
+        scaling_config=train.ScalingConfig(num_workers=1),
+        run_config=train.RunConfig(name="withdata", storage_path=storage),
+    ).fit()
+    with pytest.raises(ValueError, match=r"used the datasets \['train'\]"):
+        train.DataParallelTrainer.restore(result.path)
+    trainer = train.DataParallelTrainer.restore(result.path, datasets={"train": train.data.from_items([3])})
+    assert list(trainer.datasets) == ["train"]

@@ -185,3 +185,26 @@ def test_workers_exit_when_the_driver_is_killed(tmp_path: Path, storage: str) ->
     while tagged_processes() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert tagged_processes() == []
+
+
+def crash_with_a_child_holding_the_pipes() -> None:
+    import subprocess
+
+    if train.get_context().get_world_rank() == 1:
+        # A long-lived child (think DataLoader worker) inherits stdout/stderr.
+        subprocess.Popen(["sleep", "300"])
+        raise DataError("crashed while a child process runs")
+    time.sleep(300)
+
+
+@pytest.mark.timeout(60)
+def test_a_crash_is_seen_even_while_the_workers_children_hold_its_pipes(storage: str) -> None:
+    start = time.monotonic()
+    with pytest.raises(train.TrainingFailedError) as info:
+        train.DataParallelTrainer(
+            crash_with_a_child_holding_the_pipes,
+            scaling_config=train.ScalingConfig(num_workers=2),
+            run_config=train.RunConfig(storage_path=storage),
+        ).fit()
+    assert isinstance(info.value.__cause__, DataError)
+    assert time.monotonic() - start < 30  # not the child's 300 s

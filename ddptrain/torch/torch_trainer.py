@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -51,9 +50,6 @@ class TorchTrainer(DataParallelTrainer):
         torch_config = torch_config if torch_config is not None else TorchConfig()
         if not isinstance(torch_config, TorchConfig):
             raise ConfigError(f"`torch_config` must be a ddptrain.torch.TorchConfig, got {torch_config!r}.")
-        scaling = scaling_config if scaling_config is not None else ScalingConfig()
-        if torch_config.backend is None and isinstance(scaling, ScalingConfig):
-            torch_config = dataclasses.replace(torch_config, backend="nccl" if scaling.use_gpu else "gloo")
         super().__init__(
             train_loop_per_worker,
             train_loop_config=train_loop_config,
