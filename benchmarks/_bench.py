@@ -27,8 +27,12 @@ os.environ.setdefault(TAG_VAR, uuid.uuid4().hex)
 
 def parse_args(description: str, default_repeats: int, quick_repeats: int) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--repeats", type=int, default=None,
-                        help=f"measured repeats (default {default_repeats}; {quick_repeats} with --quick)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help=f"measured repeats (default {default_repeats}; {quick_repeats} with --quick)",
+    )
     parser.add_argument("--quick", action="store_true", help="small, fast run (smoke test)")
     args = parser.parse_args()
     if args.repeats is None:
@@ -168,9 +172,10 @@ def check_leftovers(bench: str, wait_s: float = 5.0) -> list[int]:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    emit({"bench": bench, "metric": "leftover_processes", "value": len(left), "pids": left,
-          "commands": commands})
+    emit({"bench": bench, "metric": "leftover_processes", "value": len(left), "pids": left, "commands": commands})
     if left:
-        print(f"WARNING: {len(left)} process(es) of this benchmark were still alive and were killed: {left}",
-              file=sys.stderr)
+        print(
+            f"WARNING: {len(left)} process(es) of this benchmark were still alive and were killed: {left}",
+            file=sys.stderr,
+        )
     return left

@@ -51,8 +51,12 @@ def torch_import_done() -> float:
     """A stricter reference: from starting ``python`` to the end of its ``import torch``
     (interpreter teardown, which a worker never pays before its first line, left out)."""
     before = time.time()
-    out = subprocess.run([sys.executable, "-c", "import torch, time; print(repr(time.time()))"],
-                         check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", "import torch, time; print(repr(time.time()))"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     return float(out.strip()) - before
 
 
@@ -104,21 +108,43 @@ def main() -> int:
                 if task == "baseline":
                     value = bare_torch_import()
                     baseline.append(value)
-                    _bench.emit({"bench": BENCH, "metric": "bare_torch_import_s", "repeat": repeat,
-                                 "value": value, "foreign_cores": window.result()["foreign_cores"]})
+                    _bench.emit(
+                        {
+                            "bench": BENCH,
+                            "metric": "bare_torch_import_s",
+                            "repeat": repeat,
+                            "value": value,
+                            "foreign_cores": window.result()["foreign_cores"],
+                        }
+                    )
                     window = _bench.ForeignLoad()
                     value = torch_import_done()
                     import_done.append(value)
-                    _bench.emit({"bench": BENCH, "metric": "torch_import_done_s", "repeat": repeat,
-                                 "value": value, "foreign_cores": window.result()["foreign_cores"]})
+                    _bench.emit(
+                        {
+                            "bench": BENCH,
+                            "metric": "torch_import_done_s",
+                            "repeat": repeat,
+                            "value": value,
+                            "foreign_cores": window.result()["foreign_cores"],
+                        }
+                    )
                     continue
                 runs += 1
                 measured = timed_fit(int(task), storage, f"run{runs}")
                 foreign_cores = window.result()["foreign_cores"]
                 for metric, value in measured.items():
                     results[int(task)][metric].append(value)
-                    _bench.emit({"bench": BENCH, "metric": metric, "workers": task, "repeat": repeat,
-                                 "value": value, "foreign_cores": foreign_cores})
+                    _bench.emit(
+                        {
+                            "bench": BENCH,
+                            "metric": metric,
+                            "workers": task,
+                            "repeat": repeat,
+                            "value": value,
+                            "foreign_cores": foreign_cores,
+                        }
+                    )
     finally:
         shutil.rmtree(storage, ignore_errors=True)
         left = _bench.check_leftovers(BENCH)
@@ -126,15 +152,12 @@ def main() -> int:
     foreign = load.result()
     _bench.emit({"bench": BENCH, "metric": "foreign_load", **foreign})
     base = _bench.median(baseline)
-    _bench.emit({"bench": BENCH, "metric": "bare_torch_import_s", "summary": True,
-                 **_bench.summary(baseline)})
+    _bench.emit({"bench": BENCH, "metric": "bare_torch_import_s", "summary": True, **_bench.summary(baseline)})
     done = _bench.median(import_done)
-    _bench.emit({"bench": BENCH, "metric": "torch_import_done_s", "summary": True,
-                 **_bench.summary(import_done)})
+    _bench.emit({"bench": BENCH, "metric": "torch_import_done_s", "summary": True, **_bench.summary(import_done)})
     lines = [
         f"launch: machine {env['cpus']} CPUs, torch {env['torch']}, {args.repeats} repeats, medians",
-        f"  bare `python -c 'import torch'`: {base:.3f} s (baseline); "
-        f"its import alone, exit left out: {done:.3f} s",
+        f"  bare `python -c 'import torch'`: {base:.3f} s (baseline); its import alone, exit left out: {done:.3f} s",
     ]
     for n in WORKER_COUNTS:
         stats = {metric: _bench.summary(values) for metric, values in results[n].items()}
@@ -146,8 +169,16 @@ def main() -> int:
         }
         for metric, st in stats.items():
             _bench.emit({"bench": BENCH, "metric": metric, "workers": n, "summary": True, **st})
-        _bench.emit({"bench": BENCH, "metric": "ratios_vs_bare_torch_import", "workers": n, **ratios,
-                     "target_first_line_ratio": 1.3, "meets_target": ratios["first_line_ratio"] <= 1.3})
+        _bench.emit(
+            {
+                "bench": BENCH,
+                "metric": "ratios_vs_bare_torch_import",
+                "workers": n,
+                **ratios,
+                "target_first_line_ratio": 1.3,
+                "meets_target": ratios["first_line_ratio"] <= 1.3,
+            }
+        )
         lines.append(
             f"  {n} workers: first line {stats['first_line_s']['median']:.3f} s "
             f"({ratios['first_line_ratio']:.2f}x bare import; target <= 1.3x: "
@@ -157,8 +188,10 @@ def main() -> int:
             f"({ratios['first_line_latest_ratio']:.2f}x), "
             f"whole fit() {stats['fit_total_s']['median']:.3f} s ({ratios['fit_total_ratio']:.2f}x)"
         )
-    lines.append(f"  leftover processes: {len(left)}; other processes kept {foreign['foreign_cores']:.2f} "
-                 f"of {env['cpus']} cores busy during the run")
+    lines.append(
+        f"  leftover processes: {len(left)}; other processes kept {foreign['foreign_cores']:.2f} "
+        f"of {env['cpus']} cores busy during the run"
+    )
     print("\n".join(lines))
     return 1 if left else 0
 

@@ -54,8 +54,9 @@ def measure(storage: str, name: str, max_failures: int) -> float:
         crash_once,
         train_loop_config={"crash_file": crash_file},
         scaling_config=train.ScalingConfig(num_workers=2),
-        run_config=train.RunConfig(name=name, storage_path=storage,
-                                   failure_config=train.FailureConfig(max_failures=max_failures)),
+        run_config=train.RunConfig(
+            name=name, storage_path=storage, failure_config=train.FailureConfig(max_failures=max_failures)
+        ),
     )
     try:
         result = trainer.fit()
@@ -71,7 +72,8 @@ def launch(storage: str, name: str) -> float:
 
     start = time.time()
     result = train.DataParallelTrainer(
-        first_line, scaling_config=train.ScalingConfig(num_workers=2),
+        first_line,
+        scaling_config=train.ScalingConfig(num_workers=2),
         run_config=train.RunConfig(name=name, storage_path=storage),
     ).fit()
     return min(result.return_values) - start

@@ -77,8 +77,8 @@ def report_loop(config: dict) -> dict:
     assert session.channel is not None
     ch = session.channel
     message = ("report", rank, 1, {"loss": 0.5, "step": 1}, None, None)
-    data = channel.sign(ch.secret, message)
     key = f"{ch.keys.prefix}/benchmark/raw/{rank}"
+    data = channel.sign(ch.secret, key, message, plain_pickle=True)
     start = perf_counter()
     for _ in range(n):
         ch.store.queue_push(key, data)
@@ -142,8 +142,16 @@ def main() -> int:
     import ddptrain  # noqa: F401
 
     env = _bench.environment()
-    _bench.emit({"bench": BENCH, "metric": "environment", **env, "repeats": args.repeats,
-                 "calls_per_loop": n, "workers": NUM_WORKERS})
+    _bench.emit(
+        {
+            "bench": BENCH,
+            "metric": "environment",
+            **env,
+            "repeats": args.repeats,
+            "calls_per_loop": n,
+            "workers": NUM_WORKERS,
+        }
+    )
     load = _bench.ForeignLoad()
     storage = tempfile.mkdtemp(prefix="ddptrain-bench-report-")
     worst: dict[str, list[float]] = {m: [] for m in METRICS}
@@ -155,8 +163,14 @@ def main() -> int:
             per_rank, extra = one_fit(n, storage, f"run{repeat}")
             extra["foreign_cores"] = window.result()["foreign_cores"]
             for r in per_rank:
-                _bench.emit({"bench": BENCH, "metric": "per_rank", "repeat": repeat,
-                             **{k: v for k, v in r.items() if k != "last_report_time"}})
+                _bench.emit(
+                    {
+                        "bench": BENCH,
+                        "metric": "per_rank",
+                        "repeat": repeat,
+                        **{k: v for k, v in r.items() if k != "last_report_time"},
+                    }
+                )
             for m in METRICS:
                 worst[m].append(max(r[m] for r in per_rank))
             lags.append(extra["driver_lag_s"])
@@ -177,24 +191,36 @@ def main() -> int:
         "report_vs_noop": med["report_per_call_median_ms"] / med["noop_per_call_ms"],
     }
     target_met = med["report_per_call_median_ms"] <= 0.2
-    _bench.emit({"bench": BENCH, "metric": "ratios", **ratios, "target_median_ms": 0.2,
-                 "meets_target": target_met, "driver_lag_s_median": _bench.median(lags),
-                 "lost_reports": lost})
-    print("\n".join([
-        f"report: {NUM_WORKERS} workers, {n} calls per loop, {args.repeats} fits, worst rank per fit, "
-        f"medians over fits ({env['cpus']} CPUs, torch {env['torch']})",
-        f"  report() per call: median {med['report_per_call_median_ms']:.4f} ms "
-        f"(target <= 0.2 ms: {'met' if target_met else 'NOT met'}), "
-        f"p99 {med['report_per_call_p99_ms']:.4f} ms, loop mean {med['report_loop_per_call_ms']:.4f} ms",
-        f"  raw TCPStore.queue_push of the same {per_rank[0]['message_bytes']} bytes: "
-        f"{med['raw_queue_push_per_call_ms']:.4f} ms per call "
-        f"-> report() is {ratios['report_vs_raw_queue_push']:.2f}x the raw push",
-        f"  no-op Python call: {med['noop_per_call_ms'] * 1e3:.3f} us per call",
-        f"  driver recorded every report: {'yes' if lost == 0 else f'NO, {lost} missing'}; "
-        f"driver lag behind rank 0's last report: median {_bench.median(lags) * 1e3:.1f} ms",
-        f"  leftover processes: {len(left)}; other processes kept {foreign['foreign_cores']:.2f} "
-        f"of {env['cpus']} cores busy during the run",
-    ]))
+    _bench.emit(
+        {
+            "bench": BENCH,
+            "metric": "ratios",
+            **ratios,
+            "target_median_ms": 0.2,
+            "meets_target": target_met,
+            "driver_lag_s_median": _bench.median(lags),
+            "lost_reports": lost,
+        }
+    )
+    print(
+        "\n".join(
+            [
+                f"report: {NUM_WORKERS} workers, {n} calls per loop, {args.repeats} fits, worst rank per fit, "
+                f"medians over fits ({env['cpus']} CPUs, torch {env['torch']})",
+                f"  report() per call: median {med['report_per_call_median_ms']:.4f} ms "
+                f"(target <= 0.2 ms: {'met' if target_met else 'NOT met'}), "
+                f"p99 {med['report_per_call_p99_ms']:.4f} ms, loop mean {med['report_loop_per_call_ms']:.4f} ms",
+                f"  raw TCPStore.queue_push of the same {per_rank[0]['message_bytes']} bytes: "
+                f"{med['raw_queue_push_per_call_ms']:.4f} ms per call "
+                f"-> report() is {ratios['report_vs_raw_queue_push']:.2f}x the raw push",
+                f"  no-op Python call: {med['noop_per_call_ms'] * 1e3:.3f} us per call",
+                f"  driver recorded every report: {'yes' if lost == 0 else f'NO, {lost} missing'}; "
+                f"driver lag behind rank 0's last report: median {_bench.median(lags) * 1e3:.1f} ms",
+                f"  leftover processes: {len(left)}; other processes kept {foreign['foreign_cores']:.2f} "
+                f"of {env['cpus']} cores busy during the run",
+            ]
+        )
+    )
     return 1 if left or lost else 0
 
 

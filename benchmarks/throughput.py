@@ -75,8 +75,14 @@ def mlp_loop(rank: int, world: int, config: dict) -> dict:
             i += 1
         windows.append(time.perf_counter() - start)
     checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
-    return {"rank": rank, "world": world, "window_s": windows, "steps_per_window": per_window,
-            "batch": config["batch"], "param_checksum": checksum}
+    return {
+        "rank": rank,
+        "world": world,
+        "window_s": windows,
+        "steps_per_window": per_window,
+        "batch": config["batch"],
+        "param_checksum": checksum,
+    }
 
 
 # ----------------------------------------------------------------------------- (a) ddptrain
@@ -156,15 +162,19 @@ def samples_per_s(per_rank: list[dict]) -> tuple[float, float]:
 
 def main() -> int:
     args = _bench.parse_args(__doc__.splitlines()[0], default_repeats=6, quick_repeats=2)
-    config = {"steps": 400 if args.quick else 3000, "windows": 2 if args.quick else 5,
-              "warmup": 20 if args.quick else 50, "batch": BATCH, "seed": 1234}
+    config = {
+        "steps": 400 if args.quick else 3000,
+        "windows": 2 if args.quick else 5,
+        "warmup": 20 if args.quick else 50,
+        "batch": BATCH,
+        "seed": 1234,
+    }
     # ddptrain gives its workers OMP_NUM_THREADS=1; give the spawned processes the same.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import ddptrain  # noqa: F401
 
     env = _bench.environment()
-    _bench.emit({"bench": BENCH, "metric": "environment", **env, "repeats": args.repeats,
-                 "processes": WORLD, **config})
+    _bench.emit({"bench": BENCH, "metric": "environment", **env, "repeats": args.repeats, "processes": WORLD, **config})
     load = _bench.ForeignLoad()
     storage = tempfile.mkdtemp(prefix="ddptrain-bench-throughput-")
     measured: dict[str, list[float]] = {"ddptrain": [], "plain": []}
@@ -183,9 +193,19 @@ def main() -> int:
                 measured[variant].append(value)
                 whole_run[variant].append(whole)
                 checksums[variant].update(round(r["param_checksum"], 6) for r in per_rank)
-                _bench.emit({"bench": BENCH, "metric": "samples_per_s", "variant": variant, "repeat": repeat,
-                             "position": order.index(variant), "value": value, "whole_run": whole,
-                             "window_s": [r["window_s"] for r in per_rank], **window.result()})
+                _bench.emit(
+                    {
+                        "bench": BENCH,
+                        "metric": "samples_per_s",
+                        "variant": variant,
+                        "repeat": repeat,
+                        "position": order.index(variant),
+                        "value": value,
+                        "whole_run": whole,
+                        "window_s": [r["window_s"] for r in per_rank],
+                        **window.result(),
+                    }
+                )
     finally:
         shutil.rmtree(storage, ignore_errors=True)
         _stop_resource_tracker()
@@ -195,32 +215,54 @@ def main() -> int:
     _bench.emit({"bench": BENCH, "metric": "foreign_load", **foreign})
     stats = {variant: _bench.summary(values) for variant, values in measured.items()}
     for variant, st in stats.items():
-        _bench.emit({"bench": BENCH, "metric": "samples_per_s", "variant": variant, "summary": True, **st,
-                     "whole_run_median": _bench.median(whole_run[variant])})
+        _bench.emit(
+            {
+                "bench": BENCH,
+                "metric": "samples_per_s",
+                "variant": variant,
+                "summary": True,
+                **st,
+                "whole_run_median": _bench.median(whole_run[variant]),
+            }
+        )
     ratio = stats["ddptrain"]["median"] / stats["plain"]["median"]
     # Each repeat runs both variants back to back: the ratio within a repeat sees the same
     # machine state, so its median is a second, drift-resistant estimate.
     paired = [a / b for a, b in zip(measured["ddptrain"], measured["plain"])]
     whole_ratio = _bench.median(whole_run["ddptrain"]) / _bench.median(whole_run["plain"])
     same_params = checksums["ddptrain"] == checksums["plain"] and len(checksums["plain"]) == 1
-    _bench.emit({"bench": BENCH, "metric": "ratio_ddptrain_over_plain", "value": ratio,
-                 "paired_median": _bench.median(paired), "paired": paired, "whole_run_ratio": whole_ratio,
-                 "target": 0.99, "meets_target": ratio >= 0.99, "same_final_params": same_params})
-    print("\n".join([
-        f"throughput: MLP 32-256-10, batch {BATCH} x {WORLD} processes, {config['steps']} timed steps in "
-        f"{config['windows']} windows after {config['warmup']} warm-up, {args.repeats} repeats, "
-        f"medians ({env['cpus']} CPUs, torch {env['torch']})",
-        f"  ddptrain TorchTrainer: {stats['ddptrain']['median']:,.0f} samples/s "
-        f"(min {stats['ddptrain']['min']:,.0f}, max {stats['ddptrain']['max']:,.0f})",
-        f"  plain mp.spawn + DDP:  {stats['plain']['median']:,.0f} samples/s "
-        f"(min {stats['plain']['min']:,.0f}, max {stats['plain']['max']:,.0f})",
-        f"  ratio ddptrain/plain: {ratio:.3f} (target >= 0.99: {'met' if ratio >= 0.99 else 'NOT met'}); "
-        f"median of per-repeat ratios {_bench.median(paired):.3f} "
-        f"(range {min(paired):.3f}-{max(paired):.3f}); whole timed run {whole_ratio:.3f}",
-        f"  same final parameters in both: {'yes' if same_params else 'NO'}",
-        f"  leftover processes: {len(left)}; other processes kept {foreign['foreign_cores']:.2f} "
-        f"of {env['cpus']} cores busy during the run",
-    ]))
+    _bench.emit(
+        {
+            "bench": BENCH,
+            "metric": "ratio_ddptrain_over_plain",
+            "value": ratio,
+            "paired_median": _bench.median(paired),
+            "paired": paired,
+            "whole_run_ratio": whole_ratio,
+            "target": 0.99,
+            "meets_target": ratio >= 0.99,
+            "same_final_params": same_params,
+        }
+    )
+    print(
+        "\n".join(
+            [
+                f"throughput: MLP 32-256-10, batch {BATCH} x {WORLD} processes, {config['steps']} timed steps in "
+                f"{config['windows']} windows after {config['warmup']} warm-up, {args.repeats} repeats, "
+                f"medians ({env['cpus']} CPUs, torch {env['torch']})",
+                f"  ddptrain TorchTrainer: {stats['ddptrain']['median']:,.0f} samples/s "
+                f"(min {stats['ddptrain']['min']:,.0f}, max {stats['ddptrain']['max']:,.0f})",
+                f"  plain mp.spawn + DDP:  {stats['plain']['median']:,.0f} samples/s "
+                f"(min {stats['plain']['min']:,.0f}, max {stats['plain']['max']:,.0f})",
+                f"  ratio ddptrain/plain: {ratio:.3f} (target >= 0.99: {'met' if ratio >= 0.99 else 'NOT met'}); "
+                f"median of per-repeat ratios {_bench.median(paired):.3f} "
+                f"(range {min(paired):.3f}-{max(paired):.3f}); whole timed run {whole_ratio:.3f}",
+                f"  same final parameters in both: {'yes' if same_params else 'NO'}",
+                f"  leftover processes: {len(left)}; other processes kept {foreign['foreign_cores']:.2f} "
+                f"of {env['cpus']} cores busy during the run",
+            ]
+        )
+    )
     return 1 if left or not same_params else 0
 
 

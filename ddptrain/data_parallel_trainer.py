@@ -283,8 +283,7 @@ class DataParallelTrainer:
         needed = getattr(trainer, "_dataset_names", [])
         if needed and "datasets" not in kwargs:
             raise ConfigError(
-                f"The run in {run_dir} used the datasets {needed}; pass them again: "
-                "`restore(path, datasets={...})`."
+                f"The run in {run_dir} used the datasets {needed}; pass them again: `restore(path, datasets={{...}})`."
             )
         for name, value in kwargs.items():
             if not hasattr(trainer, name):

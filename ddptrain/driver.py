@@ -42,6 +42,7 @@ __all__ = ["Attempt", "GroupFailed"]
 
 _logger = logging.getLogger(__name__)
 _PUMP_S = 0.5
+_ROUND_CHECK_S = 0.1
 
 
 class GroupFailed(Exception):
@@ -100,6 +101,7 @@ class Attempt:
         self.sink: LogSink | None = None
         self.channel: DriverChannel | None = None
         self._next_call = 0
+        self._next_round_check = 0.0
 
     # ----------------------------------------------------------------- lifecycle
     def run_group(self) -> list[Any]:
@@ -191,7 +193,10 @@ class Attempt:
                 event = None
             if event is not None:
                 self._handle(event)
-            self._check_rounds()
+            now = time.monotonic()
+            if now >= self._next_round_check:  # not per event: a fast rank 0 may be far ahead
+                self._next_round_check = now + _ROUND_CHECK_S
+                self._check_rounds()
             if deadline is not None and time.monotonic() > deadline and not done():
                 raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {waiting_for}")
 

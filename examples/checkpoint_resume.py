@@ -74,7 +74,10 @@ def main():
     trainer = TorchTrainer(
         train_func,
         train_loop_config={
-            "epochs": args.epochs, "crash_at": args.crash_at, "storage": args.storage_path, "name": args.name,
+            "epochs": args.epochs,
+            "crash_at": args.crash_at,
+            "storage": args.storage_path,
+            "name": args.name,
         },
         scaling_config=train.ScalingConfig(num_workers=2),
         run_config=train.RunConfig(
