@@ -1,0 +1,212 @@
+"""Host lists for multi-host runs: parsing, ``~/.ssh/config`` lookups, and worker placement.
+
+A host file has one host per line, DeepSpeed's ``host slots=N`` plus ddptrain's own options::
+
+    # name          options
+    gpu-box-1       slots=4
+    gpu-box-2       slots=4 user=alice port=2222 python=/opt/venv/bin/python workdir=/srv/train
+    localhost       slots=2
+
+Blank lines and ``#`` comments are ignored. ``slots`` is how many workers the host runs
+(default: its GPU count with ``use_gpu``, else 1). The driver's own machine may be listed as
+``localhost`` (or its host name); it is then run without SSH.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import socket
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from ddptrain.errors import ConfigError
+
+__all__ = ["HostSpec", "Placement", "parse_hostfile", "parse_hosts", "place_workers", "is_local"]
+
+_OPTIONS = ("slots", "user", "port", "python", "workdir", "key")
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    """One host of a multi-host run.
+
+    Attributes:
+        name: Host name or address, as written in the host list (also the ``~/.ssh/config`` alias).
+        slots: Workers to run there; ``None`` until known (GPU count or 1).
+        user: SSH user (default: ``~/.ssh/config`` or the current user).
+        port: SSH port (default: ``~/.ssh/config`` or 22).
+        python: Python executable on the host (default: the driver's ``sys.executable``).
+        workdir: Working directory of the workers (default: the driver's working directory).
+        key: Private key file (default: ``~/.ssh/config``, then the SSH agent and ``~/.ssh/id_*``).
+        address: Where to connect, after ``~/.ssh/config`` (``HostName``).
+    """
+
+    name: str
+    slots: int | None = None
+    user: str | None = None
+    port: int | None = None
+    python: str | None = None
+    workdir: str | None = None
+    key: str | None = None
+    address: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def label(self) -> str:
+        """How the host is named in logs and errors."""
+        return self.name
+
+
+def _parse_line(text: str, where: str) -> HostSpec:
+    try:
+        parts = shlex.split(text, comments=True)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: cannot parse {text!r}: {exc}.") from None
+    name, options = parts[0], parts[1:]
+    values: dict[str, Any] = {}
+    for option in options:
+        key, sep, value = option.partition("=")
+        if not sep or not value:
+            raise ConfigError(f"{where}: expected `option=value` after the host name, got {option!r}.")
+        if key not in _OPTIONS:
+            raise ConfigError(f"{where}: unknown option {key!r}; known options: {', '.join(_OPTIONS)}.")
+        if key in ("slots", "port"):
+            try:
+                number = int(value)
+            except ValueError:
+                raise ConfigError(f"{where}: `{key}` must be a whole number, got {value!r}.") from None
+            low = 1 if key == "port" else 0
+            if number < low or (key == "port" and number > 65535):
+                raise ConfigError(f"{where}: `{key}` out of range, got {number}.")
+            values[key] = number
+        else:
+            values[key] = os.path.expanduser(value) if key in ("key",) else value
+    return HostSpec(name=name, **values)
+
+
+def parse_hostfile(path: str | os.PathLike[str]) -> list[HostSpec]:
+    """Read a host file (see the module docstring).
+
+    Raises:
+        ConfigError: The file is missing, empty, or a line is malformed; the message names the line.
+    """
+    file = Path(os.path.expanduser(os.fspath(path)))
+    try:
+        lines = file.read_text().splitlines()
+    except OSError as exc:
+        raise ConfigError(f"Cannot read the host file {file}: {exc.strerror}.") from None
+    hosts = []
+    for number, line in enumerate(lines, 1):
+        if line.split("#", 1)[0].strip():
+            hosts.append(_parse_line(line, f"{file}:{number}"))
+    return _check_unique(hosts, str(file))
+
+
+def parse_hosts(hosts: str | os.PathLike[str] | list[str | HostSpec]) -> list[HostSpec]:
+    """Hosts from a host file path, or a list of ``"name slots=N ..."`` strings / HostSpecs."""
+    if isinstance(hosts, (str, os.PathLike)):
+        return parse_hostfile(hosts)
+    if not isinstance(hosts, (list, tuple)) or not hosts:
+        raise ConfigError(f"`hosts` must be a host file path or a non-empty list of hosts, got {hosts!r}.")
+    specs = []
+    for i, host in enumerate(hosts):
+        if isinstance(host, HostSpec):
+            specs.append(host)
+        elif isinstance(host, str) and host.strip():
+            specs.append(_parse_line(host, f"hosts[{i}]"))
+        else:
+            raise ConfigError(f"`hosts[{i}]` must be a host name string or a HostSpec, got {host!r}.")
+    return _check_unique(specs, "hosts")
+
+
+def _check_unique(hosts: list[HostSpec], where: str) -> list[HostSpec]:
+    if not hosts:
+        raise ConfigError(f"{where}: no hosts listed.")
+    seen: set[tuple[str, int | None]] = set()
+    for host in hosts:
+        key = (host.name, host.port)
+        if key in seen:
+            raise ConfigError(f"{where}: host {host.name!r} is listed twice; give it more `slots` instead.")
+        seen.add(key)
+    return hosts
+
+
+def with_ssh_config(host: HostSpec, config_path: str | None = None) -> HostSpec:
+    """Fill user, port, address and key from ``~/.ssh/config`` (values in the host list win)."""
+    import paramiko
+
+    path = Path(os.path.expanduser(config_path or "~/.ssh/config"))
+    found: dict[str, Any] = {}
+    if path.exists():
+        config = paramiko.SSHConfig.from_path(str(path))
+        found = dict(config.lookup(host.name))
+    identity = found.get("identityfile")
+    return replace(
+        host,
+        user=host.user or found.get("user"),
+        port=host.port or (int(found["port"]) if "port" in found else None),
+        address=host.address or found.get("hostname") or host.name,
+        key=host.key or (os.path.expanduser(identity[0]) if identity else None),
+    )
+
+
+def is_local(host: HostSpec) -> bool:
+    """Whether ``host`` is this machine, to be run without SSH."""
+    return host.port is None and host.user is None and host.name in ("localhost", socket.gethostname())
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where each rank runs: ``hosts[node_rank]`` holds ``ranks[node_rank]`` (global ranks)."""
+
+    hosts: list[HostSpec]
+    ranks: list[list[int]]
+
+    def node_of(self, rank: int) -> tuple[int, int]:
+        """(node rank, local rank) of a global rank."""
+        for node, ranks in enumerate(self.ranks):
+            if rank in ranks:
+                return node, ranks.index(rank)
+        raise KeyError(rank)
+
+
+def place_workers(hosts: list[HostSpec], num_workers: int, strategy: str = "PACK") -> Placement:
+    """Assign ``num_workers`` ranks to host slots.
+
+    ``PACK`` fills each host in list order before the next; ``SPREAD`` deals ranks round-robin.
+    Ranks are contiguous per host in both cases (rank order follows host order), so a host's
+    local ranks are ``0..n-1`` and node ranks follow the host list. Hosts that get no worker are
+    left out.
+
+    Raises:
+        ConfigError: The hosts have fewer slots than ``num_workers``.
+    """
+    slots = [h.slots if h.slots is not None else 1 for h in hosts]
+    total = sum(slots)
+    if total < num_workers:
+        listing = ", ".join(f"{h.name}={s}" for h, s in zip(hosts, slots, strict=True))
+        raise ConfigError(
+            f"`num_workers={num_workers}` needs {num_workers} slots, but the hosts have {total} ({listing}). "
+            "Add hosts or `slots=`, or lower `num_workers`."
+        )
+    counts = [0] * len(hosts)
+    if strategy in ("SPREAD", "STRICT_SPREAD"):
+        left = num_workers
+        while left:
+            for i in range(len(hosts)):
+                if left and counts[i] < slots[i]:
+                    counts[i] += 1
+                    left -= 1
+    else:
+        left = num_workers
+        for i in range(len(hosts)):
+            counts[i] = min(slots[i], left)
+            left -= counts[i]
+    used = [(h, c) for h, c in zip(hosts, counts, strict=True) if c]
+    ranks, next_rank = [], 0
+    for _, count in used:
+        ranks.append(list(range(next_rank, next_rank + count)))
+        next_rank += count
+    return Placement([h for h, _ in used], ranks)
