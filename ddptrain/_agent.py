@@ -127,6 +127,55 @@ def _fork_worker(spec: dict[str, Any], shared: dict[str, Any], close_fds: list[i
     return _Child(rank=spec["rank"], pid=pid, fds={out_r: b"O", err_r: b"E"}, status_fd=status_r)
 
 
+def versions() -> dict[str, str]:
+    """Versions that must match between the driver and every host."""
+    import cloudpickle
+    import torch
+
+    import ddptrain
+
+    major_minor = ".".join(sys.version.split()[0].split(".")[:2])
+    return {
+        "python": major_minor,
+        "ddptrain": ddptrain.__version__,
+        "torch": torch.__version__.split("+")[0],
+        "cloudpickle": cloudpickle.__version__,
+    }
+
+
+def _check_versions(expected: dict[str, str]) -> None:
+    here = versions()
+    wrong = [
+        f"{name} {here[name]} here, {want} on the driver" for name, want in expected.items() if here.get(name) != want
+    ]
+    if wrong:
+        raise RuntimeError(
+            f"version mismatch on {socket.gethostname()} ({sys.executable}): "
+            + "; ".join(wrong)
+            + ". Install the same versions on every host (pickled functions only load reliably then)."
+        )
+
+
+def _kill_group_strays() -> None:
+    """Kill what is left in the agent's process group (e.g. DataLoader workers of a worker)."""
+    group, me = os.getpgid(0), os.getpid()
+    if group != me:
+        return  # not our own group: leave it alone
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == group:
+            try:
+                os.kill(int(entry), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def _load_shared(bootstrap: dict[str, Any]) -> dict[str, Any]:
     """Unpickle the user's function once, before forking, so imports are shared."""
     os.environ["DDPTRAIN_UNPICKLING"] = "1"
@@ -180,7 +229,9 @@ def _reaped(child: _Child) -> bool:
     return True
 
 
-def _relay(out_fd: int, stdin_fd: int, children: list[_Child], grace_s: float) -> None:
+def _relay(
+    out_fd: int, stdin_fd: int, children: list[_Child], grace_s: float, heartbeat_s: float | None = None
+) -> None:
     selector = selectors.DefaultSelector()
     selector.register(stdin_fd, selectors.EVENT_READ, ("stdin", None))
     for child in children:
@@ -204,6 +255,7 @@ def _relay(out_fd: int, stdin_fd: int, children: list[_Child], grace_s: float) -
             child.status.extend(data)
 
     pending = list(children)  # children whose exit has not been reported
+    last_heard = time.monotonic()
     while pending:
         for key, _ in selector.select(_POLL_S):
             if key.data[0] == "stdin":
@@ -211,8 +263,13 @@ def _relay(out_fd: int, stdin_fd: int, children: list[_Child], grace_s: float) -
                 if not data or b"K" in data:  # driver gone, or asked us to stop
                     _kill_all(children, grace_s)
                     return
+                last_heard = time.monotonic()
             else:
                 forward(key)
+        if heartbeat_s is not None and time.monotonic() - last_heard > heartbeat_s:
+            print(f"ddptrain agent: no heartbeat from the driver for {heartbeat_s:.0f} s; stopping", file=sys.stderr)
+            _kill_all(children, grace_s)
+            return
         for child in list(pending):
             if child.exitcode is None and not _reaped(child):
                 continue
@@ -250,6 +307,7 @@ def main() -> int:
         if frame is None:
             return 0
         bootstrap: dict[str, Any] = pickle.loads(frame[2])
+        _check_versions(bootstrap.get("versions", {}))
         sys.path[:0] = [p for p in bootstrap["sys_path"] if p not in sys.path]
         if bootstrap.get("cwd"):
             try:
@@ -269,7 +327,7 @@ def main() -> int:
             children.append(child)
             info = pickle.dumps({"pid": child.pid, "host": host})
             write_frame(out_fd, b"S", child.rank, info)
-        _relay(out_fd, 0, children, bootstrap["grace_s"])
+        _relay(out_fd, 0, children, bootstrap["grace_s"], bootstrap.get("heartbeat_s"))
     except BrokenPipeError:
         _kill_all(children, bootstrap["grace_s"])
     except BaseException:
@@ -285,5 +343,6 @@ def main() -> int:
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
     exit_code = main()
+    _kill_group_strays()
     sys.stderr.flush()
     os._exit(exit_code)  # skip interpreter teardown with torch loaded (about half a second)

@@ -78,3 +78,49 @@ def console_ranks() -> set[int] | None:
         return {int(part) for part in raw.split(",") if part.strip()}
     except ValueError:
         raise ValueError(f"`DDPTRAIN_CONSOLE_RANKS` must be 'all' or comma-separated ranks, got {raw!r}.") from None
+
+
+def hostfile() -> str | None:
+    """The host file of multi-host runs, from ``DDPTRAIN_HOSTFILE`` (``None``: this machine only)."""
+    return os.environ.get("DDPTRAIN_HOSTFILE") or None
+
+
+def ssh_known_hosts() -> str:
+    """The known_hosts file SSH host keys are checked against."""
+    return os.path.expanduser(os.environ.get("DDPTRAIN_SSH_KNOWN_HOSTS") or "~/.ssh/known_hosts")
+
+
+def ssh_config_path() -> str:
+    """The OpenSSH client config used for host lookups."""
+    return os.path.expanduser(os.environ.get("DDPTRAIN_SSH_CONFIG") or "~/.ssh/config")
+
+
+def ssh_accept_new_host_keys() -> bool:
+    """Whether hosts missing from known_hosts are accepted (off unless set to 1)."""
+    return os.environ.get("DDPTRAIN_SSH_ACCEPT_NEW_HOST_KEYS") == "1"
+
+
+def ssh_connect_timeout_s() -> float:
+    """Seconds to connect and log in to a host."""
+    return _float("DDPTRAIN_SSH_CONNECT_TIMEOUT_S", 10.0)
+
+
+def driver_address() -> str | None:
+    """The address remote workers use to reach the driver's store (default: the address the
+    driver's SSH connection to each host comes from)."""
+    return os.environ.get("DDPTRAIN_DRIVER_ADDRESS") or None
+
+
+_DEFAULT_FORWARD = ("DDPTRAIN_*", "NCCL_*", "GLOO_*", "TORCH_*", "OMP_*", "MKL_*", "PYTHONPATH", "HF_*", "WANDB_*")
+
+
+def forwarded_env_patterns() -> tuple[str, ...]:
+    """Driver environment variables passed to remote workers: name patterns (fnmatch) from
+    ``DDPTRAIN_FORWARD_ENV`` (comma-separated) on top of the defaults."""
+    extra = tuple(p.strip() for p in os.environ.get("DDPTRAIN_FORWARD_ENV", "").split(",") if p.strip())
+    return _DEFAULT_FORWARD + extra
+
+
+def ssh_heartbeat_timeout_s() -> float:
+    """Seconds without a heartbeat after which a remote agent stops its workers."""
+    return _float("DDPTRAIN_SSH_HEARTBEAT_TIMEOUT_S", 5.0)

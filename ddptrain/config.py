@@ -52,6 +52,9 @@ class ScalingConfig:
         placement_strategy: ``"PACK"`` fills hosts in order, ``"SPREAD"`` round-robins
             (matters for multi-host runs).
         accelerator_type: Accepted for compatibility; ddptrain does not select GPUs by type.
+        hosts: ddptrain's own: a host file path, or a list of ``"name slots=N ..."`` strings or
+            :class:`~ddptrain.hosts.HostSpec`, to run the workers on those hosts over SSH.
+            Default: ``$DDPTRAIN_HOSTFILE`` if set, else this machine only. See ``ddptrain.hosts``.
 
     Example:
         >>> ScalingConfig(num_workers=2, use_gpu=False)
@@ -68,6 +71,7 @@ class ScalingConfig:
     topology: str | None = None
     elastic_resize_monitor_interval_s: float = 60.0
     trainer_resources: Any = _DEPRECATED
+    hosts: str | os.PathLike[str] | list[Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.num_workers, tuple):
@@ -86,6 +90,10 @@ class ScalingConfig:
                 f"`placement_strategy` must be one of {', '.join(_PLACEMENT_STRATEGIES)}, "
                 f"got {self.placement_strategy!r}."
             )
+        if self.hosts is not None:
+            from ddptrain.hosts import parse_hosts
+
+            parse_hosts(self.hosts)  # a bad host file is an error now, not at fit()
         resources = self.resources_per_worker
         if resources is not None:
             if not isinstance(resources, dict):
@@ -204,8 +212,13 @@ class DataConfig:
     """Which trainer datasets are split across workers.
 
     Args:
-        datasets_to_split: ``"all"`` (the default) or a list of dataset names; datasets not
-            split are given whole to every worker.
+        datasets_to_split: ``"all"`` (the default) or a list of dataset names. A split dataset
+            gives each worker an equal, contiguous range of ``count() // num_workers`` rows, so
+            every rank runs the same number of batches; the last ``count() % num_workers``
+            rows are left out (as Ray's ``equal=True``). Datasets not split are given whole to
+            every worker.
+        execution_options: Accepted for compatibility with Ray; ignored.
+        enable_shard_locality: Accepted for compatibility with Ray; ignored.
     """
 
     datasets_to_split: str | list[str] = "all"

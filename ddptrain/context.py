@@ -379,8 +379,19 @@ def get_all_reported_checkpoints(
 def get_dataset_shard(dataset_name: str | None = None) -> Any:
     """This worker's shard of the trainer dataset ``dataset_name`` (default ``"train"``).
 
+    Returns:
+        A :class:`ddptrain.data.DataIterator` over the shard: this worker's equal share of
+        the rows for a dataset in ``DataConfig.datasets_to_split``, the whole dataset
+        otherwise. The same iterator is returned each time; read it once per epoch.
+
     Raises:
         KeyError: No dataset of that name was given to the trainer.
+
+    Example:
+        >>> shard = ddptrain.get_dataset_shard("train")
+        >>> for epoch in range(3):
+        ...     for batch in shard.iter_torch_batches(batch_size=64):
+        ...         train_step(batch)
     """
     session = _get_session("get_dataset_shard")
     name = dataset_name or "train"

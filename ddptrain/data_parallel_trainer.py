@@ -16,6 +16,7 @@ from ddptrain import _env, context
 from ddptrain.backend import BackendConfig
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.config import DataConfig, RunConfig, ScalingConfig
+from ddptrain.data.ingest import DatasetIngest, check_datasets
 from ddptrain.errors import ConfigError, WorkerFailure, WorkerGroupError
 from ddptrain.result import Result
 
@@ -54,8 +55,10 @@ class DataParallelTrainer:
         backend_config: Sets up the workers (e.g. a torch process group); ``None`` sets up nothing.
         scaling_config: Number of workers and devices (default: one CPU worker).
         run_config: Name, storage and policies of the run.
-        datasets: Named datasets; each worker reads its shard with ``get_dataset_shard(name)``.
-        dataset_config: Which datasets are split across workers.
+        datasets: Named datasets (a ``ddptrain.data.Dataset``, or a function without arguments
+            that builds one, called again at every start of the worker group); each worker
+            reads its shard with ``get_dataset_shard(name)``.
+        dataset_config: Which datasets are split across workers (default: all).
         resume_from_checkpoint: A checkpoint the run starts from (``get_checkpoint()``).
 
     Example:
@@ -118,30 +121,23 @@ class DataParallelTrainer:
             raise ConfigError(
                 f"`resume_from_checkpoint` must be a ddptrain.Checkpoint, got {self.resume_from_checkpoint!r}."
             )
-        for name in self.datasets:
-            if not isinstance(name, str):
-                raise ConfigError(f"`datasets` keys must be dataset names (str), got {name!r}.")
-
-    def _dataset_shards(self, world_size: int) -> dict[int, dict[str, Any]]:
-        from ddptrain import data
-
-        return data.shard_datasets(self.datasets, self.dataset_config, world_size)
+        check_datasets(self.datasets, self.dataset_config)
 
     def _payload(self) -> bytes:
+        # Datasets are not in it: each start of the group sends its workers shard specs.
         user = {
             "train_fn": self.train_loop_per_worker,
             "train_loop_config": self.train_loop_config or {},
             "takes_config": self._takes_config,
             "backend_config": self.backend_config,
-            "dataset_shards": self._dataset_shards(self.scaling_config.num_workers),
         }
         try:
             payload: bytes = cloudpickle.dumps(user)
         except Exception as exc:
             name = getattr(self.train_loop_per_worker, "__name__", repr(self.train_loop_per_worker))
             raise ConfigError(
-                f"Could not pickle the training function `{name}`, its `train_loop_config`, the "
-                f"backend config or the datasets: {exc!r}. Everything the function uses from "
+                f"Could not pickle the training function `{name}`, its `train_loop_config` or the "
+                f"backend config: {exc!r}. Everything the function uses from "
                 "outside must be picklable: create locks, open files, sockets and clients inside "
                 "the function instead."
             ) from exc
@@ -185,6 +181,7 @@ class DataParallelTrainer:
             run_config=self.run_config,
             backend_config=self.backend_config,
             dataset_config=self.dataset_config,
+            datasets=DatasetIngest(self.datasets, self.dataset_config, self.scaling_config.num_workers),
         )
         run.start_checkpoint = self.resume_from_checkpoint
         return run.fit()
@@ -200,10 +197,11 @@ class DataParallelTrainer:
             node_rank=0,
             storage=None,
         )
+        datasets = DatasetIngest(self.datasets, self.dataset_config, 1)
         session = context._Session(
             context=ctx,
             checkpoint=self.resume_from_checkpoint,
-            dataset_shards=self._dataset_shards(1)[0],
+            dataset_shards=datasets.local_iterators(),
         )
         previous = context._session
         context._set_session(session)
@@ -226,6 +224,7 @@ class DataParallelTrainer:
             raise WorkerGroupError.from_failures([failure], None) from exc
         finally:
             context._set_session(previous)
+            datasets.release()
         history = [metrics for metrics, _ in session.local_reports]
         checkpoints = [(c, m) for m, c in session.local_reports if c is not None]
         return Result(

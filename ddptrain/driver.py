@@ -264,23 +264,28 @@ class Attempt:
             if self.exit_expected:
                 return None
             return self._failure(rank, exitcode, WorkerDiedError(rank, exitcode))
+        # Agent events name the agent by its first rank (AGENT_RANK: the only agent).
+        agent_ranks = self.run.ranks_of_agent(None if rank == AGENT_RANK else rank)
         if kind == b"F":
             text = payload.decode("utf-8", errors="replace")
             error = LaunchError(f"The ddptrain agent could not start the workers:\n{text}")
-            return self._failure(0, None, error, text)
-        if kind == b"D" and rank == AGENT_RANK and len(self.exited) < self.world_size and not self.exit_expected:
-            missing = sorted(set(range(self.world_size)) - self.exited)
+            return self._failure(agent_ranks[0], None, error, text)
+        missing = sorted(set(agent_ranks) - self.exited)
+        if kind == b"D" and missing and not self.exit_expected:
             code = payload.decode()
-            how = "did not exit" if code == "None" else describe_exitcode(int(code))
+            how = "connection lost" if code == "None" else describe_exitcode(int(code))
             hint = " (SIGKILL often means the kernel's out-of-memory killer)" if code == "-9" else ""
             error = LaunchError(
-                f"The ddptrain agent process that runs rank(s) {missing} died ({how}){hint}; its workers died with it."
+                f"The ddptrain agent that runs rank(s) {missing} on {self.run.host_of(missing[0])} "
+                f"died ({how}){hint}; its workers died with it."
             )
             return self._failure(missing[0], None, error)
         return None
 
     def _failure(self, rank: int, exitcode: int | None, exc: BaseException, traceback_str: str = "") -> WorkerFailure:
         pid, host = self.hosts.get(rank, (None, self.run.hostname))
+        if self.run.placement is not None:
+            host = self.run.host_of(rank)  # the host list's name for it
         assert self.sink is not None
         return WorkerFailure(
             rank=rank,

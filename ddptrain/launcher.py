@@ -135,3 +135,40 @@ class LocalLauncher:
                     pipe.close()
                 except OSError:
                     pass
+
+
+class GroupLauncher:
+    """Launchers of several hosts driven as one: each gets its node's share of the bootstrap.
+
+    Args:
+        launchers: ``(launcher, store address as seen from that host)`` by node rank.
+    """
+
+    def __init__(self, launchers: list[tuple[Launcher, str]]) -> None:
+        self._launchers = launchers
+
+    def start(self, bootstrap: dict[str, Any], sink: LogSink, on_event: Callable[[AgentEvent], None]) -> None:
+        for node, (launcher, address) in enumerate(self._launchers):
+            share = dict(bootstrap)
+            share["workers"] = [
+                {**spec, "env": {**spec["env"], "MASTER_ADDR": address}}
+                for spec in bootstrap["workers"]
+                if spec["node_rank"] == node
+            ]
+            share["run"] = {**bootstrap["run"], "store_host": address}
+            first = min(spec["rank"] for spec in share["workers"])
+
+            def tagged(event: AgentEvent, first: int = first) -> None:
+                kind, rank, data = event
+                on_event((kind, first if rank == AGENT_RANK else rank, data))  # name the agent by its first rank
+
+            launcher.start(share, sink, tagged)
+
+    def shutdown(self, grace_s: float) -> None:
+        threads = [
+            threading.Thread(target=launcher.shutdown, args=(grace_s,), daemon=True) for launcher, _ in self._launchers
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(grace_s + 10.0)

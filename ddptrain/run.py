@@ -3,29 +3,34 @@
 from __future__ import annotations
 
 import datetime
+import fnmatch
 import json
 import logging
 import os
 import socket
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ddptrain import _env, storage
+from ddptrain._agent import versions as agent_versions
 from ddptrain.callbacks import TrainRunContext
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.checkpoint_manager import CheckpointManager
 from ddptrain.config import CheckpointConfig
 from ddptrain.driver import Attempt, GroupFailed
-from ddptrain.errors import ConfigError, WorkerFailure, WorkerGroupError
-from ddptrain.launcher import LocalLauncher
+from ddptrain.errors import ConfigError, LaunchError, WorkerFailure, WorkerGroupError
+from ddptrain.hosts import HostSpec, Placement, is_local, parse_hosts, place_workers, with_ssh_config
+from ddptrain.launcher import GroupLauncher, Launcher, LocalLauncher
 from ddptrain.result import METRICS_FILE, Result, read_metrics
 
 if TYPE_CHECKING:
     from ddptrain.backend import BackendConfig
     from ddptrain.config import DataConfig, RunConfig, ScalingConfig
+    from ddptrain.data.ingest import DatasetIngest
 
 __all__ = ["Run"]
 
@@ -46,7 +51,8 @@ class Run:
     """State of one ``fit()``: configs, run directory, reported metrics and checkpoints.
 
     Args:
-        payload: The cloudpickled training function, its config and the dataset shards.
+        payload: The cloudpickled training function and its config.
+        datasets: The trainer's datasets; each start of the group gets new shard specs.
     """
 
     def __init__(
@@ -59,8 +65,10 @@ class Run:
         run_config: RunConfig,
         backend_config: BackendConfig,
         dataset_config: DataConfig,
+        datasets: DatasetIngest | None = None,
     ) -> None:
         self.payload = payload
+        self.datasets = datasets
         self.trainer_bytes = trainer_bytes
         self.scaling_config = scaling_config
         self.run_config = run_config
@@ -84,8 +92,9 @@ class Run:
         self._metrics_file: Any = None
         failure_config = run_config.failure_config
         self._max_failures = failure_config.max_failures if failure_config else 0
+        self.placement = self._placement()  # a bad host list is an error before anything starts
         self._failures_seen = 0
-        self._spare: LocalLauncher | None = None  # the next attempt's agent, started on a failure
+        self._spare: Launcher | None = None  # the next attempt's agent, started on a failure
 
     # ----------------------------------------------------------------- what workers get
     def agent_env(self) -> dict[str, str]:
@@ -98,54 +107,122 @@ class Run:
             env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         return env
 
+    def remote_env(self) -> dict[str, str]:
+        """Environment of a remote agent: only what is meant for the workers, not the driver's
+        whole environment (its PATH or HOME may not exist there)."""
+        patterns = _env.forwarded_env_patterns()
+        env = {k: v for k, v in os.environ.items() if any(fnmatch.fnmatchcase(k, p) for p in patterns)}
+        env.update(self.run_config._env_vars())
+        env.setdefault("OMP_NUM_THREADS", str(self.scaling_config._omp_num_threads()))
+        env[_env.WORKER_MARKER] = "1"
+        if self.scaling_config.use_gpu:
+            env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        return env
+
+    def _placement(self) -> Placement | None:
+        raw = self.scaling_config.hosts if self.scaling_config.hosts is not None else _env.hostfile()
+        if raw is None:
+            return None
+        hosts = [h if is_local(h) else with_ssh_config(h, _env.ssh_config_path()) for h in parse_hosts(raw)]
+        return place_workers(hosts, self.scaling_config.num_workers, self.scaling_config.placement_strategy)
+
+    def new_launcher(self) -> Launcher:
+        """Start the agents of one attempt: one local process, or one per host over SSH."""
+        if self.placement is None:
+            return LocalLauncher(self.agent_env())
+        from ddptrain.ssh import SSHLauncher
+
+        def start(host: HostSpec) -> tuple[Launcher, str]:
+            if is_local(host):
+                return LocalLauncher(self.agent_env()), "127.0.0.1"
+            python = host.python or sys.executable
+            launcher = SSHLauncher(host, self.remote_env(), python, host.workdir or os.getcwd())
+            return launcher, _env.driver_address() or launcher.local_address
+
+        results: dict[int, tuple[Launcher, str] | BaseException] = {}
+
+        def start_into(node: int, host: HostSpec) -> None:
+            try:
+                results[node] = start(host)
+            except BaseException as exc:  # reported below, with every other host's outcome
+                results[node] = exc
+
+        threads = [
+            threading.Thread(target=start_into, args=(node, host), daemon=True)
+            for node, host in enumerate(self.placement.hosts)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        errors = [r for r in results.values() if isinstance(r, BaseException)]
+        started = [r for r in results.values() if not isinstance(r, BaseException)]
+        if errors:
+            for launcher, _ in started:
+                launcher.shutdown(0)
+            raise LaunchError("\n".join(str(e) for e in errors)) from errors[0]
+        return GroupLauncher([results[node] for node in range(len(self.placement.hosts))])  # type: ignore[misc]
+
     def worker_specs(self, attempt: int, store_host: str, store_port: int) -> list[dict[str, Any]]:
         world = self.scaling_config.num_workers
         gpus = self.scaling_config.num_gpus_per_worker
+        nodes = self.placement.ranks if self.placement else [list(range(world))]
         specs = []
-        for rank in range(world):
-            local_rank = rank
-            if gpus >= 1:
-                devices = [local_rank * int(gpus) + i for i in range(int(gpus))]
-            elif gpus > 0:
-                devices = [int(local_rank * gpus)]
-            else:
-                devices = []
-            env = {
-                "RANK": str(rank),
-                "WORLD_SIZE": str(world),
-                "LOCAL_RANK": str(local_rank),
-                "LOCAL_WORLD_SIZE": str(world),
-                "NODE_RANK": "0",
-                "GROUP_RANK": "0",
-                "ROLE_RANK": str(rank),
-                "ROLE_WORLD_SIZE": str(world),
-                "MASTER_ADDR": store_host,
-                "MASTER_PORT": str(store_port),
-                # torch's env:// and tcp:// rendezvous then join the driver's store as clients.
-                "TORCHELASTIC_USE_AGENT_STORE": "True",
-                "TORCHELASTIC_RESTART_COUNT": str(attempt),
-            }
-            specs.append(
-                {
-                    "rank": rank,
-                    "local_rank": local_rank,
-                    "node_rank": 0,
-                    "world_size": world,
-                    "local_world_size": world,
-                    "devices": devices,
-                    "env": env,
+        for node_rank, ranks in enumerate(nodes):
+            for local_rank, rank in enumerate(ranks):
+                if gpus >= 1:
+                    devices = [local_rank * int(gpus) + i for i in range(int(gpus))]
+                elif gpus > 0:
+                    devices = [int(local_rank * gpus)]
+                else:
+                    devices = []
+                env = {
+                    "RANK": str(rank),
+                    "WORLD_SIZE": str(world),
+                    "LOCAL_RANK": str(local_rank),
+                    "LOCAL_WORLD_SIZE": str(len(ranks)),
+                    "NODE_RANK": str(node_rank),
+                    "GROUP_RANK": str(node_rank),
+                    "GROUP_WORLD_SIZE": str(len(nodes)),
+                    "ROLE_RANK": str(rank),
+                    "ROLE_WORLD_SIZE": str(world),
+                    "MASTER_ADDR": store_host,
+                    "MASTER_PORT": str(store_port),
+                    # torch's env:// and tcp:// rendezvous then join the driver's store as clients.
+                    "TORCHELASTIC_USE_AGENT_STORE": "True",
+                    "TORCHELASTIC_RESTART_COUNT": str(attempt),
                 }
-            )
+                specs.append(
+                    {
+                        "rank": rank,
+                        "local_rank": local_rank,
+                        "node_rank": node_rank,
+                        "world_size": world,
+                        "local_world_size": len(ranks),
+                        "devices": devices,
+                        "env": env,
+                    }
+                )
         return specs
 
     def bootstrap(self, attempt: int, store_host: str, store_port: int, secret: bytes) -> dict[str, Any]:
-        """Everything an agent needs; it travels over the agent's stdin, never the store."""
+        """Everything an agent needs; it travels over the agent's stdin, never the store.
+
+        Called at every start of the group: datasets given as functions are built again, and
+        each worker's spec gets its shard specs (shared-memory references, no data).
+        """
+        workers = self.worker_specs(attempt, store_host, store_port)
+        if self.datasets is not None:
+            shards = self.datasets.shards(remote_ranks=self.remote_ranks())
+            for spec in workers:
+                spec["datasets"] = shards[spec["rank"]]
         return {
             "payload": self.payload,
             "sys_path": [p for p in sys.path if p],
             "cwd": os.getcwd(),
             "grace_s": _env.shutdown_grace_s(),
-            "workers": self.worker_specs(attempt, store_host, store_port),
+            "versions": agent_versions(),
+            "workers": workers,
             "run": {
                 "run_id": self.run_id,
                 "attempt": attempt,
@@ -166,8 +243,38 @@ class Run:
     def log_dir(self, attempt: int) -> Path:
         return Path(self.run_dir, "logs", f"attempt_{attempt}")
 
+    def remote_ranks(self) -> list[int]:
+        """Ranks that run on other hosts than the driver's (over SSH)."""
+        if self.placement is None:
+            return []
+        return [
+            rank
+            for host, ranks in zip(self.placement.hosts, self.placement.ranks, strict=True)
+            if not is_local(host)
+            for rank in ranks
+        ]
+
+    def ranks_of_agent(self, first_rank: int | None) -> list[int]:
+        """The ranks run by the agent whose first rank is ``first_rank`` (``None``: the only agent)."""
+        if self.placement is None or first_rank is None:
+            return list(range(self.scaling_config.num_workers))
+        node, _ = self.placement.node_of(first_rank)
+        return self.placement.ranks[node]
+
+    def host_of(self, rank: int) -> str:
+        """The name of the host that runs ``rank``."""
+        if self.placement is None:
+            return self.hostname
+        return self.placement.hosts[self.placement.node_of(rank)[0]].name
+
     def rank_labels(self) -> dict[int, str]:
-        return {rank: f"rank{rank}" for rank in range(self.scaling_config.num_workers)}
+        if self.placement is None:
+            return {rank: f"rank{rank}" for rank in range(self.scaling_config.num_workers)}
+        return {
+            rank: f"{host.name}:rank{rank}"
+            for host, ranks in zip(self.placement.hosts, self.placement.ranks, strict=True)
+            for rank in ranks
+        }
 
     # ----------------------------------------------------------------- what workers report
     def record_metrics(self, metrics: dict[str, Any], attempt: int) -> None:
@@ -274,13 +381,16 @@ class Run:
         """On a failure: if a restart will follow, start its agent now, during the teardown."""
         allowed = self._max_failures
         if self._spare is None and (allowed == -1 or self._failures_seen < allowed):
-            self._spare = LocalLauncher(self.agent_env())
+            try:
+                self._spare = self.new_launcher()
+            except LaunchError as exc:  # the restart will try again, and report it then
+                _logger.warning("ddptrain: could not start the next attempt's agents early: %s", exc)
 
     def fit(self) -> Result:
         """Run attempts until one succeeds or the failure budget is spent."""
         self._check_gpus()
         self._load_previous()
-        launcher: LocalLauncher | None = LocalLauncher(self.agent_env())  # imports torch while we set up
+        launcher: Launcher | None = self.new_launcher()  # imports torch while we set up
         root_causes: list[WorkerFailure] = []
         try:
             self._prepare_dir()
@@ -318,6 +428,8 @@ class Run:
                 if leftover is not None:
                     leftover.shutdown(_env.shutdown_grace_s())
             self._spare = None
+            if self.datasets is not None:
+                self.datasets.release()
             if self._metrics_file is not None:
                 self._metrics_file.close()
         return Result(

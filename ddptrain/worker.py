@@ -76,7 +76,9 @@ def _setup_logging(level: str) -> None:
     logger.propagate = False
 
 
-def _make_session(spec: dict[str, Any], run: dict[str, Any], user: dict[str, Any]) -> context._Session:
+def _make_session(spec: dict[str, Any], run: dict[str, Any]) -> context._Session:
+    from ddptrain.data.ingest import open_shards
+
     storage = context.StorageContext(run["storage_path"], run["name"])
     ctx = context.TrainContext(
         experiment_name=run["name"],
@@ -88,7 +90,7 @@ def _make_session(spec: dict[str, Any], run: dict[str, Any], user: dict[str, Any
         storage=storage,
     )
     latest = run.get("checkpoint")
-    shards = user.get("dataset_shards", {}).get(spec["rank"], {})
+    shards = open_shards(spec.get("datasets") or {})  # maps the driver's shared memory
     return context._Session(
         context=ctx,
         run_dir=run["run_dir"],
@@ -130,7 +132,7 @@ def run(spec: dict[str, Any], shared: dict[str, Any], status_fd: int) -> int:
         store.set_timeout(channel._LONG_WAIT)
         keys = channel.Keys(run_info["run_id"], run_info["attempt"])
         ch = channel.WorkerChannel(store, keys, run_info["secret"], rank)
-        session = _make_session(spec, run_info, user)
+        session = _make_session(spec, run_info)
         session.channel = ch
         context._set_session(session)
         ch.send(("hello", rank, os.getpid(), socket.gethostname()))

@@ -22,7 +22,7 @@ def train_loop_for_worker():
     # 3 items for 3 workers, each worker gets 1 item
     batches = list(dataset_shard_for_this_worker.iter_batches(batch_size=1))
     assert len(batches) == 1
-    return batches[0]
+    return {column: values.tolist() for column, values in batches[0].items()}  # {"item": array([1])}
 
 
 # 2. A predefined training loop ---------------------------------------------------------------

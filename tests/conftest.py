@@ -67,3 +67,40 @@ def _restore_state() -> Iterator[None]:
 def storage(tmp_path: Path) -> str:
     """A storage_path for one test."""
     return str(tmp_path / "runs")
+
+
+@pytest.fixture(scope="session")
+def _ssh_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    from sshd import SSHServers, why_no_sshd
+
+    reason = why_no_sshd()
+    if reason:
+        if os.environ.get("DDPTRAIN_REQUIRE_SSHD") == "1":
+            pytest.fail(f"DDPTRAIN_REQUIRE_SSHD=1 but {reason}")
+        pytest.skip(reason)
+    servers = SSHServers(tmp_path_factory.mktemp("sshd"), count=3)
+    yield servers
+    servers.close()
+
+
+@pytest.fixture
+def ssh(_ssh_servers, monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
+    """Three loopback hosts h0..h2 behind real sshd servers, set up as the user's SSH config.
+
+    Fails the test if anything started over SSH is still running afterwards.
+    """
+    monkeypatch.setenv("DDPTRAIN_SSH_KNOWN_HOSTS", str(_ssh_servers.known_hosts))
+    monkeypatch.setenv("DDPTRAIN_SSH_CONFIG", str(_ssh_servers.ssh_config))
+    yield _ssh_servers
+    deadline = time.monotonic() + 10.0
+    left = _ssh_servers.ssh_processes()
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = _ssh_servers.ssh_processes()
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if left:
+        pytest.fail(f"processes started over SSH were left behind: {left}")

@@ -25,7 +25,7 @@ def one_batch_per_worker() -> int:
     shard = train.get_dataset_shard("train")
     batches = list(shard.iter_batches(batch_size=1))
     assert len(batches) == 1
-    return batches[0][0]
+    return int(batches[0]["item"][0])  # Ray's row format: from_items([1, 2, 3]) has the column "item"
 
 
 def test_dataset_example_from_the_ray_docs(storage: str) -> None:

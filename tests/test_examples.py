@@ -33,9 +33,18 @@ def test_torch_quickstart(storage: str) -> None:
 @pytest.mark.timeout(300)
 def test_data_parallel_trainer_examples(storage: str) -> None:
     out = run_example("data_parallel_trainer.py", storage)
-    assert "each worker's batch: [[1], [2], [3]]" in out
+    assert "each worker's batch: [{'item': [1]}, {'item': [2]}, {'item': [3]}]" in out
     assert "predefined loop returned: [1, 1]" in out
     assert "MY_ENV_VAR on the workers: ['default_value', 'default_value']" in out
+
+
+@pytest.mark.timeout(300)
+def test_dataset_shard_example(storage: str) -> None:
+    out = run_example("dataset_shard.py", storage, "--epochs", "2")
+    assert "each worker's item: [1, 2, 3]" in out
+    assert "rows of 'train' per worker: [2000, 2000]" in out
+    losses = [float(line.rsplit(" ", 1)[1]) for line in out.splitlines() if line.startswith("epoch ")]
+    assert len(losses) == 2 and losses[-1] < 0.1  # the model learned from the batches
 
 
 @pytest.mark.timeout(300)

@@ -1,0 +1,179 @@
+"""The ``ddptrain`` command: ``ddptrain check HOSTFILE`` checks every host before a run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import threading
+from typing import Any
+
+from ddptrain import _env
+from ddptrain.errors import DdpTrainError
+from ddptrain.hosts import HostSpec, is_local, parse_hosts, with_ssh_config
+
+__all__ = ["main", "check_hosts"]
+
+# Runs on each host: versions, GPUs, disk, and whether the driver's port can be reached.
+_PROBE = r"""
+import json, os, shutil, socket, sys
+out = {"python": sys.executable, "python_version": sys.version.split()[0]}
+for name in ("ddptrain", "torch", "cloudpickle"):
+    try:
+        module = __import__(name)
+        out[name] = getattr(module, "__version__", "?").split("+")[0]
+    except Exception as exc:
+        out[name] = "missing: " + type(exc).__name__
+try:
+    import torch
+    out["gpus"] = torch.cuda.device_count()
+except Exception:
+    out["gpus"] = None
+workdir = sys.argv[1] if len(sys.argv) > 1 else os.getcwd()
+try:
+    out["free_gb"] = round(shutil.disk_usage(workdir).free / 1e9, 1)
+except OSError as exc:
+    out["free_gb"] = "error: " + str(exc)
+try:
+    socket.create_connection((sys.argv[2], int(sys.argv[3])), timeout=3).close()
+    out["reaches_driver"] = True
+except (OSError, IndexError, ValueError) as exc:
+    out["reaches_driver"] = str(exc) or type(exc).__name__
+print("DDPTRAIN_CHECK " + json.dumps(out))
+"""
+
+_COLUMNS = ("host", "ssh", "python", "ddptrain", "torch", "cloudpickle", "gpus", "free disk", "driver port")
+
+
+def _driver_versions() -> dict[str, str]:
+    import cloudpickle
+    import torch
+
+    import ddptrain
+
+    return {
+        "python_version": ".".join(sys.version.split()[0].split(".")[:2]),
+        "ddptrain": ddptrain.__version__,
+        "torch": torch.__version__.split("+")[0],
+        "cloudpickle": cloudpickle.__version__,
+    }
+
+
+def _probe(host: HostSpec, port: int) -> dict[str, Any]:
+    python = host.python or sys.executable
+    workdir = host.workdir or os.getcwd()
+    if is_local(host):
+        args = [python, "-c", _PROBE, workdir, "127.0.0.1", str(port)]
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
+        return _parse(proc.stdout, proc.stderr, "local")
+    from ddptrain.ssh import connect
+
+    client = connect(host, _env.ssh_connect_timeout_s())
+    try:
+        address = _env.driver_address() or client.get_transport().sock.getsockname()[0]
+        command = " ".join(shlex.quote(a) for a in (python, "-c", _PROBE, workdir, address, str(port)))
+        _, stdout, stderr = client.exec_command(command, timeout=120)
+        return _parse(stdout.read().decode(), stderr.read().decode(), "ok")
+    finally:
+        client.close()
+
+
+def _parse(stdout: str, stderr: str, ssh: str) -> dict[str, Any]:
+    for line in stdout.splitlines():
+        if line.startswith("DDPTRAIN_CHECK "):
+            result: dict[str, Any] = json.loads(line.split(" ", 1)[1])
+            result["ssh"] = ssh
+            return result
+    tail = (stderr.strip().splitlines() or ["no output"])[-1]
+    return {"ssh": ssh, "error": f"the probe did not run: {tail}"}
+
+
+def check_hosts(hosts: list[HostSpec]) -> tuple[list[list[str]], bool]:
+    """Probe every host in parallel; returns the table rows and whether all is well."""
+    expected = _driver_versions()
+    listener = socket.create_server(("", 0))
+    port = listener.getsockname()[1]
+    accepting = threading.Thread(target=_accept_all, args=(listener,), daemon=True)
+    accepting.start()
+    results: dict[int, dict[str, Any]] = {}
+
+    def run(i: int, host: HostSpec) -> None:
+        try:
+            results[i] = _probe(host, port)
+        except DdpTrainError as exc:
+            results[i] = {"ssh": f"FAILED: {exc}"}
+        except Exception as exc:
+            results[i] = {"ssh": "ok", "error": repr(exc)}
+
+    threads = [threading.Thread(target=run, args=(i, h), daemon=True) for i, h in enumerate(hosts)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    listener.close()
+    rows, healthy = [], True
+    for i, host in enumerate(hosts):
+        got = results[i]
+        row = [host.name, str(got.get("ssh"))]
+        if "python" not in got:
+            row += [got.get("error", "-")] + ["-"] * (len(_COLUMNS) - 3)
+            rows.append(row)
+            healthy = False
+            continue
+        version = ".".join(got["python_version"].split(".")[:2])
+        cells = [f"{got['python']} ({got['python_version']})" + _mark(version, expected["python_version"])]
+        for name in ("ddptrain", "torch", "cloudpickle"):
+            cells.append(str(got[name]) + _mark(got[name], expected[name]))
+        reaches = got["reaches_driver"]
+        cells += [str(got["gpus"]), f"{got['free_gb']} GB", "yes" if reaches is True else f"NO: {reaches}"]
+        healthy &= all("!=" not in c for c in cells) and reaches is True
+        rows.append(row + cells)
+    return rows, healthy
+
+
+def _accept_all(listener: socket.socket) -> None:
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return
+        conn.close()
+
+
+def _mark(value: str, expected: str) -> str:
+    return "" if value == expected else f" != {expected} (driver)"
+
+
+def _print_table(rows: list[list[str]]) -> None:
+    widths = [max(len(r[i]) for r in [list(_COLUMNS), *rows]) for i in range(len(_COLUMNS))]
+    for row in [list(_COLUMNS), *rows]:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``ddptrain`` console script."""
+    parser = argparse.ArgumentParser(prog="ddptrain", description="ddptrain tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+    check = sub.add_parser("check", help="check SSH, Python, versions, GPUs, disk and the driver port on every host")
+    check.add_argument("hostfile", nargs="?", help="host file (default: $DDPTRAIN_HOSTFILE)")
+    args = parser.parse_args(argv)
+    source = args.hostfile or _env.hostfile()
+    if not source:
+        parser.error("give a host file, or set DDPTRAIN_HOSTFILE")
+    try:
+        hosts = [h if is_local(h) else with_ssh_config(h, _env.ssh_config_path()) for h in parse_hosts(source)]
+    except DdpTrainError as exc:
+        print(f"ddptrain check: {exc}", file=sys.stderr)
+        return 2
+    rows, healthy = check_hosts(hosts)
+    _print_table(rows)
+    print("\nall hosts are ready" if healthy else "\nsome hosts are not ready (see above)")
+    return 0 if healthy else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""Starting one host's workers over SSH (driver side), with paramiko.
+
+One SSH connection per host runs ``PYTHON -m ddptrain._agent`` without a pty; the agent's
+stdin, stdout and stderr are the channel's. The driver sends the bootstrap (function and
+secret) over stdin, reads framed output and exit events from stdout, and sends a heartbeat
+byte every half second: the agent kills its whole process tree when stdin closes (the
+connection dropped, the driver died) or when heartbeats stop (a host or network that vanished
+without closing the connection).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import shlex
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from ddptrain import _env
+from ddptrain._agent import AGENT_RANK, FRAME, read_frame
+from ddptrain._logs import LogSink
+from ddptrain.errors import LaunchError
+from ddptrain.hosts import HostSpec
+
+__all__ = ["SSHLauncher", "connect", "remote_command"]
+
+_logger = logging.getLogger(__name__)
+_HEARTBEAT_S = 0.5
+
+
+def remote_command(python: str, workdir: str | None, env: dict[str, str], module: str = "ddptrain._agent") -> str:
+    """The shell command that starts the agent on a host; every value is quoted."""
+    parts = []
+    if workdir:
+        parts.append(f"cd {shlex.quote(workdir)} &&")
+    parts.append("exec env")
+    parts.extend(shlex.quote(f"{key}={value}") for key, value in sorted(env.items()))
+    parts.extend([shlex.quote(python), "-m", module])
+    return " ".join(parts)
+
+
+def connect(host: HostSpec, timeout_s: float) -> Any:
+    """An authenticated paramiko client for ``host``; errors name the host and say what to do.
+
+    Host keys are checked against ``~/.ssh/known_hosts`` (or ``$DDPTRAIN_SSH_KNOWN_HOSTS``);
+    unknown hosts are refused unless ``DDPTRAIN_SSH_ACCEPT_NEW_HOST_KEYS=1``. Passwords are never
+    asked for.
+    """
+    import paramiko
+
+    client = paramiko.SSHClient()
+    known_hosts = _env.ssh_known_hosts()
+    if os.path.exists(known_hosts):
+        client.load_host_keys(known_hosts)
+    if _env.ssh_accept_new_host_keys():
+        client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
+    else:
+        client.set_missing_host_key_policy(paramiko.RejectPolicy())
+    address = host.address or host.name
+    port = host.port or 22
+    where = f"host {host.name!r} ({host.user + '@' if host.user else ''}{address}:{port})"
+    try:
+        client.connect(
+            address,
+            port=port,
+            username=host.user,
+            key_filename=host.key,
+            timeout=timeout_s,
+            banner_timeout=timeout_s,
+            auth_timeout=timeout_s,
+            allow_agent=True,
+            look_for_keys=host.key is None,
+            password=None,
+        )
+    except paramiko.BadHostKeyException as exc:
+        client.close()
+        raise LaunchError(
+            f"{where}: its host key does not match the one in {known_hosts} ({exc}). If the host was "
+            "reinstalled, remove the old key with `ssh-keygen -R`; otherwise someone may be intercepting."
+        ) from None
+    except paramiko.AuthenticationException as exc:
+        client.close()
+        raise LaunchError(
+            f"{where}: authentication failed ({exc}). ddptrain logs in with keys only (never a "
+            "password): add your public key to the host's authorized_keys, or set `key=` in the host list."
+        ) from None
+    except paramiko.SSHException as exc:
+        client.close()
+        if "known_hosts" in str(exc):
+            raise LaunchError(
+                f"{where}: unknown host key (not in {known_hosts}). Connect once with `ssh` to check "
+                "and save it, or set DDPTRAIN_SSH_ACCEPT_NEW_HOST_KEYS=1 to accept new hosts."
+            ) from None
+        raise LaunchError(f"{where}: SSH failed: {exc}.") from None
+    except OSError as exc:
+        client.close()
+        raise LaunchError(f"{where}: cannot connect: {exc}.") from None
+    return client
+
+
+class SSHLauncher:
+    """Runs one host's workers under an agent started over SSH.
+
+    Args:
+        host: The host (after ``~/.ssh/config`` lookups).
+        env: Environment variables of the agent and its workers.
+        python: Python executable on the host.
+        workdir: Working directory on the host.
+    """
+
+    def __init__(self, host: HostSpec, env: dict[str, str], python: str, workdir: str | None) -> None:
+        self.host = host
+        self.workdir = workdir
+        self._client: Any = connect(host, _env.ssh_connect_timeout_s())
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._stderr_tail: list[str] = []
+        try:
+            transport = self._client.get_transport()
+            # The address this machine uses to reach the host: the host can reach us back on it.
+            self.local_address: str = transport.sock.getsockname()[0]
+            self._channel = transport.open_session()
+            self._channel.exec_command(remote_command(python, workdir, env))
+        except Exception as exc:
+            self._client.close()
+            raise LaunchError(f"host {host.name!r}: cannot start the ddptrain agent: {exc}.") from None
+        self._spawn(self._read_stderr)
+
+    def _spawn(self, target: Callable[[], None]) -> None:
+        thread = threading.Thread(target=target, name=f"ddptrain-ssh-{self.host.name}", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def _read_stderr(self) -> None:
+        stream = self._channel.makefile_stderr("rb")
+        for line in stream:
+            text = line.decode("utf-8", errors="replace").rstrip()
+            if text:
+                self._stderr_tail = (self._stderr_tail + [text])[-20:]
+                sys.stderr.write(f"[ddptrain agent {self.host.name}] {text}\n")
+
+    def start(
+        self, bootstrap: dict[str, Any], sink: LogSink, on_event: Callable[[tuple[bytes, int, bytes]], None]
+    ) -> None:
+        # Over SSH the agent also stops when the heartbeat stops (a host or network that vanished).
+        payload = pickle.dumps({**bootstrap, "cwd": self.workdir, "heartbeat_s": _env.ssh_heartbeat_timeout_s()})
+        try:
+            self._channel.sendall(FRAME.pack(b"B", AGENT_RANK, len(payload)) + payload)
+        except OSError:
+            raise LaunchError(f"on host {self.host.name!r} the agent did not start ({self._exit_detail()})") from None
+
+        def read_frames() -> None:
+            stream = self._channel.makefile("rb")
+            seen = False
+            while (frame := read_frame(stream)) is not None:
+                seen = True
+                kind, rank, data = frame
+                if kind in (b"O", b"E"):
+                    sink.write(rank, kind, data)
+                else:
+                    on_event((kind, rank, data))
+            code = self._exit_code()
+            if not seen:  # the agent never ran: wrong python, missing ddptrain, ...
+                detail = self._exit_detail()
+                on_event((b"F", AGENT_RANK, f"on host {self.host.name!r} the agent did not start ({detail})".encode()))
+            on_event((b"D", AGENT_RANK, repr(code).encode()))
+
+        def heartbeat() -> None:
+            while not self._stop.wait(_HEARTBEAT_S):
+                try:
+                    self._channel.sendall(b"H")
+                except OSError:
+                    return
+
+        self._spawn(read_frames)
+        self._spawn(heartbeat)
+
+    def _exit_code(self) -> int | None:
+        # The exit status may follow the end of the output by a moment.
+        if not self._channel.status_event.wait(2.0):
+            return None
+        code = int(self._channel.recv_exit_status())
+        return None if code == -1 else code  # -1: the connection ended without an exit status
+
+    def _exit_detail(self) -> str:
+        """``exit status N`` and the agent's last stderr lines, for errors."""
+        code = self._exit_code()
+        for thread in self._threads[:1]:  # the stderr reader: let it take the last lines
+            thread.join(1.0)
+        tail = "\n".join(self._stderr_tail[-10:])
+        return f"exit status {code}" + (f":\n{tail}" if tail else "")
+
+    def shutdown(self, grace_s: float) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        try:
+            self._channel.sendall(b"K")
+            self._channel.shutdown_write()
+        except OSError:
+            pass
+        deadline_s = grace_s + 2.0
+        ready = threading.Event()
+
+        def wait_for_exit() -> None:
+            self._channel.recv_exit_status()
+            ready.set()
+
+        threading.Thread(target=wait_for_exit, daemon=True).start()
+        if not ready.wait(deadline_s):
+            _logger.warning("ddptrain: the agent on %s did not stop in %.0f s", self.host.name, deadline_s)
+        self._channel.close()
+        self._client.close()
+        for thread in self._threads:
+            thread.join(2.0)

@@ -1,0 +1,196 @@
+"""Real OpenSSH servers on loopback addresses for the SSH tests.
+
+Each server runs ``/usr/sbin/sshd -D`` as a child of the test process with its own config,
+host key and log; a per-session client key is authorized, and the host keys are pinned in a
+known_hosts file. ``SetEnv SHLVL=1`` keeps root's shell start-up files out of the way.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+SSHD = os.environ.get("DDPTRAIN_TEST_SSHD", "/usr/sbin/sshd")
+
+_CONFIG = """\
+ListenAddress {addr}
+Port {port}
+HostKey {dir}/host_key
+PidFile {dir}/sshd.pid
+AuthorizedKeysFile {authorized}
+AuthenticationMethods publickey
+PubkeyAuthentication yes
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+UsePAM no
+PermitRootLogin prohibit-password
+StrictModes no
+UseDNS no
+PrintMotd no
+PrintLastLog no
+SetEnv SHLVL=1
+ClientAliveInterval 5
+ClientAliveCountMax 3
+MaxStartups 200:30:400
+LogLevel VERBOSE
+"""
+
+
+def why_no_sshd() -> str | None:
+    """``None`` when real-SSH tests can run here, else the reason."""
+    if not os.path.exists(SSHD):
+        return (
+            f"{SSHD} not found: the SSH tests need OpenSSH's server "
+            "(apt-get install -y --no-install-recommends openssh-server)"
+        )
+    if shutil.which("ssh-keygen") is None:
+        return "ssh-keygen not found (apt-get install -y openssh-client)"
+    try:
+        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
+    except OSError as exc:
+        return f"cannot create /run/sshd: {exc}"
+    return None
+
+
+def _keygen(path: Path) -> str:
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True)
+    return Path(f"{path}.pub").read_text().strip()
+
+
+def _free_port(addr: str) -> int:
+    with socket.socket() as s:
+        s.bind((addr, 0))
+        return int(s.getsockname()[1])
+
+
+def _pdeathsig() -> None:
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)
+
+
+@dataclass
+class SSHHost:
+    """One running sshd."""
+
+    name: str
+    addr: str
+    port: int
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+
+class SSHServers:
+    """Loopback sshd servers h0, h1, ... on 127.0.0.2, 127.0.0.3, ..."""
+
+    def __init__(self, root: Path, count: int = 3) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd refuses to start without it
+        self.client_key = root / "client_key"
+        client_pub = _keygen(self.client_key)
+        self.authorized = root / "authorized_keys"
+        self.authorized.write_text(client_pub + "\n")
+        self.known_hosts = root / "known_hosts"
+        self.ssh_config = root / "ssh_config"
+        self.hosts: list[SSHHost] = []
+        known, config = [], []
+        for i in range(count):
+            host = self._start(f"h{i}", f"127.0.0.{i + 2}")
+            self.hosts.append(host)
+            pub = (root / host.name / "host_key.pub").read_text().split()
+            known.append(f"[{host.addr}]:{host.port} {pub[0]} {pub[1]}")
+            config.append(
+                f"Host {host.name}\n  HostName {host.addr}\n  Port {host.port}\n  User root\n"
+                f"  IdentityFile {self.client_key}\n"
+            )
+        self.known_hosts.write_text("\n".join(known) + "\n")
+        self.ssh_config.write_text("\n".join(config))
+
+    def _start(self, name: str, addr: str) -> SSHHost:
+        folder = self.root / name
+        folder.mkdir(exist_ok=True)
+        if not (folder / "host_key").exists():
+            _keygen(folder / "host_key")
+        for _ in range(5):
+            port = _free_port(addr)
+            config = folder / "sshd_config"
+            config.write_text(_CONFIG.format(addr=addr, port=port, dir=folder, authorized=self.authorized))
+            log = folder / "sshd.log"
+            log.write_text("")
+            proc = subprocess.Popen(
+                [SSHD, "-D", "-E", str(log), "-f", str(config)],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                preexec_fn=_pdeathsig,
+            )
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and proc.poll() is None:
+                if f"Server listening on {addr} port {port}." in log.read_text():
+                    return SSHHost(name, addr, port, proc, log)
+                time.sleep(0.01)
+            proc.kill()
+            proc.wait()
+        raise RuntimeError(f"sshd for {name} did not start; see {folder / 'sshd.log'}")
+
+    def ssh_processes(self) -> list[int]:
+        """Live processes started through one of our servers (their SSH_CONNECTION names it)."""
+        endpoints = {f" {h.addr} {h.port}".encode() for h in self.hosts}
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                env = (entry / "environ").read_bytes().split(b"\0")
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if state == "Z":
+                continue
+            for item in env:
+                if item.startswith(b"SSH_CONNECTION=") and any(item.endswith(e) for e in endpoints):
+                    found.append(int(entry.name))
+                    break
+        return found
+
+    def close(self) -> None:
+        """Stop the servers and every session they started."""
+        for pid in self.ssh_processes():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        listeners = {host.proc.pid for host in self.hosts}
+        for pid in _children_of(listeners):  # per-connection sshd processes outlive the listener
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for host in self.hosts:
+            host.proc.terminate()
+        for host in self.hosts:
+            try:
+                host.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                host.proc.kill()
+                host.proc.wait()
+
+
+def _children_of(parents: set[int]) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) in parents:
+            found.append(int(entry.name))
+    return found
