@@ -285,3 +285,36 @@ def test_dataset_shards_reach_remote_workers(ssh, storage: str) -> None:
         run_config=train.RunConfig(storage_path=storage),
     ).fit()
     assert result.return_values == [[0, 1], [2, 3], [4, 5]]
+
+
+def test_a_key_the_host_does_not_accept_is_a_clear_error(ssh, storage: str, tmp_path: Path) -> None:
+    import subprocess
+
+    key = tmp_path / "other_key"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
+    with pytest.raises(train.LaunchError, match=r"host 'h0' .*authentication failed.*never a password"):
+        TorchTrainer(
+            allreduce_on_hosts,
+            scaling_config=train.ScalingConfig(num_workers=1, hosts=[f"h0 key={key}"]),
+            run_config=train.RunConfig(storage_path=storage),
+        ).fit()
+
+
+def test_a_host_with_another_ddptrain_version_is_refused(ssh, storage: str, tmp_path: Path) -> None:
+    import sys
+
+    fake = tmp_path / "python-with-old-ddptrain"
+    fake.write_text(
+        "#!/bin/sh\n"
+        f'exec {sys.executable} -c \'import ddptrain, runpy; ddptrain.__version__ = "0.0.1"; '
+        'runpy.run_module("ddptrain._agent", run_name="__main__")\'\n'
+    )
+    fake.chmod(0o755)
+    with pytest.raises(
+        train.DdpTrainError, match=r"(?s)version mismatch.*ddptrain 0\.0\.1 here, 0\.1\.0 on the driver"
+    ):
+        TorchTrainer(
+            allreduce_on_hosts,
+            scaling_config=train.ScalingConfig(num_workers=1, hosts=[f"h0 python={fake}"]),
+            run_config=train.RunConfig(storage_path=storage),
+        ).fit()
