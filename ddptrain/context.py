@@ -177,6 +177,7 @@ class _Session:
     checkpoint: Checkpoint | None = None
     dataset_shards: dict[str, Any] = field(default_factory=dict)
     devices: list[Any] = field(default_factory=list)
+    local_cache: str | None = None  # set on hosts that cannot see the run directory
     report_index: int = 0
     collective_index: int = 0
     local_reports: list[tuple[dict[str, Any], Checkpoint | None]] = field(default_factory=list)
@@ -309,6 +310,8 @@ def report(
     rank = session.context.get_world_rank()
     staged = _stage_checkpoint(session, checkpoint) if checkpoint is not None else None
     message = ("report", rank, session.report_index, metrics, staged, checkpoint_dir_name)
+    # On a host that cannot see the run directory the staged files wait in a local cache,
+    # and the driver copies them back over SSH before it commits the checkpoint.
     if staged is None:
         session.channel.send(message)
         return
@@ -326,7 +329,7 @@ def _stage_checkpoint(session: _Session, checkpoint: Checkpoint) -> str:
 
     assert session.run_dir is not None
     return storage.stage_files(
-        session.run_dir,
+        session.run_dir if session.local_cache is None else session.local_cache,
         checkpoint.path,
         session.attempt,
         session.report_index,

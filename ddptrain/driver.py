@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import pickle
 import queue
 import secrets
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import cloudpickle
 import torch.distributed as dist
 
-from ddptrain import _env
+from ddptrain import _env, storage
 from ddptrain._agent import AGENT_RANK
 from ddptrain._logs import LogSink
 from ddptrain.channel import DriverChannel, Keys
@@ -342,12 +343,21 @@ class Attempt:
             name = entries[0][2] or f"checkpoint_{index:06d}"
             problem = self.run.name_problem(name)
             if problem is None:
-                checkpoint = self.run.commit_checkpoint(
-                    [entries[r][1] for r in staged_ranks], name, entries[0][0], index
-                )
+                staged = [self._fetch_if_remote(r, index, entries[r][1]) for r in staged_ranks]
+                checkpoint = self.run.commit_checkpoint(staged, name, entries[0][0], index)
             for r in staged_ranks:
                 self.channel.send(r, ("ack", index, checkpoint.path if checkpoint else None, problem))
         self.run.after_report([metrics for metrics, _, _ in entries], checkpoint)
+
+    def _fetch_if_remote(self, rank: int, index: int, staged: str) -> str:
+        """The staged folder of ``rank`` on this machine: copied back over SSH if its host
+        cannot see the run directory."""
+        unshared = getattr(self.launcher, "unshared_ranks", ())
+        if rank not in unshared:
+            return staged
+        local = os.path.join(self.run.run_dir, storage.STAGING, f"fetched_a{self.index}_r{index}", f"rank_{rank}")
+        self.launcher.fetch_dir(rank, staged, local)  # type: ignore[attr-defined]
+        return local
 
     def _check_rounds(self) -> None:
         """Fail when a rank waits for one that already returned; warn about late ranks."""

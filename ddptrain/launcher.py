@@ -146,6 +146,28 @@ class GroupLauncher:
 
     def __init__(self, launchers: list[tuple[Launcher, str]]) -> None:
         self._launchers = launchers
+        self._by_rank: dict[int, Any] = {}
+        self.unshared_ranks: set[int] = set()  # ranks on hosts that cannot see the run directory
+
+    def fetch_dir(self, rank: int, remote: str, local: str) -> None:
+        """Copy a folder from the host of ``rank`` to this machine, and delete it there."""
+        self._by_rank[rank].fetch_dir(remote, local)
+
+    def _prepare_storage(self, launcher: Any, share: dict[str, Any]) -> None:
+        """For a host that cannot see the run directory: mark it, and give it the checkpoint to
+        resume from as a local copy."""
+        run = share["run"]
+        if not hasattr(launcher, "sees_run_dir") or launcher.sees_run_dir(run["run_dir"], run["run_id"]):
+            return
+        self.unshared_ranks.update(spec["rank"] for spec in share["workers"])
+        cache = f"/tmp/ddptrain-{run['run_id']}"
+        launcher.cache_dir = cache  # removed from the host when the launcher shuts down
+        run["shared_storage"] = False
+        run["local_cache"] = cache
+        if run.get("checkpoint"):
+            copy = f"{cache}/resume/a{run['attempt']}/{os.path.basename(run['checkpoint'])}"
+            launcher.push_dir(run["checkpoint"], copy)
+            run["checkpoint"] = copy
 
     def start(self, bootstrap: dict[str, Any], sink: LogSink, on_event: Callable[[AgentEvent], None]) -> None:
         for node, (launcher, address) in enumerate(self._launchers):
@@ -156,6 +178,8 @@ class GroupLauncher:
                 if spec["node_rank"] == node
             ]
             share["run"] = {**bootstrap["run"], "store_host": address}
+            self._by_rank.update((spec["rank"], launcher) for spec in share["workers"])
+            self._prepare_storage(launcher, share)
             first = min(spec["rank"] for spec in share["workers"])
 
             def tagged(event: AgentEvent, first: int = first) -> None:

@@ -10,10 +10,12 @@ without closing the connection).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import pickle
 import shlex
+import stat
 import sys
 import threading
 from collections.abc import Callable
@@ -118,6 +120,8 @@ class SSHLauncher:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._stderr_tail: list[str] = []
+        self._sftp_client: Any = None
+        self.cache_dir: str | None = None
         try:
             transport = self._client.get_transport()
             # The address this machine uses to reach the host: the host can reach us back on it.
@@ -178,6 +182,53 @@ class SSHLauncher:
         self._spawn(read_frames)
         self._spawn(heartbeat)
 
+    # ----------------------------------------------------------------- files (no shared storage)
+    def _sftp(self) -> Any:
+        import paramiko
+
+        if self._sftp_client is None:
+            try:
+                self._sftp_client = self._client.open_sftp()
+            except paramiko.SSHException as exc:
+                raise LaunchError(
+                    f"host {self.host.name!r} cannot see the run directory, so checkpoints are copied over "
+                    f"SFTP, but its SSH server refused SFTP ({exc}). Enable the sftp subsystem there, or put "
+                    "`storage_path` on a file system the hosts share."
+                ) from None
+        return self._sftp_client
+
+    def sees_run_dir(self, run_dir: str, run_id: str) -> bool:
+        """Whether this host sees the driver's run directory (a shared file system)."""
+        path = shlex.quote(os.path.join(run_dir, "run.json"))
+        _, stdout, _ = self._client.exec_command(f"cat -- {path} 2>/dev/null", timeout=30)
+        try:
+            return bool(json.loads(stdout.read().decode() or "{}").get("run_id") == run_id)
+        except ValueError:
+            return False
+
+    def fetch_dir(self, remote: str, local: str) -> None:
+        """Copy a folder from the host to this machine (recursively), then delete it there."""
+        sftp = self._sftp()
+        os.makedirs(local, exist_ok=True)
+        for entry in sftp.listdir_attr(remote):
+            source, target = f"{remote}/{entry.filename}", os.path.join(local, entry.filename)
+            if stat.S_ISDIR(entry.st_mode or 0):
+                self.fetch_dir(source, target)
+            else:
+                sftp.get(source, target)
+        self._client.exec_command(f"rm -rf -- {shlex.quote(remote)}")[1].channel.recv_exit_status()
+
+    def push_dir(self, local: str, remote: str) -> None:
+        """Copy a folder from this machine to the host (recursively)."""
+        sftp = self._sftp()
+        self._client.exec_command(f"mkdir -p -- {shlex.quote(remote)}")[1].channel.recv_exit_status()
+        for name in os.listdir(local):
+            source, target = os.path.join(local, name), f"{remote}/{name}"
+            if os.path.isdir(source):
+                self.push_dir(source, target)
+            else:
+                sftp.put(source, target)
+
     def _exit_code(self) -> int | None:
         # The exit status may follow the end of the output by a moment.
         if not self._channel.status_event.wait(2.0):
@@ -213,6 +264,13 @@ class SSHLauncher:
         if not ready.wait(deadline_s):
             _logger.warning("ddptrain: the agent on %s did not stop in %.0f s", self.host.name, deadline_s)
         self._channel.close()
+        if self.cache_dir is not None:  # staged and pushed checkpoint copies on this host
+            try:
+                self._client.exec_command(f"rm -rf -- {shlex.quote(self.cache_dir)}")[1].channel.recv_exit_status()
+            except Exception as exc:
+                _logger.warning("ddptrain: could not remove %s on %s: %s", self.cache_dir, self.host.name, exc)
+        if self._sftp_client is not None:
+            self._sftp_client.close()
         self._client.close()
         for thread in self._threads:
             thread.join(2.0)

@@ -99,6 +99,7 @@ def _make_session(spec: dict[str, Any], run: dict[str, Any]) -> context._Session
         dataset_shards=shards,
         devices=spec["devices"],
         report_index=run.get("report_index", 0),
+        local_cache=None if run.get("shared_storage", True) else run["local_cache"],
     )
 
 

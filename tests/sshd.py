@@ -40,6 +40,7 @@ ClientAliveInterval 5
 ClientAliveCountMax 3
 MaxStartups 200:30:400
 LogLevel VERBOSE
+Subsystem sftp internal-sftp
 """
 
 
@@ -112,7 +113,46 @@ class SSHServers:
         self.known_hosts.write_text("\n".join(known) + "\n")
         self.ssh_config.write_text("\n".join(config))
 
-    def _start(self, name: str, addr: str) -> SSHHost:
+    def add_isolated_host(self, name: str, addr: str, hidden: Path) -> SSHHost:
+        """A host whose file system does not show ``hidden``: its sshd (and everything started
+        through it) runs in its own mount namespace with an empty tmpfs mounted over ``hidden``,
+        as on a machine that does not share that storage."""
+        host = self._start(
+            name,
+            addr,
+            wrap=[
+                "unshare",
+                "--mount",
+                "--propagation",
+                "private",
+                "sh",
+                "-c",
+                f'mount -t tmpfs tmpfs "{hidden}" && exec "$0" "$@"',
+            ],
+        )
+        self.hosts.append(host)
+        pub = (self.root / name / "host_key.pub").read_text().split()
+        with open(self.known_hosts, "a") as f:
+            f.write(f"[{host.addr}]:{host.port} {pub[0]} {pub[1]}\n")
+        with open(self.ssh_config, "a") as f:
+            f.write(
+                f"\nHost {name}\n  HostName {host.addr}\n  Port {host.port}\n  User root\n"
+                f"  IdentityFile {self.client_key}\n"
+            )
+        return host
+
+    def remove_host(self, host: SSHHost) -> None:
+        """Stop one host's sshd and its sessions."""
+        for pid in _children_of({host.proc.pid}):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        host.proc.terminate()
+        host.proc.wait(5)
+        self.hosts.remove(host)
+
+    def _start(self, name: str, addr: str, wrap: list[str] | None = None) -> SSHHost:
         folder = self.root / name
         folder.mkdir(exist_ok=True)
         if not (folder / "host_key").exists():
@@ -124,7 +164,7 @@ class SSHServers:
             log = folder / "sshd.log"
             log.write_text("")
             proc = subprocess.Popen(
-                [SSHD, "-D", "-E", str(log), "-f", str(config)],
+                [*(wrap or []), SSHD, "-D", "-E", str(log), "-f", str(config)],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,

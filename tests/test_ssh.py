@@ -318,3 +318,76 @@ def test_a_host_with_another_ddptrain_version_is_refused(ssh, storage: str, tmp_
             scaling_config=train.ScalingConfig(num_workers=1, hosts=[f"h0 python={fake}"]),
             run_config=train.RunConfig(storage_path=storage),
         ).fit()
+
+
+def checkpoint_from_every_rank(config: dict) -> dict:
+    import json
+    import tempfile
+
+    ctx = train.get_context()
+    rank = ctx.get_world_rank()
+    sees = os.path.exists(os.path.join(ctx.get_storage().experiment_fs_path, "run.json"))
+    start = 0
+    if (checkpoint := train.get_checkpoint()) is not None:
+        with open(os.path.join(checkpoint.path, f"rank_{rank}.json")) as f:  # this rank's own file
+            start = json.load(f)["epoch"] + 1
+    for epoch in range(start, config["epochs"]):
+        if epoch == config.get("crash_at") and rank == 1 and not os.path.exists(config["marker"]):
+            open(config["marker"], "w").close()
+            os._exit(3)
+        with tempfile.TemporaryDirectory() as d:
+            with open(os.path.join(d, f"rank_{rank}.json"), "w") as f:
+                json.dump({"epoch": epoch}, f)
+            train.report({"epoch": epoch}, checkpoint=train.Checkpoint.from_directory(d))
+    return {"sees_run_dir": sees, "start": start}
+
+
+_ISOLATED = iter(range(1000))
+
+
+@pytest.fixture
+def isolated(ssh, tmp_path: Path):
+    """(storage folder, host name): a host that does not see the folder (own mount namespace)."""
+    storage_root = tmp_path / "shared-nowhere"
+    storage_root.mkdir()
+    name = f"iso{next(_ISOLATED)}"
+    host = ssh.add_isolated_host(name, "127.0.0.8", storage_root)
+    yield str(storage_root), name
+    ssh.remove_host(host)
+
+
+@pytest.mark.timeout(120)
+def test_checkpoints_from_a_host_without_the_storage_are_copied_back(ssh, isolated: tuple[str, str]) -> None:
+    storage, iso = isolated
+    result = train.DataParallelTrainer(
+        checkpoint_from_every_rank,
+        train_loop_config={"epochs": 2},
+        scaling_config=train.ScalingConfig(num_workers=2, hosts=["localhost slots=1", f"{iso} slots=1"]),
+        run_config=train.RunConfig(name="nfs-less", storage_path=storage),
+    ).fit()
+    assert [v["sees_run_dir"] for v in result.return_values] == [True, False]
+    assert sorted(os.listdir(result.checkpoint.path)) == ["rank_0.json", "rank_1.json"]
+    assert result.checkpoint.path.startswith(storage)
+    assert not os.path.exists(os.path.join(storage, "nfs-less", ".staging"))
+
+
+@pytest.mark.timeout(120)
+def test_a_host_without_the_storage_resumes_from_a_pushed_copy(ssh, isolated: tuple[str, str], tmp_path: Path) -> None:
+    storage, iso = isolated
+    result = train.DataParallelTrainer(
+        checkpoint_from_every_rank,
+        train_loop_config={"epochs": 3, "crash_at": 1, "marker": str(tmp_path / "crashed")},
+        scaling_config=train.ScalingConfig(num_workers=2, hosts=["localhost slots=1", f"{iso} slots=1"]),
+        run_config=train.RunConfig(
+            name="restart", storage_path=storage, failure_config=train.FailureConfig(max_failures=1)
+        ),
+    ).fit()
+    assert [v["start"] for v in result.return_values] == [1, 1]
+    assert result.metrics == {"epoch": 2}
+    assert not list(Path("/tmp").glob(f"ddptrain-{result_run_id(result)}*"))  # the host's copies are gone
+
+
+def result_run_id(result: train.Result) -> str:
+    import json
+
+    return json.loads(Path(result.path, "run.json").read_text())["run_id"]
