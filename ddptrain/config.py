@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -245,7 +246,9 @@ class RunConfig:
         failure_config: Restart policy, see :class:`FailureConfig`.
         checkpoint_config: Retention policy, see :class:`CheckpointConfig`.
         callbacks: :class:`~ddptrain.UserCallback` objects run in the driver.
-        worker_runtime_env: ``{"env_vars": {...}}`` sets environment variables in every worker.
+        worker_runtime_env: ``{"env_vars": {...}}`` sets environment variables in every worker;
+            ``{"py_modules": [module, ...]}`` ships those modules' code with the training function
+            (pickled by value), for hosts that do not have them.
         logging_config: Log level of the ``ddptrain`` logger in workers.
     """
 
@@ -319,12 +322,18 @@ def _check_types(run_config: RunConfig) -> None:
         if not isinstance(callback, UserCallback):
             raise ConfigError(f"`callbacks` must hold ddptrain.UserCallback objects, got {callback!r}.")
     runtime_env = run_config.worker_runtime_env or {}
-    unknown = set(runtime_env) - {"env_vars"}
+    unknown = set(runtime_env) - {"env_vars", "py_modules"}
     if unknown:
         raise ConfigError(
-            f"`worker_runtime_env` supports only 'env_vars', got {sorted(unknown)}. "
+            f"`worker_runtime_env` supports only 'env_vars' and 'py_modules', got {sorted(unknown)}. "
             "Install packages on the hosts yourself."
         )
+    for module in runtime_env.get("py_modules", []):
+        if not isinstance(module, types.ModuleType):
+            raise ConfigError(
+                f"`worker_runtime_env['py_modules']` must list imported modules, got {module!r}. "
+                "Import the module and pass it: `py_modules=[my_module]`."
+            )
     env_vars = runtime_env.get("env_vars", {})
     if not isinstance(env_vars, dict):
         raise ConfigError(f"`worker_runtime_env['env_vars']` must be a dict, got {env_vars!r}.")

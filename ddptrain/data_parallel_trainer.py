@@ -131,6 +131,9 @@ class DataParallelTrainer:
             "takes_config": self._takes_config,
             "backend_config": self.backend_config,
         }
+        shipped = list((self.run_config.worker_runtime_env or {}).get("py_modules", []))
+        for module in shipped:
+            cloudpickle.register_pickle_by_value(module)
         try:
             payload: bytes = cloudpickle.dumps(user)
         except Exception as exc:
@@ -141,6 +144,9 @@ class DataParallelTrainer:
                 "outside must be picklable: create locks, open files, sockets and clients inside "
                 "the function instead."
             ) from exc
+        finally:
+            for module in shipped:
+                cloudpickle.unregister_pickle_by_value(module)
         return payload
 
     def _trainer_bytes(self) -> bytes | None:

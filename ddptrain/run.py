@@ -124,6 +124,10 @@ class Run:
         if raw is None:
             return None
         hosts = [h if is_local(h) else with_ssh_config(h, _env.ssh_config_path()) for h in parse_hosts(raw)]
+        if self.scaling_config.use_gpu:  # a host without `slots` runs one worker per GPU
+            from ddptrain.ssh import gpu_slots
+
+            hosts = gpu_slots(hosts, self.scaling_config.num_gpus_per_worker)
         return place_workers(hosts, self.scaling_config.num_workers, self.scaling_config.placement_strategy)
 
     def new_launcher(self) -> Launcher:
@@ -364,8 +368,8 @@ class Run:
                 self._metrics_file.write("\n")
 
     def _check_gpus(self) -> None:
-        if not self.scaling_config.use_gpu:
-            return
+        if not self.scaling_config.use_gpu or self.placement is not None:
+            return  # multi-host: each host's slots were checked against its own GPUs
         import torch
 
         needed = self.scaling_config.num_gpus_per_worker * self.scaling_config.num_workers

@@ -103,6 +103,46 @@ def connect(host: HostSpec, timeout_s: float) -> Any:
     return client
 
 
+_GPU_PROBE = "nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true"
+
+
+def gpu_slots(hosts: list[HostSpec], gpus_per_worker: float) -> list[HostSpec]:
+    """Hosts without ``slots`` get one slot per ``gpus_per_worker`` GPUs, probed on the host.
+
+    Raises:
+        ConfigError: A host without ``slots`` has no GPU.
+    """
+    from dataclasses import replace
+
+    from ddptrain.errors import ConfigError
+    from ddptrain.hosts import is_local
+
+    probed: list[HostSpec] = []
+    for host in hosts:
+        if host.slots is not None:
+            probed.append(host)
+            continue
+        if is_local(host):
+            import torch
+
+            count = torch.cuda.device_count()
+        else:
+            client = connect(host, _env.ssh_connect_timeout_s())
+            try:
+                _, stdout, _ = client.exec_command(_GPU_PROBE, timeout=30)
+                count = int(stdout.read().decode().strip() or 0)
+            finally:
+                client.close()
+        slots = int(count // max(gpus_per_worker, 1e-9)) if gpus_per_worker >= 1 else int(count / gpus_per_worker)
+        if slots < 1:
+            raise ConfigError(
+                f"host {host.name!r} has no GPU that `use_gpu=True` could use (nvidia-smi lists {count}); "
+                "give it `slots=` in the host list, or remove it."
+            )
+        probed.append(replace(host, slots=slots))
+    return probed
+
+
 class SSHLauncher:
     """Runs one host's workers under an agent started over SSH.
 

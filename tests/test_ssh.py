@@ -391,3 +391,42 @@ def result_run_id(result: train.Result) -> str:
     import json
 
     return json.loads(Path(result.path, "run.json").read_text())["run_id"]
+
+
+def test_use_gpu_probes_each_hosts_gpus(ssh, storage: str) -> None:
+    with pytest.raises(ValueError, match=r"host 'h0' has no GPU that `use_gpu=True` could use \(nvidia-smi lists 0\)"):
+        TorchTrainer(
+            allreduce_on_hosts,
+            scaling_config=train.ScalingConfig(num_workers=1, use_gpu=True, hosts=["h0"]),
+            run_config=train.RunConfig(storage_path=storage),
+        ).fit()
+
+
+@pytest.mark.timeout(120)
+def test_py_modules_ship_code_a_host_does_not_have(ssh, isolated: tuple[str, str]) -> None:
+    import importlib
+    import sys
+
+    storage, iso = isolated
+    code = Path(storage, "code")  # inside the folder the isolated host cannot see
+    code.mkdir()
+    (code / "hidden_helpers.py").write_text("def answer():\n    return 42\n")
+    sys.path.insert(0, str(code))
+    try:
+        hidden_helpers = importlib.import_module("hidden_helpers")
+        hosts = ["localhost slots=1", f"{iso} slots=1"]
+        with pytest.raises(train.TrainingFailedError, match="No module named 'hidden_helpers'"):
+            train.DataParallelTrainer(
+                hidden_helpers.answer,
+                scaling_config=train.ScalingConfig(num_workers=2, hosts=hosts),
+                run_config=train.RunConfig(storage_path=storage),
+            ).fit()
+        result = train.DataParallelTrainer(
+            hidden_helpers.answer,
+            scaling_config=train.ScalingConfig(num_workers=2, hosts=hosts),
+            run_config=train.RunConfig(storage_path=storage, worker_runtime_env={"py_modules": [hidden_helpers]}),
+        ).fit()
+        assert result.return_values == [42, 42]
+    finally:
+        sys.path.remove(str(code))
+        sys.modules.pop("hidden_helpers", None)
