@@ -104,3 +104,28 @@ def ssh(_ssh_servers, monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
             pass
     if left:
         pytest.fail(f"processes started over SSH were left behind: {left}")
+
+
+@pytest.fixture
+def netns(ssh, monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
+    """Two hosts n0, n1 with their own network stacks and host names (network namespaces),
+    reached over a bridge; fails the test if anything started through them is left running."""
+    from sshd import NetnsHosts, why_no_netns
+
+    reason = why_no_netns()
+    if reason:
+        if os.environ.get("DDPTRAIN_REQUIRE_SSHD") == "1":
+            pytest.fail(f"DDPTRAIN_REQUIRE_SSHD=1 but {reason}")
+        pytest.skip(reason)
+    hosts = NetnsHosts(ssh, count=2)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")  # forwarded to the workers in the namespaces
+    try:
+        yield hosts
+        deadline = time.monotonic() + 10.0
+        while hosts.processes() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = hosts.processes()
+        if left:
+            pytest.fail(f"processes started on the namespace hosts were left behind: {left}")
+    finally:
+        hosts.close()

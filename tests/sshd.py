@@ -234,3 +234,148 @@ def _children_of(parents: set[int]) -> list[int]:
         if int(fields[1]) in parents:
             found.append(int(entry.name))
     return found
+
+
+def why_no_netns() -> str | None:
+    """``None`` when network-namespace hosts can be made here, else the reason."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    for tool in ("ip", "unshare", "nsenter"):
+        if shutil.which(tool) is None:
+            return f"{tool} not found (apt-get install -y iproute2 util-linux)"
+    if subprocess.run(["unshare", "--net", "--uts", "true"], capture_output=True).returncode != 0:
+        return "cannot create network namespaces here (unshare --net failed)"
+    return None
+
+
+class NetnsHosts:
+    """Hosts with their own network stack and host name: sshd on port 22 inside unnamed network
+    namespaces, joined by a bridge ``ddptb<S>`` at 10.77.S.1 (the driver's side). The namespaces
+    vanish with their processes; the bridge is deleted on close (and a leftover of a crashed
+    run is swept when its subnet is claimed again)."""
+
+    def __init__(self, servers: SSHServers, count: int = 2) -> None:
+        self.servers = servers
+        self.hosts: list[SSHHost] = []
+        for subnet in range(10, 250):
+            self.bridge = f"ddptb{subnet}"
+            if (
+                subprocess.run(["ip", "link", "add", self.bridge, "type", "bridge"], capture_output=True).returncode
+                == 0
+            ):
+                break
+            if not _bridge_in_use(self.bridge):
+                subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+                if (
+                    subprocess.run(["ip", "link", "add", self.bridge, "type", "bridge"], capture_output=True).returncode
+                    == 0
+                ):
+                    break
+        else:
+            raise RuntimeError("no free subnet for a test bridge")
+        subprocess.run(["ip", "link", "set", self.bridge, "alias", f"ddptrain-test pid={os.getpid()}"], check=True)
+        self.subnet = subnet
+        self.driver_address = f"10.77.{subnet}.1"
+        subprocess.run(["ip", "addr", "add", f"{self.driver_address}/24", "dev", self.bridge], check=True)
+        subprocess.run(["ip", "link", "set", self.bridge, "up"], check=True)
+        known, config = [], []
+        for i in range(count):
+            name, addr = f"n{i}", f"10.77.{subnet}.{i + 2}"
+            host = self._start(name, addr, i)
+            self.hosts.append(host)
+            pub = (servers.root / name / "host_key.pub").read_text().split()
+            known.append(f"{addr} {pub[0]} {pub[1]}")
+            config.append(f"Host {name}\n  HostName {addr}\n  User root\n  IdentityFile {servers.client_key}\n")
+        with open(servers.known_hosts, "a") as f:
+            f.write("\n".join(known) + "\n")
+        with open(servers.ssh_config, "a") as f:
+            f.write("\n" + "\n".join(config))
+
+    def _start(self, name: str, addr: str, index: int) -> SSHHost:
+        folder = self.servers.root / name
+        folder.mkdir(exist_ok=True)
+        if not (folder / "host_key").exists():
+            _keygen(folder / "host_key")
+        config = folder / "sshd_config"
+        config.write_text(_CONFIG.format(addr="0.0.0.0", port=22, dir=folder, authorized=self.servers.authorized))
+        log = folder / "sshd.log"
+        log.write_text("")
+        proc = subprocess.Popen(
+            [
+                "unshare",
+                "--net",
+                "--uts",
+                "sh",
+                "-c",
+                f'hostname {name} && ip link set lo up && exec "$0" "$@"',
+                SSHD,
+                "-D",
+                "-E",
+                str(log),
+                "-f",
+                str(config),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=_pdeathsig,
+        )
+        own = os.readlink("/proc/self/ns/net")
+        deadline = time.monotonic() + 10
+        while os.readlink(f"/proc/{proc.pid}/ns/net") == own and time.monotonic() < deadline:
+            time.sleep(0.01)
+        veth = f"vt{self.subnet}x{index}"
+        subprocess.run(
+            ["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", str(proc.pid)], check=True
+        )
+        subprocess.run(["ip", "link", "set", veth, "master", self.bridge, "up"], check=True)
+        inside = ["nsenter", "-t", str(proc.pid), "-n"]
+        subprocess.run([*inside, "ip", "addr", "add", f"{addr}/24", "dev", "eth0"], check=True)
+        subprocess.run([*inside, "ip", "link", "set", "eth0", "up"], check=True)
+        while time.monotonic() < deadline and proc.poll() is None:
+            if "Server listening on 0.0.0.0 port 22." in log.read_text():
+                return SSHHost(name, addr, 22, proc, log)
+            time.sleep(0.01)
+        proc.kill()
+        raise RuntimeError(f"sshd in namespace {name} did not start; see {log}")
+
+    def processes(self) -> list[int]:
+        """Live processes started through these hosts' sshd (their SSH_CONNECTION names it)."""
+        endpoints = tuple(f" {h.addr} {h.port}".encode() for h in self.hosts)
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                env = (entry / "environ").read_bytes().split(b"\0")
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if state != "Z" and any(i.startswith(b"SSH_CONNECTION=") and i.endswith(endpoints) for i in env):
+                found.append(int(entry.name))
+        return found
+
+    def close(self) -> None:
+        for pid in self.processes():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for host in self.hosts:
+            for pid in _children_of({host.proc.pid}):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            host.proc.terminate()
+            host.proc.wait(5)
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+
+
+def _bridge_in_use(bridge: str) -> bool:
+    """Whether a test bridge belongs to a live process (its alias names the owner)."""
+    out = subprocess.run(["ip", "-o", "link", "show", bridge], capture_output=True, text=True).stdout
+    if "pid=" not in out:
+        return True
+    pid = int(out.split("pid=", 1)[1].split()[0])
+    return os.path.exists(f"/proc/{pid}")

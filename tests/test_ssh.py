@@ -430,3 +430,17 @@ def test_py_modules_ship_code_a_host_does_not_have(ssh, isolated: tuple[str, str
     finally:
         sys.path.remove(str(code))
         sys.modules.pop("hidden_helpers", None)
+
+
+@pytest.mark.timeout(120)
+def test_hosts_with_their_own_network_stacks_train_together(netns, storage: str, capfd) -> None:
+    result = TorchTrainer(
+        allreduce_on_hosts,
+        scaling_config=train.ScalingConfig(num_workers=4, hosts=["n0 slots=2", "n1 slots=2"]),
+        run_config=train.RunConfig(name="netns", storage_path=storage),
+    ).fit()
+    assert result.metrics == {"sum": 10.0, "rank": 0}
+    assert [v["ssh"][0] for v in result.return_values] == [netns.hosts[0].addr] * 2 + [netns.hosts[1].addr] * 2
+    assert {v["env"][2] for v in result.return_values} == {netns.driver_address}  # the store, across the bridge
+    out, _ = capfd.readouterr()
+    assert "[n1:rank3] hello from rank 3" in out
