@@ -97,21 +97,15 @@ class Run:
         self._spare: Launcher | None = None  # the next attempt's agent, started on a failure
 
     # ----------------------------------------------------------------- what workers get
-    def agent_env(self) -> dict[str, str]:
-        """Environment of the agent and its workers."""
-        env = dict(os.environ)
-        env.update(self.run_config._env_vars())
-        env.setdefault("OMP_NUM_THREADS", str(self.scaling_config._omp_num_threads()))
-        env[_env.WORKER_MARKER] = "1"
-        if self.scaling_config.use_gpu:
-            env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-        return env
-
-    def remote_env(self) -> dict[str, str]:
-        """Environment of a remote agent: only what is meant for the workers, not the driver's
-        whole environment (its PATH or HOME may not exist there)."""
-        patterns = _env.forwarded_env_patterns()
-        env = {k: v for k, v in os.environ.items() if any(fnmatch.fnmatchcase(k, p) for p in patterns)}
+    def agent_env(self, remote: bool = False) -> dict[str, str]:
+        """Environment of an agent and its workers: the driver's own for a local agent; for a
+        remote one only the variables meant for workers (the driver's PATH or HOME may not
+        exist there)."""
+        if remote:
+            patterns = _env.forwarded_env_patterns()
+            env = {k: v for k, v in os.environ.items() if any(fnmatch.fnmatchcase(k, p) for p in patterns)}
+        else:
+            env = dict(os.environ)
         env.update(self.run_config._env_vars())
         env.setdefault("OMP_NUM_THREADS", str(self.scaling_config._omp_num_threads()))
         env[_env.WORKER_MARKER] = "1"
@@ -140,7 +134,7 @@ class Run:
             if is_local(host):
                 return LocalLauncher(self.agent_env()), "127.0.0.1"
             python = host.python or sys.executable
-            launcher = SSHLauncher(host, self.remote_env(), python, host.workdir or os.getcwd())
+            launcher = SSHLauncher(host, self.agent_env(remote=True), python, host.workdir or os.getcwd())
             return launcher, _env.driver_address() or launcher.local_address
 
         results: dict[int, tuple[Launcher, str] | BaseException] = {}

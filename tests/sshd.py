@@ -181,23 +181,7 @@ class SSHServers:
 
     def ssh_processes(self) -> list[int]:
         """Live processes started through one of our servers (their SSH_CONNECTION names it)."""
-        endpoints = {f" {h.addr} {h.port}".encode() for h in self.hosts}
-        found = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                env = (entry / "environ").read_bytes().split(b"\0")
-                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if state == "Z":
-                continue
-            for item in env:
-                if item.startswith(b"SSH_CONNECTION=") and any(item.endswith(e) for e in endpoints):
-                    found.append(int(entry.name))
-                    break
-        return found
+        return processes_served_by(self.hosts)
 
     def close(self) -> None:
         """Stop the servers and every session they started."""
@@ -220,6 +204,24 @@ class SSHServers:
             except subprocess.TimeoutExpired:
                 host.proc.kill()
                 host.proc.wait()
+
+
+def processes_served_by(hosts: list[SSHHost]) -> list[int]:
+    """Live processes started through these servers: every process an sshd starts carries
+    ``SSH_CONNECTION=... <server addr> <server port>`` in its environment, even once orphaned."""
+    endpoints = tuple(f" {h.addr} {h.port}".encode() for h in hosts)
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and any(i.startswith(b"SSH_CONNECTION=") and i.endswith(endpoints) for i in env):
+            found.append(int(entry.name))
+    return found
 
 
 def _children_of(parents: set[int]) -> list[int]:
@@ -341,19 +343,7 @@ class NetnsHosts:
 
     def processes(self) -> list[int]:
         """Live processes started through these hosts' sshd (their SSH_CONNECTION names it)."""
-        endpoints = tuple(f" {h.addr} {h.port}".encode() for h in self.hosts)
-        found = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                env = (entry / "environ").read_bytes().split(b"\0")
-                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if state != "Z" and any(i.startswith(b"SSH_CONNECTION=") and i.endswith(endpoints) for i in env):
-                found.append(int(entry.name))
-        return found
+        return processes_served_by(self.hosts)
 
     def close(self) -> None:
         for pid in self.processes():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -139,12 +141,8 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.timeout(120)
-def test_remote_workers_exit_when_the_driver_is_killed(ssh, storage: str, tmp_path: Path) -> None:
-    import subprocess
-    import sys
-    import time
-
+def start_driver_on_two_hosts(tmp_path: Path, storage: str) -> subprocess.Popen[str]:
+    """A driver script in its own process, returned once both remote workers run."""
     script = tmp_path / "driver.py"
     script.write_text(DRIVER.format(tests=str(Path(__file__).parent)))
     proc = subprocess.Popen([sys.executable, str(script), storage], stdout=subprocess.PIPE, text=True)
@@ -153,7 +151,17 @@ def test_remote_workers_exit_when_the_driver_is_killed(ssh, storage: str, tmp_pa
     for line in proc.stdout:
         seen += "worker up" in line
         if seen == 2:
-            break
+            return proc
+    proc.kill()
+    raise AssertionError("the remote workers never started")
+
+
+@pytest.mark.timeout(120)
+def test_remote_workers_exit_when_the_driver_is_killed(ssh, storage: str, tmp_path: Path) -> None:
+    import time
+
+    proc = start_driver_on_two_hosts(tmp_path, storage)
+    assert proc.stdout is not None
     assert len(ssh.ssh_processes()) >= 4  # two agents and two workers, started through sshd
     proc.kill()
     proc.wait()
@@ -226,20 +234,11 @@ def test_a_cut_connection_fails_the_run_and_leaves_nothing(ssh, storage: str) ->
 @pytest.mark.timeout(120)
 def test_remote_workers_stop_when_heartbeats_stop(ssh, storage: str, tmp_path: Path, monkeypatch) -> None:
     import signal
-    import subprocess
-    import sys
     import time
 
     monkeypatch.setenv("DDPTRAIN_SSH_HEARTBEAT_TIMEOUT_S", "2")
-    script = tmp_path / "driver.py"
-    script.write_text(DRIVER.format(tests=str(Path(__file__).parent)))
-    proc = subprocess.Popen([sys.executable, str(script), storage], stdout=subprocess.PIPE, text=True)
+    proc = start_driver_on_two_hosts(tmp_path, storage)
     assert proc.stdout is not None
-    seen = 0
-    for line in proc.stdout:
-        seen += "worker up" in line
-        if seen == 2:
-            break
     proc.send_signal(signal.SIGSTOP)  # the driver freezes; its connections stay open
     try:
         deadline = time.monotonic() + 20
