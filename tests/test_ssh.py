@@ -126,11 +126,14 @@ def sleeps_after_hello() -> None:
     time.sleep(600)
 
 
+# The training function lives in the script's __main__: it is shipped by value to the hosts.
 DRIVER = """
-import sys
+import sys, time
 import ddptrain as train
-sys.path.insert(0, {tests!r})
-from test_ssh import sleeps_after_hello
+
+def sleeps_after_hello():
+    print("worker up", flush=True)
+    time.sleep(600)
 
 if __name__ == "__main__":
     train.DataParallelTrainer(
@@ -144,7 +147,7 @@ if __name__ == "__main__":
 def start_driver_on_two_hosts(tmp_path: Path, storage: str) -> subprocess.Popen[str]:
     """A driver script in its own process, returned once both remote workers run."""
     script = tmp_path / "driver.py"
-    script.write_text(DRIVER.format(tests=str(Path(__file__).parent)))
+    script.write_text(DRIVER)
     proc = subprocess.Popen([sys.executable, str(script), storage], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     seen = 0
@@ -443,3 +446,34 @@ def test_hosts_with_their_own_network_stacks_train_together(netns, storage: str,
     assert {v["env"][2] for v in result.return_values} == {netns.driver_address}  # the store, across the bridge
     out, _ = capfd.readouterr()
     assert "[n1:rank3] hello from rank 3" in out
+
+
+def reads_env() -> tuple:
+    return os.environ.get("FROM_RUNTIME_ENV"), os.environ.get("MYAPP_TOKEN"), os.environ.get("NOT_FORWARDED")
+
+
+def test_environment_reaches_remote_workers(ssh, storage: str, monkeypatch) -> None:
+    monkeypatch.setenv("MYAPP_TOKEN", "t0k3n")
+    monkeypatch.setenv("NOT_FORWARDED", "driver-only")
+    monkeypatch.setenv("DDPTRAIN_FORWARD_ENV", "MYAPP_*")
+    result = train.DataParallelTrainer(
+        reads_env,
+        scaling_config=train.ScalingConfig(num_workers=1, hosts=["h0"]),
+        run_config=train.RunConfig(
+            storage_path=storage, worker_runtime_env={"env_vars": {"FROM_RUNTIME_ENV": "a b'c $X"}}
+        ),
+    ).fit()
+    assert result.return_value == ("a b'c $X", "t0k3n", None)
+
+
+def test_new_host_keys_are_accepted_only_when_asked(ssh, storage: str, tmp_path: Path, monkeypatch) -> None:
+    empty = tmp_path / "known_hosts"
+    empty.write_text("")
+    monkeypatch.setenv("DDPTRAIN_SSH_KNOWN_HOSTS", str(empty))
+    monkeypatch.setenv("DDPTRAIN_SSH_ACCEPT_NEW_HOST_KEYS", "1")
+    result = train.DataParallelTrainer(
+        reads_env,
+        scaling_config=train.ScalingConfig(num_workers=1, hosts=["h0"]),
+        run_config=train.RunConfig(storage_path=storage),
+    ).fit()
+    assert result.return_value[2] is None
