@@ -10,7 +10,6 @@ __all__ = [
     "shutdown_grace_s",
     "store_connect_timeout_s",
     "worker_start_timeout_s",
-    "in_worker",
     "loading_training_function",
     "console_ranks",
     "WORKER_MARKER",
@@ -56,11 +55,6 @@ def store_connect_timeout_s() -> float:
 def worker_start_timeout_s() -> float:
     """Seconds the driver waits for every worker to come up before it gives up."""
     return _float("DDPTRAIN_WORKER_START_TIMEOUT_S", 120.0)
-
-
-def in_worker() -> bool:
-    """Whether this process is a ddptrain worker (or its agent)."""
-    return os.environ.get(WORKER_MARKER) == "1"
 
 
 def loading_training_function() -> bool:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import shlex
 import socket
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,12 +51,6 @@ class HostSpec:
     workdir: str | None = None
     key: str | None = None
     address: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
-
-    @property
-    def label(self) -> str:
-        """How the host is named in logs and errors."""
-        return self.name
 
 
 def _parse_line(text: str, where: str) -> HostSpec:

@@ -75,10 +75,6 @@ class LocalLauncher:
             if text:
                 sys.stderr.write(f"[ddptrain agent] {text}\n")
 
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc else None
-
     def start(self, bootstrap: dict[str, Any], sink: LogSink, on_event: Callable[[AgentEvent], None]) -> None:
         proc = self._proc
         if proc is None or proc.stdin is None:

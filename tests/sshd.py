@@ -143,13 +143,7 @@ class SSHServers:
 
     def remove_host(self, host: SSHHost) -> None:
         """Stop one host's sshd and its sessions."""
-        for pid in _children_of({host.proc.pid}):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        host.proc.terminate()
-        host.proc.wait(5)
+        stop_hosts([host])
         self.hosts.remove(host)
 
     def _start(self, name: str, addr: str, wrap: list[str] | None = None) -> SSHHost:
@@ -185,25 +179,26 @@ class SSHServers:
 
     def close(self) -> None:
         """Stop the servers and every session they started."""
-        for pid in self.ssh_processes():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        listeners = {host.proc.pid for host in self.hosts}
-        for pid in _children_of(listeners):  # per-connection sshd processes outlive the listener
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        for host in self.hosts:
-            host.proc.terminate()
-        for host in self.hosts:
-            try:
-                host.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                host.proc.kill()
-                host.proc.wait()
+        stop_hosts(self.hosts)
+
+
+def stop_hosts(hosts: list[SSHHost]) -> None:
+    """Kill every process started through these sshd servers, their per-connection sshd
+    processes (which outlive the listener), then the listeners."""
+    doomed = processes_served_by(hosts) + _children_of({host.proc.pid for host in hosts})
+    for pid in doomed:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for host in hosts:
+        host.proc.terminate()
+    for host in hosts:
+        try:
+            host.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            host.proc.kill()
+            host.proc.wait()
 
 
 def processes_served_by(hosts: list[SSHHost]) -> list[int]:
@@ -346,19 +341,7 @@ class NetnsHosts:
         return processes_served_by(self.hosts)
 
     def close(self) -> None:
-        for pid in self.processes():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        for host in self.hosts:
-            for pid in _children_of({host.proc.pid}):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            host.proc.terminate()
-            host.proc.wait(5)
+        stop_hosts(self.hosts)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
 
 
