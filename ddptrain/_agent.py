@@ -1,10 +1,22 @@
 """The per-host agent process: forks this host's workers and relays their output.
 
-Run as ``python -m ddptrain._agent``. It imports torch once, reads one bootstrap frame from
+Started with :func:`agent_command`. It imports torch once, reads one bootstrap frame from
 stdin, forks one worker per local rank, and then relays every worker's stdout/stderr and
 exit status to stdout as frames. It kills all its workers when stdin closes (the driver died
 or the SSH connection dropped) or when the driver sends a kill frame; every worker dies with
 it through ``PR_SET_PDEATHSIG``.
+
+How workers start (``bootstrap["start"]``):
+
+- ``"shared"`` (CPU runs): the agent loads the user's function once and then forks, so the
+  user's imports are shared by every worker. If loading it started threads or CUDA, a fork
+  would not be safe: the agent then replaces itself with a fresh one (``exec``) that starts
+  the workers the ``"clean"`` way.
+- ``"clean"`` (GPU runs): the agent forks before anything of the user's is loaded, and each
+  worker loads the function for itself. CUDA is never touched in the agent, so every worker
+  can initialize it.
+
+Either way the agent never forks while it has a second thread.
 """
 
 from __future__ import annotations
@@ -16,12 +28,13 @@ import signal
 import socket
 import struct
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-__all__ = ["FRAME", "AGENT_RANK", "read_frame", "write_frame", "write_all", "main"]
+__all__ = ["FRAME", "AGENT_RANK", "agent_command", "import_roots", "read_frame", "write_frame", "write_all", "main"]
 
 # kind (1 byte), rank, payload length
 FRAME = struct.Struct(">cII")
@@ -30,6 +43,41 @@ _POLL_S = 0.05
 # After a worker exits, how long its pipes may stay open (held by processes it started,
 # such as DataLoader workers) before its exit is reported anyway.
 _DRAIN_S = 0.3
+# Set by an agent that replaced itself with a clean one: the fd that holds its bootstrap.
+_BOOTSTRAP_FD_VAR = "DDPTRAIN_AGENT_BOOTSTRAP_FD"
+
+# The agent's program. ``python -c`` puts the working directory first on ``sys.path``; it is
+# taken off before anything is imported, and the folders the driver imported ddptrain, torch,
+# numpy and cloudpickle from (the arguments) go first. So a ``ddptrain/`` or ``torch/`` that
+# someone planted in a shared working directory is never imported. The user's own modules
+# resolve once the bootstrap has arrived, through the driver's ``sys.path``.
+# numpy's OpenBLAS starts a thread pool when it is loaded (ddptrain imports torch and numpy),
+# and the agent must stay single-threaded to fork safely: it is loaded with one thread, the
+# user's setting is restored at once, and each worker applies it (``worker.restore_blas_threads``).
+_BOOT = (
+    "import os, sys; roots = sys.argv[1:]; del sys.argv[1:]; "
+    "sys.path[:] = roots + [p for p in sys.path if p and p not in roots]; "
+    "blas = os.environ.get('OPENBLAS_NUM_THREADS'); os.environ['OPENBLAS_NUM_THREADS'] = '1'; "
+    "import ddptrain._agent; ddptrain._agent.entry(blas)"
+)
+
+
+def import_roots() -> list[str]:
+    """The folders this process imported ddptrain and its runtime dependencies from."""
+    roots: list[str] = []
+    for name in ("ddptrain", "torch", "numpy", "cloudpickle"):
+        module = sys.modules.get(name)
+        location = getattr(module, "__file__", None)
+        if location:
+            root = os.path.dirname(os.path.dirname(os.path.abspath(location)))
+            if root not in roots:
+                roots.append(root)
+    return roots
+
+
+def agent_command(python: str, roots: list[str] | None = None) -> list[str]:
+    """The command line of an agent: ``python -c BOOT ROOT...`` (see ``_BOOT``)."""
+    return [python, "-c", _BOOT, *(roots or [])]
 
 
 def write_all(fd: int, data: bytes) -> None:
@@ -90,7 +138,33 @@ def _set_pdeathsig(agent_pid: int) -> None:
         os._exit(1)
 
 
+def other_threads() -> list[str]:
+    """Names of this process's threads other than the calling one (empty: safe to fork)."""
+    me = str(threading.get_native_id())
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        if tid == me:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f"{f.read().strip()} (tid {tid})")
+        except OSError:
+            pass  # it ended meanwhile
+    return names
+
+
+def _check_single_threaded(when: str) -> None:
+    threads = other_threads()
+    if threads:
+        raise RuntimeError(
+            f"the ddptrain agent has {len(threads)} other thread(s) {when}: {', '.join(threads)}. Forking "
+            "workers now could deadlock them, so none were started. Please report this with the thread "
+            "names; setting DDPTRAIN_WORKER_START=clean may avoid it."
+        )
+
+
 def _fork_worker(spec: dict[str, Any], shared: dict[str, Any], close_fds: list[int]) -> _Child:
+    _check_single_threaded(f"before starting rank {spec['rank']}")
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     status_r, status_w = os.pipe()
@@ -176,22 +250,42 @@ def _kill_group_strays() -> None:
                 pass
 
 
-def _load_shared(bootstrap: dict[str, Any]) -> dict[str, Any]:
-    """Unpickle the user's function once, before forking, so imports are shared."""
+def load_user(payload: bytes) -> Any:
+    """Unpickle the user's function and config (importing the modules they come from)."""
     os.environ["DDPTRAIN_UNPICKLING"] = "1"
     try:
-        user = pickle.loads(bootstrap["payload"])
+        return pickle.loads(payload)
     finally:
         del os.environ["DDPTRAIN_UNPICKLING"]
+
+
+def _fork_unsafe_after_loading() -> str | None:
+    """Why forking is no longer safe after the user's code was loaded here (``None``: it is)."""
     import torch
 
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        raise RuntimeError(
-            "Loading the training function initialized CUDA (its config or closure holds CUDA "
-            "tensors or modules). Pass CPU objects and move them to the device inside the "
-            "training function."
-        )
-    return {"user": user, "run": bootstrap["run"]}
+    if torch.cuda.is_initialized():  # a flag read; it does not touch the driver
+        return "it initialized CUDA"
+    threads = other_threads()
+    if threads:
+        return f"it started {len(threads)} thread(s): {', '.join(threads)}"
+    return None
+
+
+def _exec_clean(bootstrap: dict[str, Any], out_fd: int, reason: str) -> None:
+    """Replace this agent with a fresh one that starts the workers the clean way."""
+    print(
+        f"ddptrain agent: loading the training function before starting the workers was not safe "
+        f"({reason}); starting them from a fresh agent instead, where each worker loads it itself.",
+        file=sys.stderr,
+    )
+    data = pickle.dumps({**bootstrap, "start": "clean"})
+    fd = os.memfd_create("ddptrain-bootstrap", 0)  # inherited across exec
+    write_all(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.dup2(out_fd, 1)  # the frames' stdout, as the agent found it
+    env = {**_START_ENV, _BOOTSTRAP_FD_VAR: str(fd)}
+    sys.stderr.flush()
+    os.execve(sys.executable, sys.orig_argv, env)
 
 
 def _kill_all(children: list[_Child], grace_s: float) -> None:
@@ -291,8 +385,27 @@ def _relay(
             pending.remove(child)
 
 
+_START_ENV: dict[str, str] = {}
+
+
+def _read_bootstrap(stdin: IO[bytes]) -> dict[str, Any] | None:
+    fd = os.environ.pop(_BOOTSTRAP_FD_VAR, None)
+    if fd is not None:  # this agent replaced one that was not safe to fork from
+        with os.fdopen(int(fd), "rb") as f:
+            return pickle.load(f)
+    frame = read_frame(stdin)
+    return None if frame is None else pickle.loads(frame[2])
+
+
+def _user_sys_path(bootstrap: dict[str, Any]) -> list[str]:
+    """The driver's ``sys.path`` for the user's imports ('' meant the driver's working directory)."""
+    cwd = bootstrap.get("cwd") or os.getcwd()
+    return [p or cwd for p in bootstrap["sys_path"]]
+
+
 def main() -> int:
     """Agent entry point."""
+    _START_ENV.update(os.environ)
     # Frames own the real stdout; stray prints in the agent go to stderr.
     out_fd = os.dup(1)
     os.dup2(2, 1)
@@ -303,18 +416,22 @@ def main() -> int:
 
         from ddptrain import worker  # noqa: F401
 
-        frame = read_frame(stdin)
-        if frame is None:
+        bootstrap = _read_bootstrap(stdin)
+        if bootstrap is None:
             return 0
-        bootstrap: dict[str, Any] = pickle.loads(frame[2])
         _check_versions(bootstrap.get("versions", {}))
-        sys.path[:0] = [p for p in bootstrap["sys_path"] if p not in sys.path]
+        sys.path[:0] = [p for p in _user_sys_path(bootstrap) if p not in sys.path]
         if bootstrap.get("cwd"):
             try:
                 os.chdir(bootstrap["cwd"])
             except OSError as exc:
                 print(f"ddptrain agent: cannot enter {bootstrap['cwd']!r}: {exc}", file=sys.stderr)
-        shared = _load_shared(bootstrap)
+        shared: dict[str, Any] = {"run": bootstrap["run"], "payload": bootstrap["payload"]}
+        if bootstrap.get("start", "shared") == "shared":
+            shared["user"] = load_user(bootstrap["payload"])
+            reason = _fork_unsafe_after_loading()
+            if reason is not None:
+                _exec_clean(bootstrap, out_fd, reason)
     except BaseException:
         write_frame(out_fd, b"F", AGENT_RANK, traceback.format_exc().encode())
         return 1
@@ -340,9 +457,19 @@ def main() -> int:
     return 0
 
 
-if __name__ == "__main__":
+def entry(openblas_threads: str | None = None) -> None:
+    """Run the agent and exit the process (``openblas_threads``: the user's
+    ``OPENBLAS_NUM_THREADS``, which ``_BOOT`` replaced while importing)."""
+    if openblas_threads is None:
+        os.environ.pop("OPENBLAS_NUM_THREADS", None)
+    else:
+        os.environ["OPENBLAS_NUM_THREADS"] = openblas_threads
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
     exit_code = main()
     _kill_group_strays()
     sys.stderr.flush()
     os._exit(exit_code)  # skip interpreter teardown with torch loaded (about half a second)
+
+
+if __name__ == "__main__":
+    entry(os.environ.get("OPENBLAS_NUM_THREADS"))

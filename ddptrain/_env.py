@@ -12,6 +12,7 @@ __all__ = [
     "worker_start_timeout_s",
     "loading_training_function",
     "console_ranks",
+    "worker_start",
     "WORKER_MARKER",
 ]
 
@@ -72,6 +73,18 @@ def console_ranks() -> set[int] | None:
         return {int(part) for part in raw.split(",") if part.strip()}
     except ValueError:
         raise ValueError(f"`DDPTRAIN_CONSOLE_RANKS` must be 'all' or comma-separated ranks, got {raw!r}.") from None
+
+
+def worker_start(use_gpu: bool) -> str:
+    """How agents start workers, from ``DDPTRAIN_WORKER_START``: ``"shared"`` loads the training
+    function once in the agent and forks (the default on CPU), ``"clean"`` forks first and lets
+    each worker load it (the default with GPUs: nothing of the user's touches CUDA before the fork)."""
+    raw = os.environ.get("DDPTRAIN_WORKER_START", "").strip() or "auto"
+    if raw not in ("auto", "shared", "clean"):
+        raise ValueError(f"`DDPTRAIN_WORKER_START` must be 'auto', 'shared' or 'clean', got {raw!r}.")
+    if raw == "auto":
+        return "clean" if use_gpu else "shared"
+    return raw
 
 
 def hostfile() -> str | None:

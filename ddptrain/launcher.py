@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from ddptrain._agent import AGENT_RANK, FRAME, read_frame
+from ddptrain._agent import AGENT_RANK, FRAME, agent_command, import_roots, read_frame
 from ddptrain._logs import LogSink
 from ddptrain.errors import LaunchError
 
@@ -51,7 +51,7 @@ class LocalLauncher:
 
     def __init__(self, env: dict[str, str]) -> None:
         self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
-            [sys.executable, "-m", "ddptrain._agent"],
+            agent_command(sys.executable, import_roots()),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -216,8 +216,9 @@ class Run:
                 spec["datasets"] = shards[spec["rank"]]
         return {
             "payload": self.payload,
-            "sys_path": [p for p in sys.path if p],
+            "sys_path": list(sys.path),  # '' stands for the working directory, given as "cwd"
             "cwd": os.getcwd(),
+            "start": _env.worker_start(self.scaling_config.use_gpu),
             "grace_s": _env.shutdown_grace_s(),
             "versions": agent_versions(),
             "workers": workers,

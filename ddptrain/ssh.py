@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ddptrain import _env
-from ddptrain._agent import AGENT_RANK, FRAME, read_frame
+from ddptrain._agent import AGENT_RANK, FRAME, agent_command, read_frame
 from ddptrain._logs import LogSink
 from ddptrain.errors import LaunchError
 from ddptrain.hosts import HostSpec
@@ -33,14 +33,18 @@ _logger = logging.getLogger(__name__)
 _HEARTBEAT_S = 0.5
 
 
-def remote_command(python: str, workdir: str | None, env: dict[str, str], module: str = "ddptrain._agent") -> str:
-    """The shell command that starts the agent on a host; every value is quoted."""
+def remote_command(python: str, workdir: str | None, env: dict[str, str]) -> str:
+    """The shell command that starts the agent on a host; every value is quoted.
+
+    The agent imports ddptrain from the host's installation (or a forwarded ``PYTHONPATH``),
+    never from the working directory (see ``ddptrain._agent._BOOT``).
+    """
     parts = []
     if workdir:
         parts.append(f"cd {shlex.quote(workdir)} &&")
     parts.append("exec env")
     parts.extend(shlex.quote(f"{key}={value}") for key, value in sorted(env.items()))
-    parts.extend([shlex.quote(python), "-m", module])
+    parts.extend(shlex.quote(arg) for arg in agent_command(python))
     return " ".join(parts)
 
 

@@ -22,7 +22,7 @@ from ddptrain import channel, context
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.errors import exception_to_bytes
 
-__all__ = ["reopen_std_streams", "run"]
+__all__ = ["reopen_std_streams", "restore_blas_threads", "run"]
 
 _logger = logging.getLogger(__name__)
 
@@ -38,6 +38,54 @@ def reopen_std_streams() -> None:
             write_through=True,
         )
         setattr(sys, name, stream)
+
+
+def restore_blas_threads() -> None:
+    """Give numpy's OpenBLAS the thread count this worker's environment asks for.
+
+    The agent loads OpenBLAS with one thread (its pool would make the agent unsafe to fork);
+    OpenBLAS reads ``OPENBLAS_NUM_THREADS``, ``GOTO_NUM_THREADS`` or ``OMP_NUM_THREADS`` and
+    otherwise uses every core.
+    """
+    raw = next(
+        (os.environ[k] for k in ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS") if os.environ.get(k)),
+        None,
+    )
+    try:
+        wanted = int(raw) if raw else (os.cpu_count() or 1)
+    except ValueError:
+        return
+    if wanted <= 1:
+        return
+    import ctypes
+
+    with open("/proc/self/maps") as f:
+        libraries = {line.split()[-1] for line in f if "openblas" in line.rsplit("/", 1)[-1]}
+    for path in libraries:
+        try:
+            library = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for symbol in ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_", "openblas_set_num_threads"):
+            setter = getattr(library, symbol, None)
+            if setter is not None:
+                setter(ctypes.c_int(wanted))
+                break
+
+
+def _check_cuda_usable(spec: dict[str, Any]) -> None:
+    """A GPU worker must be able to initialize CUDA: fail here, before the user's code, if not."""
+    if not spec["devices"]:
+        return
+    import torch
+
+    if torch.cuda._is_in_bad_fork():
+        raise RuntimeError(
+            "CUDA cannot be used in this worker: it was initialized in the ddptrain agent before the "
+            "worker was forked (the training function, its config or a module it imports touched CUDA "
+            "while the agent loaded it). GPU runs start workers the clean way unless "
+            "DDPTRAIN_WORKER_START=shared is set; unset it, or keep CUDA calls out of module top level."
+        )
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -122,13 +170,25 @@ def _train(user: dict[str, Any]) -> Any:
 
 
 def run(spec: dict[str, Any], shared: dict[str, Any], status_fd: int) -> int:
-    """Run one worker to completion; returns its exit code."""
-    run_info, user = shared["run"], shared["user"]
+    """Run one worker to completion; returns its exit code.
+
+    ``shared`` holds the run's settings and either the user's function already loaded by the
+    agent (``"user"``) or its pickled form (``"payload"``), which the worker loads itself.
+    """
+    run_info = shared["run"]
     os.environ.update(spec["env"])
+    restore_blas_threads()
     sys.argv = list(run_info.get("argv") or sys.argv)
     _setup_logging(run_info.get("log_level", "INFO"))
     rank = spec["rank"]
     try:
+        _check_cuda_usable(spec)
+        if "user" in shared:
+            user = shared["user"]
+        else:
+            from ddptrain._agent import load_user
+
+            user = load_user(shared["payload"])
         store = channel.connect(run_info["store_host"], run_info["store_port"], run_info["connect_timeout_s"])
         store.set_timeout(channel._LONG_WAIT)
         keys = channel.Keys(run_info["run_id"], run_info["attempt"])

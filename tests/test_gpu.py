@@ -129,3 +129,187 @@ def test_fsdp_wraps_on_two_gpus(storage: str) -> None:
     values = fit_gpu(fsdp_func, storage, num_workers=2)
     for rank, out in enumerate(values):
         assert out == {"model_type": "FullyShardedDataParallel", "param_devices": [f"cuda:{rank}"]}
+
+
+# ----------------------------------------------------------------- how GPU workers start
+# Workers that use CUDA must not be forked from a process in which CUDA was touched or the
+# user's code ran (issue: "Cannot re-initialize CUDA in forked subprocess").
+
+CUDA_MODULE = """
+import torch
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # real code does this
+
+
+def train_func():
+    import ddptrain.torch
+
+    x = torch.ones(4, device=ddptrain.torch.get_device())
+    return {"device": str(x.device), "sum": x.sum().item(), "module_device": str(DEVICE)}
+"""
+
+
+@needs_one_gpu
+def test_a_function_from_a_module_that_queries_cuda_at_import(storage: str, tmp_path, monkeypatch) -> None:
+    import sys
+
+    (tmp_path / "cuda_user_module.py").write_text(CUDA_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import cuda_user_module
+
+    try:
+        (out,) = fit_gpu(cuda_user_module.train_func, storage, num_workers=1)
+    finally:
+        sys.modules.pop("cuda_user_module", None)
+    assert out == {"device": "cuda:0", "sum": 4.0, "module_device": "cuda"}
+
+
+MAIN_SCRIPT = """
+import torch
+import ddptrain as train
+from ddptrain.torch import TorchTrainer, get_device
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def train_func():
+    return str((torch.ones(2, device=get_device()) * 2).device)
+
+
+if __name__ == "__main__":
+    import sys
+
+    result = TorchTrainer(
+        train_func,
+        scaling_config=train.ScalingConfig(num_workers=1, use_gpu=True),
+        run_config=train.RunConfig(storage_path=sys.argv[1]),
+    ).fit()
+    print("RESULT", result.return_values)
+"""
+
+
+@needs_one_gpu
+def test_a_function_defined_in_main(storage: str, tmp_path) -> None:
+    import subprocess
+    import sys
+
+    script = tmp_path / "gpu_main.py"
+    script.write_text(MAIN_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), storage], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "RESULT ['cuda:0']" in proc.stdout
+    assert "multi-threaded" not in proc.stderr  # no fork from a process with threads
+
+
+def loader_func() -> dict:
+    dataset = TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
+    loader = prepare_data_loader(DataLoader(dataset, batch_size=32, num_workers=2, pin_memory=True))
+    model = prepare_model(torch.nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    devices = set()
+    for x, y in loader:
+        devices.add(str(x.device))
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return {"devices": sorted(devices), "loss": loss.item()}
+
+
+@needs_one_gpu
+def test_prepare_model_and_a_loader_with_pinned_memory_and_loader_workers(storage: str) -> None:
+    (out,) = fit_gpu(loader_func, storage, num_workers=1)
+    assert out["devices"] == ["cuda:0"]
+    assert out["loss"] == out["loss"]  # not NaN
+
+
+def amp_func() -> dict:
+    model = prepare_model(torch.nn.Linear(16, 16))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(32, 16, device=get_device())
+    with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
+        out = model(x)
+        loss = out.float().pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    return {"dtype": str(out.dtype), "finite": bool(torch.isfinite(loss).item())}
+
+
+@needs_one_gpu
+def test_autocast_bf16(storage: str) -> None:
+    (out,) = fit_gpu(amp_func, storage, num_workers=1)
+    assert out == {"dtype": "torch.bfloat16", "finite": True}
+
+
+def crash_once_func() -> dict:
+    import os
+    import tempfile
+
+    ckpt = train.get_checkpoint()
+    start = 0
+    if ckpt is not None:
+        with ckpt.as_directory() as d:
+            start = torch.load(os.path.join(d, "state.pt"), map_location=get_device())["step"].item() + 1
+    for step in range(start, 4):
+        state = {"step": torch.tensor(step, device=get_device())}
+        with tempfile.TemporaryDirectory() as d:
+            torch.save(state, os.path.join(d, "state.pt"))
+            train.report({"step": step}, checkpoint=train.Checkpoint.from_directory(d))
+        if step == 1 and train.get_context().get_world_rank() == 0 and ckpt is None:
+            os._exit(7)  # a crash after the second checkpoint
+    return {"started_at": start, "device": str(get_device())}
+
+
+@needs_one_gpu
+def test_a_crashed_gpu_worker_restarts_from_its_checkpoint(storage: str) -> None:
+    result = TorchTrainer(
+        crash_once_func,
+        scaling_config=train.ScalingConfig(num_workers=1, use_gpu=True),
+        run_config=train.RunConfig(storage_path=storage, failure_config=train.FailureConfig(max_failures=1)),
+    ).fit()
+    assert result.return_values == [{"started_at": 2, "device": "cuda:0"}]
+    assert [m["step"] for m in result.metrics_history] == [0, 1, 2, 3]
+
+
+def _nvidia_smi(query: str) -> list[int]:
+    import subprocess
+
+    out = subprocess.run(
+        ["nvidia-smi", f"--query-{query}", "--format=csv,noheader,nounits"], capture_output=True, text=True, check=True
+    ).stdout
+    return [int(line) for line in out.split() if line.strip().isdigit()]
+
+
+def _gpu_pids() -> set[int]:
+    return set(_nvidia_smi("compute-apps=pid"))
+
+
+def _gpu_used_mib() -> int:
+    return _nvidia_smi("gpu=memory.used")[0]
+
+
+def hold_gpu_memory() -> int:
+    import os
+
+    torch.empty(256 * 2**20, dtype=torch.uint8, device=get_device())  # 256 MiB
+    return os.getpid()
+
+
+@needs_one_gpu
+def test_gpu_memory_is_released_after_fit(storage: str) -> None:
+    import time
+
+    before, used_before = _gpu_pids(), _gpu_used_mib()
+    (pid,) = fit_gpu(hold_gpu_memory, storage, num_workers=1)  # the worker held >= 256 MiB
+    deadline = time.monotonic() + 10
+    while (pid in _gpu_pids() or _gpu_used_mib() > used_before + 64) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert pid not in _gpu_pids()
+    assert _gpu_pids() <= before
+    assert _gpu_used_mib() <= used_before + 64
+
+
+@needs_one_gpu
+def test_more_gpu_workers_than_gpus_is_a_clear_error(storage: str) -> None:
+    with pytest.raises(train.ConfigError, match=r"asks for \d+ GPU\(s\).*torch sees \d+"):
+        fit_gpu(devices_func, storage, num_workers=_gpus() + 1)

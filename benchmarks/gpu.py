@@ -1,0 +1,218 @@
+"""GPU runs: training throughput and launch latency against plain PyTorch, and the cost of
+each way of starting workers.
+
+Measured, each in the same repeats as its baseline:
+
+* ``samples_per_s`` (GPU): a small conv net (batch 256, 3x64x64 inputs, SGD) trained for a
+  fixed number of steps in one ddptrain worker (``use_gpu=True``) against the same loop in a
+  plain ``python`` process (``baseline_samples_per_s``). Target: >= 0.99x.
+* ``first_line_s`` (GPU): ``fit()`` to the first line of a one-worker GPU run against
+  ``torch.multiprocessing.spawn`` of one process to its first line (``spawn_first_line_s``),
+  both from this process. Target: <= 1.0x.
+* ``start_shared_s`` / ``start_clean_s`` (CPU, 2 workers): ``fit()`` to the first line when
+  the agent loads the training function once and forks (CPU default) and when it forks first
+  and each worker loads the function itself (the GPU default, ``DDPTRAIN_WORKER_START=clean``).
+  Runs without a GPU too.
+
+Without CUDA only the start-mode comparison runs.
+
+    python benchmarks/gpu.py [--repeats N] [--quick]
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import _bench
+
+BENCH = "gpu"
+STEPS = 200
+WARMUP_STEPS = 20
+BATCH = 256
+
+
+def make_model():  # type: ignore[no-untyped-def]
+    import torch
+
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 32, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(32, 64, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(64, 64, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(64, 10),
+    )
+
+
+def train_loop(device_name: str, steps: int) -> float:
+    """Samples per second of ``steps`` SGD steps on random data already on the device."""
+    import torch
+
+    device = torch.device(device_name)
+    torch.manual_seed(0)
+    model = make_model().to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(BATCH, 3, 64, 64, device=device)
+    y = torch.randint(0, 10, (BATCH,), device=device)
+
+    def step() -> None:
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    for _ in range(WARMUP_STEPS):
+        step()
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize(device)
+    return steps * BATCH / (time.perf_counter() - start)
+
+
+def ddptrain_throughput(config: dict) -> float:
+    import ddptrain.torch
+
+    return train_loop(str(ddptrain.torch.get_device()), config["steps"])
+
+
+def plain_throughput(steps: int) -> float:
+    """The same loop in a plain ``python`` process of its own."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = f"import sys; sys.path.insert(0, {here!r}); import gpu; print(gpu.train_loop('cuda:0', {steps}))"
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    return float(out.strip().splitlines()[-1])
+
+
+def first_line() -> float:
+    return time.time()
+
+
+def _spawned(_: int, path: str) -> None:
+    stamp = time.time()  # the spawned function's first line
+    with open(path, "w") as f:
+        f.write(repr(stamp))
+
+
+def spawn_first_line() -> float:
+    import torch.multiprocessing as mp
+
+    with tempfile.NamedTemporaryFile("r", suffix=".stamp") as f:
+        before = time.time()
+        mp.spawn(_spawned, args=(f.name,), nprocs=1)
+        return float(open(f.name).read()) - before
+
+
+def fit_first_line(storage: str, name: str, use_gpu: bool, num_workers: int) -> float:
+    import ddptrain as train
+    from ddptrain.torch import TorchTrainer
+
+    trainer = TorchTrainer(
+        first_line,
+        scaling_config=train.ScalingConfig(num_workers=num_workers, use_gpu=use_gpu),
+        run_config=train.RunConfig(storage_path=storage, name=name),
+    )
+    before = time.time()
+    return min(trainer.fit().return_values) - before
+
+
+def fit_throughput(storage: str, name: str, steps: int) -> float:
+    import ddptrain as train
+    from ddptrain.torch import TorchTrainer
+
+    trainer = TorchTrainer(
+        ddptrain_throughput,
+        train_loop_config={"steps": steps},
+        scaling_config=train.ScalingConfig(num_workers=1, use_gpu=True),
+        run_config=train.RunConfig(storage_path=storage, name=name),
+    )
+    return float(trainer.fit().return_values[0])
+
+
+def start_mode(storage: str, name: str, mode: str) -> float:
+    os.environ["DDPTRAIN_WORKER_START"] = mode
+    try:
+        return fit_first_line(storage, name, use_gpu=False, num_workers=2)
+    finally:
+        del os.environ["DDPTRAIN_WORKER_START"]
+
+
+def main() -> int:
+    args = _bench.parse_args(__doc__.splitlines()[0], default_repeats=5, quick_repeats=2)
+    import torch
+
+    import ddptrain  # noqa: F401
+
+    has_gpu = torch.cuda.is_available() and torch.cuda.device_count() > 0
+    steps = 40 if args.quick else STEPS
+    env = _bench.environment()
+    _bench.emit({"bench": BENCH, "metric": "environment", **env, "repeats": args.repeats, "gpu": has_gpu})
+    storage = tempfile.mkdtemp(prefix="ddptrain-bench-gpu-")
+    values: dict[str, list[float]] = {}
+
+    def record(metric: str, repeat: int, value: float) -> None:
+        values.setdefault(metric, []).append(value)
+        _bench.emit({"bench": BENCH, "metric": metric, "repeat": repeat, "value": value})
+
+    runs = 0
+    try:
+        tasks = ["shared", "clean"] + (["fit_gpu", "spawn", "fit_tput", "plain_tput"] if has_gpu else [])
+        start_mode(storage, "warmup", "shared")  # not measured: page cache
+        for repeat in range(args.repeats):
+            shift = repeat % len(tasks)
+            for task in tasks[shift:] + tasks[:shift]:
+                runs += 1
+                if task in ("shared", "clean"):
+                    record(f"start_{task}_s", repeat, start_mode(storage, f"run{runs}", task))
+                elif task == "fit_gpu":
+                    record("first_line_s", repeat, fit_first_line(storage, f"run{runs}", True, 1))
+                elif task == "spawn":
+                    record("spawn_first_line_s", repeat, spawn_first_line())
+                elif task == "fit_tput":
+                    record("samples_per_s", repeat, fit_throughput(storage, f"run{runs}", steps))
+                else:
+                    record("baseline_samples_per_s", repeat, plain_throughput(steps))
+    finally:
+        shutil.rmtree(storage, ignore_errors=True)
+        left = _bench.check_leftovers(BENCH)
+
+    med = {metric: _bench.median(v) for metric, v in values.items()}
+    for metric, v in values.items():
+        _bench.emit({"bench": BENCH, "metric": metric, "summary": True, **_bench.summary(v)})
+    lines = [f"gpu: {args.repeats} repeats, medians; torch {env['torch']}, GPU: {has_gpu}"]
+    lines.append(
+        f"  CPU, 2 workers, fit() to first line: shared start {med['start_shared_s']:.3f} s, "
+        f"clean start {med['start_clean_s']:.3f} s ({med['start_clean_s'] / med['start_shared_s']:.2f}x)"
+    )
+    if has_gpu:
+        tput = med["samples_per_s"] / med["baseline_samples_per_s"]
+        launch = med["first_line_s"] / med["spawn_first_line_s"]
+        _bench.emit({"bench": BENCH, "metric": "ratios", "throughput": tput, "first_line_vs_spawn": launch})
+        lines.append(
+            f"  throughput: {med['samples_per_s']:,.0f} vs plain {med['baseline_samples_per_s']:,.0f} samples/s "
+            f"= {tput:.3f}x (target >= 0.99x: {'met' if tput >= 0.99 else 'NOT met'})"
+        )
+        lines.append(
+            f"  fit() to first line {med['first_line_s']:.3f} s vs mp.spawn {med['spawn_first_line_s']:.3f} s "
+            f"= {launch:.2f}x (target <= 1.0x: {'met' if launch <= 1.0 else 'NOT met'})"
+        )
+    else:
+        lines.append("  no CUDA device: throughput and GPU launch not measured")
+    lines.append(f"  leftover processes: {len(left)}")
+    print("\n".join(lines))
+    return 1 if left else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
