@@ -34,6 +34,8 @@ import traceback
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from ddptrain import _memory
+
 __all__ = ["FRAME", "AGENT_RANK", "agent_command", "import_roots", "read_frame", "write_frame", "write_all", "main"]
 
 # kind (1 byte), rank, payload length
@@ -124,6 +126,7 @@ class _Child:
     status_fd: int = -1
     exitcode: int | None = None
     exited_at: float = 0.0
+    maxrss_kb: int = 0  # peak RSS, from wait4
 
 
 def _set_pdeathsig(agent_pid: int) -> None:
@@ -311,14 +314,44 @@ def _kill_all(children: list[_Child], grace_s: float) -> None:
             pass
 
 
+def process_state(pid: int) -> dict[str, str]:
+    """The kernel's view of a process: its state letter and the kernel function it waits in."""
+    state = {"state": "?", "wchan": ""}
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state["state"] = f.read().rsplit(")", 1)[1].split()[0]
+        with open(f"/proc/{pid}/wchan") as f:
+            state["wchan"] = f.read().strip()
+    except (OSError, IndexError):
+        pass
+    return state
+
+
+def _report_states(out_fd: int, children: list[_Child], dump_stacks: bool) -> None:
+    """Send the driver each live worker's process state; with ``dump_stacks``, also make each
+    worker that can run print its Python stacks (faulthandler on SIGUSR1, see ``worker``)."""
+    states = {}
+    for child in children:
+        if child.exitcode is not None:
+            continue
+        states[child.rank] = {"pid": child.pid, **process_state(child.pid)}
+        if dump_stacks and states[child.rank]["state"] not in ("T", "t", "Z"):
+            try:
+                os.kill(child.pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+    write_frame(out_fd, b"P", AGENT_RANK, pickle.dumps(states))
+
+
 def _reaped(child: _Child) -> bool:
     try:
-        pid, status = os.waitpid(child.pid, os.WNOHANG)
+        pid, status, usage = os.wait4(child.pid, os.WNOHANG)
     except ChildProcessError:
         return True
     if pid == 0:
         return False
     child.exitcode = os.waitstatus_to_exitcode(status)
+    child.maxrss_kb = usage.ru_maxrss
     child.exited_at = time.monotonic()
     return True
 
@@ -349,6 +382,7 @@ def _relay(
             child.status.extend(data)
 
     pending = list(children)  # children whose exit has not been reported
+    oom_kills = _memory.oom_kills()  # a worker dead of SIGKILL is then checked against it
     last_heard = time.monotonic()
     while pending:
         for key, _ in selector.select(_POLL_S):
@@ -357,6 +391,8 @@ def _relay(
                 if not data or b"K" in data:  # driver gone, or asked us to stop
                     _kill_all(children, grace_s)
                     return
+                if b"Q" in data or b"T" in data:  # the driver asks how the workers are
+                    _report_states(out_fd, children, dump_stacks=b"T" in data)
                 last_heard = time.monotonic()
             else:
                 forward(key)
@@ -380,7 +416,10 @@ def _relay(
                 selector.unregister(child.status_fd)
                 os.close(child.status_fd)
                 child.status_fd = -1
-            payload = pickle.dumps({"exitcode": child.exitcode, "status": bytes(child.status)})
+            exit_info: dict[str, Any] = {"exitcode": child.exitcode, "status": bytes(child.status)}
+            if child.exitcode == -signal.SIGKILL:
+                exit_info["memory"] = _memory.evidence(oom_kills, child.maxrss_kb)
+            payload = pickle.dumps(exit_info)
             write_frame(out_fd, b"X", child.rank, payload)
             pending.remove(child)
 

@@ -7,6 +7,7 @@ import os
 __all__ = [
     "default_storage_path",
     "report_warn_interval_s",
+    "stall_warn_s",
     "shutdown_grace_s",
     "store_connect_timeout_s",
     "worker_start_timeout_s",
@@ -43,6 +44,12 @@ def report_warn_interval_s() -> float:
     return _float("DDPTRAIN_REPORT_WARN_INTERVAL_S", 5.0)
 
 
+def stall_warn_s() -> float:
+    """Seconds without any report or output from any rank before the driver warns, with every
+    rank's process state and Python stack."""
+    return _float("DDPTRAIN_STALL_WARN_S", 30.0)
+
+
 def shutdown_grace_s() -> float:
     """Seconds workers get between SIGTERM and SIGKILL when the group is torn down."""
     return _float("DDPTRAIN_SHUTDOWN_GRACE_S", 3.0)
@@ -70,9 +77,14 @@ def console_ranks() -> set[int] | None:
     if raw in ("", "all"):
         return None
     try:
-        return {int(part) for part in raw.split(",") if part.strip()}
+        ranks = {int(part) for part in raw.split(",") if part.strip()}
     except ValueError:
-        raise ValueError(f"`DDPTRAIN_CONSOLE_RANKS` must be 'all' or comma-separated ranks, got {raw!r}.") from None
+        ranks = {-1}
+    if not ranks or min(ranks) < 0:
+        raise ValueError(
+            f"`DDPTRAIN_CONSOLE_RANKS` must be 'all' or comma-separated ranks such as '0' or '0,3', got {raw!r}."
+        )
+    return ranks
 
 
 def worker_start(use_gpu: bool) -> str:

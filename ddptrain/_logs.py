@@ -1,14 +1,26 @@
-"""Worker output on the driver: one file per rank, and rank-prefixed lines on the console."""
+"""Worker output on the driver: one file per rank, and rank-prefixed lines on the console.
+
+The sink never raises into the thread that relays a launcher's frames: a log file that cannot
+be written (a full disk) is reported once through ``on_error`` and the attempt fails on it,
+while that rank's later output is counted, echoed and kept in its tail, but not written.
+"""
 
 from __future__ import annotations
 
 import collections
+import logging
 import sys
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO, TextIO
 
+from ddptrain.errors import disk_full_error
+
 __all__ = ["LogSink"]
+
+_logger = logging.getLogger(__name__)
 
 _TAIL_LINES = 30
 
@@ -20,9 +32,17 @@ class LogSink:
         log_dir: Folder for this attempt's log files.
         labels: The console prefix of each rank, e.g. ``{0: "rank0"}``.
         echo_ranks: Ranks whose lines are copied to the driver's stdout/stderr (``None``: all).
+        on_error: Called once, from the relaying thread, with the first write error: a
+            :class:`~ddptrain.errors.DiskFullError` for a full disk, else the ``OSError``.
     """
 
-    def __init__(self, log_dir: Path, labels: dict[int, str], echo_ranks: set[int] | None = None) -> None:
+    def __init__(
+        self,
+        log_dir: Path,
+        labels: dict[int, str],
+        echo_ranks: set[int] | None = None,
+        on_error: Callable[[OSError], None] | None = None,
+    ) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir = log_dir
         self._labels = labels
@@ -31,6 +51,11 @@ class LogSink:
         self._partial: dict[tuple[int, bytes], bytes] = {}
         self._tails: dict[int, collections.deque[str]] = {}
         self._lock = threading.Lock()
+        self._on_error = on_error
+        self._error: OSError | None = None
+        self._closed = False
+        self.dropped: dict[int, int] = {}  # bytes of each rank's output that reached no file
+        self.last_write = time.monotonic()  # when a rank last printed anything
         for rank in labels:  # every rank gets its file, even one that prints nothing
             self._files[rank] = open(self.path(rank), "ab")  # noqa: SIM115 (closed in close())
 
@@ -40,18 +65,43 @@ class LogSink:
 
     def write(self, rank: int, stream: bytes, data: bytes) -> None:
         """Take a chunk of a rank's stdout (``b"O"``) or stderr (``b"E"``)."""
+        self.last_write = time.monotonic()
         with self._lock:
-            file = self._files.get(rank)
-            if file is None:
-                file = self._files[rank] = open(self.path(rank), "ab")  # noqa: SIM115 (closed in close())
-            file.write(data)
-            file.flush()
+            if self._closed:
+                return
+            if rank in self.dropped:
+                self.dropped[rank] += len(data)
+            else:
+                self._write_file(rank, data)
             buffered = self._partial.pop((rank, stream), b"") + data
             *lines, rest = buffered.split(b"\n")
             if rest:
                 self._partial[(rank, stream)] = rest
             for line in lines:
                 self._emit(rank, stream, line)
+
+    def _write_file(self, rank: int, data: bytes) -> None:
+        try:
+            file = self._files.get(rank)
+            if file is None:
+                file = self._files[rank] = open(self.path(rank), "ab")  # noqa: SIM115 (closed in close())
+            file.write(data)
+            file.flush()
+        except OSError as exc:
+            self.dropped[rank] = len(data)
+            broken = self._files.pop(rank, None)
+            if broken is not None:
+                try:
+                    broken.close()  # its unwritten buffer goes
+                except OSError:
+                    pass
+            if self._error is None:
+                error: OSError | None = disk_full_error(exc, self.path(rank))
+                if error is None:
+                    error = exc if exc.filename else OSError(exc.errno, exc.strerror, self.path(rank))
+                self._error = error
+                if self._on_error is not None:
+                    self._on_error(error)
 
     def _emit(self, rank: int, stream: bytes, line: bytes) -> None:
         text = line.decode("utf-8", errors="replace").rstrip("\r")
@@ -77,9 +127,21 @@ class LogSink:
             self._partial.clear()
 
     def close(self) -> None:
-        """Flush and close every file (safe to call twice)."""
+        """Flush and close every file (safe to call twice); later output is dropped."""
         self.flush_partial()
         with self._lock:
+            self._closed = True
             for file in self._files.values():
-                file.close()
+                try:
+                    file.close()
+                except OSError:
+                    pass
             self._files.clear()
+            dropped, self.dropped = self.dropped, {}
+        for rank, size in sorted(dropped.items()):
+            _logger.warning(
+                "ddptrain: %s misses the last %d bytes of rank %d's output: writing it failed",
+                self.path(rank),
+                size,
+                rank,
+            )

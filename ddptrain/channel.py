@@ -1,9 +1,18 @@
-"""Signed messages through the driver's TCPStore: the one module that names store keys.
+"""Signed, numbered messages through the driver's TCPStore: the one module that names store keys.
 
 Workers push messages (reports, call results, completion) to one driver queue; the driver
-pushes commands to one queue per rank. Every message is ``HMAC-SHA256(secret, payload) ||
-payload`` and is checked before it is unpickled: the store is open to anyone who can reach
-its port, the secret is not (it travels over the process pipe or the SSH channel only).
+pushes commands to one queue per rank. Every message is ``HMAC-SHA256(secret, key, sender,
+number, payload) || sender || number || payload`` and is checked before it is unpickled:
+
+- the secret travels over the process pipe or the SSH channel only, never through the store
+  or the run directory, so nobody who can reach the store can forge a message;
+- queue names are derived from the secret, so they cannot be guessed from anything on disk;
+- each sender numbers its messages per queue: a replayed message is rejected, and a missing
+  one (someone popped it) fails the run instead of losing a report silently;
+- messages larger than ``CHUNK_BYTES`` travel as several store values, announced by a small
+  signed message, so return values, metrics and broadcasts of any size get through.
+
+The store of a local run listens on loopback only (:func:`open_store`).
 """
 
 from __future__ import annotations
@@ -13,6 +22,8 @@ import hashlib
 import hmac
 import logging
 import pickle
+import socket
+import struct
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -20,25 +31,51 @@ from typing import Any
 import cloudpickle
 import torch.distributed as dist
 
-__all__ = ["Keys", "ForgedMessageError", "sign", "verify", "DriverChannel", "WorkerChannel", "connect"]
+__all__ = [
+    "Keys",
+    "ForgedMessageError",
+    "LostMessageError",
+    "sign",
+    "verify",
+    "open_message",
+    "Outbox",
+    "Inbox",
+    "DriverChannel",
+    "WorkerChannel",
+    "connect",
+    "open_store",
+    "DRIVER",
+]
 
 _logger = logging.getLogger(__name__)
 _DIGEST = hashlib.sha256
 _MAC_BYTES = 32
+_HEADER = struct.Struct(">Iq")  # sender, message number
 # Blocking queue pops wait this long before looping; a quiet run is not an error.
 _LONG_WAIT = datetime.timedelta(days=7)
 STOP = "__ddptrain_stop__"
+DRIVER = 0xFFFFFFFF  # the driver's sender id
+# The store's server drops connections that send values of about 8 MiB or more.
+CHUNK_BYTES = 4 * 2**20
+_CHUNKS = "__ddptrain_chunks__"
 
 
 class ForgedMessageError(Exception):
-    """A message on the store did not carry a valid signature."""
+    """A message on the store did not carry a valid signature, or was a replay."""
+
+
+class LostMessageError(Exception):
+    """A message that a sender pushed never arrived: someone else removed it from the store."""
 
 
 class Keys:
-    """Store keys of one attempt of one run. Nothing else formats key strings."""
+    """Store keys of one attempt of one run. Nothing else formats key strings.
 
-    def __init__(self, run_id: str, attempt: int) -> None:
-        self.prefix = f"ddptrain/{run_id}/{attempt}"
+    The names come from the attempt's secret, so nobody who lacks it can name a queue.
+    """
+
+    def __init__(self, secret: bytes) -> None:
+        self.prefix = "ddptrain/" + hmac.new(secret, b"queue names", _DIGEST).hexdigest()[:32]
 
     @property
     def to_driver(self) -> str:
@@ -48,13 +85,13 @@ class Keys:
         return f"{self.prefix}/to_worker/{rank}"
 
 
-def _mac(secret: bytes, key: str, payload: bytes) -> bytes:
+def _mac(secret: bytes, key: str, body: bytes) -> bytes:
     # The MAC covers the queue's key too: a message is only valid on the queue it was sent to.
-    return hmac.new(secret, key.encode() + b"\0" + payload, _DIGEST).digest()
+    return hmac.new(secret, key.encode() + b"\0" + body, _DIGEST).digest()
 
 
-def sign(secret: bytes, key: str, obj: Any, *, plain_pickle: bool = False) -> bytes:
-    """Pickle ``obj`` for the queue ``key`` and put its MAC in front.
+def sign(secret: bytes, key: str, obj: Any, *, sender: int = 0, number: int = 0, plain_pickle: bool = False) -> bytes:
+    """Pickle ``obj`` for the queue ``key`` as message ``number`` of ``sender``, MAC in front.
 
     ``plain_pickle`` tries the (faster) standard pickle first; only for plain data whose
     classes the receiver can import, such as metrics sent to the driver.
@@ -67,24 +104,132 @@ def sign(secret: bytes, key: str, obj: Any, *, plain_pickle: bool = False) -> by
             payload = b""
     if not payload:
         payload = cloudpickle.dumps(obj)
-    return _mac(secret, key, payload) + payload
+    body = _HEADER.pack(sender, number) + payload
+    return _mac(secret, key, body) + body
 
 
-def verify(secret: bytes, key: str, data: bytes) -> Any:
-    """Check the MAC of ``data`` read from queue ``key``, then unpickle it.
+def open_message(secret: bytes, key: str, data: bytes) -> tuple[int, int, Any]:
+    """Check the MAC of ``data`` read from queue ``key``; returns ``(sender, number, object)``.
 
     Raises:
         ForgedMessageError: The MAC is wrong; nothing was unpickled.
     """
-    mac, payload = data[:_MAC_BYTES], data[_MAC_BYTES:]
-    if len(mac) != _MAC_BYTES or not hmac.compare_digest(mac, _mac(secret, key, payload)):
+    mac, body = data[:_MAC_BYTES], data[_MAC_BYTES:]
+    if len(body) < _HEADER.size or not hmac.compare_digest(mac, _mac(secret, key, body)):
         raise ForgedMessageError(f"rejected a store message of {len(data)} bytes with a bad signature")
-    return pickle.loads(payload)
+    sender, number = _HEADER.unpack_from(body)
+    return sender, number, pickle.loads(body[_HEADER.size :])
+
+
+def verify(secret: bytes, key: str, data: bytes) -> Any:
+    """Check the MAC of ``data`` read from queue ``key``, then unpickle it (no order check)."""
+    return open_message(secret, key, data)[2]
+
+
+def _who(sender: int) -> str:
+    return "the driver" if sender == DRIVER else f"rank {sender}"
+
+
+class Outbox:
+    """One sender's end: numbers its messages per queue and splits large ones."""
+
+    def __init__(self, store: dist.TCPStore, secret: bytes, sender: int) -> None:
+        self.store = store
+        self.secret = secret
+        self.sender = sender
+        self._numbers: dict[str, int] = {}
+        self._lock = threading.Lock()  # numbers must reach the queue in order
+
+    def push(self, key: str, obj: Any, *, plain_pickle: bool = False) -> None:
+        with self._lock:
+            number = self._numbers.get(key, 0)
+            self._numbers[key] = number + 1
+            data = sign(self.secret, key, obj, sender=self.sender, number=number, plain_pickle=plain_pickle)
+            if len(data) > CHUNK_BYTES:
+                blob = f"{key}/blob/{self.sender}/{number}"
+                count = 0
+                for offset in range(0, len(data), CHUNK_BYTES):
+                    self.store.set(f"{blob}/{count}", data[offset : offset + CHUNK_BYTES])  # type: ignore[arg-type]
+                    count += 1
+                announce = (_CHUNKS, blob, count)
+                data = sign(self.secret, key, announce, sender=self.sender, number=number, plain_pickle=True)
+            self.store.queue_push(key, data)
+
+
+class Inbox:
+    """A receiving end of one queue: checks signatures, order, and joins split messages."""
+
+    def __init__(self, store: dist.TCPStore, secret: bytes, key: str) -> None:
+        self.store = store
+        self.secret = secret
+        self.key = key
+        self._expected: dict[int, int] = {}
+
+    def pop(self) -> Any:
+        """Block until the next message; raises ForgedMessageError or LostMessageError."""
+        data = self.store.queue_pop(self.key)
+        sender, number, obj = open_message(self.secret, self.key, data)
+        expected = self._expected.get(sender, 0)
+        if number < expected:
+            raise ForgedMessageError(
+                f"rejected a replayed store message (#{number} from {_who(sender)}, which was already received)"
+            )
+        if number > expected:
+            self._expected[sender] = number + 1
+            lost = LostMessageError(
+                f"message(s) #{expected}..#{number - 1} from {_who(sender)} never arrived: something else "
+                "removed them from this run's store"
+            )
+            lost.sender = sender  # type: ignore[attr-defined]
+            raise lost
+        self._expected[sender] = number + 1
+        if isinstance(obj, tuple) and len(obj) == 3 and obj[0] == _CHUNKS:
+            names = [f"{obj[1]}/{i}" for i in range(obj[2])]
+            data = b"".join(self.store.multi_get(names))
+            for name in names:
+                self.store.delete_key(name)
+            inner_sender, inner_number, obj = open_message(self.secret, self.key, data)
+            if (inner_sender, inner_number) != (sender, number):
+                raise ForgedMessageError("rejected a split store message that does not match its announcement")
+        return obj
+
+
+def _sender_of(exc: LostMessageError) -> int:
+    return getattr(exc, "sender", 0)
 
 
 def connect(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     """A client connection to the driver's store."""
     return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def open_store(bind_address: str, timeout_s: float = 30.0) -> dist.TCPStore:
+    """The driver's store, listening on ``bind_address`` only (``"0.0.0.0"``: every interface).
+
+    torch's own server would listen on every interface; here it serves a socket bound first.
+    """
+    family = socket.AF_INET6 if ":" in bind_address else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((bind_address, 0))
+        listener.listen(1024)
+        port = listener.getsockname()[1]
+        host = "127.0.0.1" if bind_address in ("0.0.0.0", "::") else bind_address
+        store = dist.TCPStore(
+            host,
+            port,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            master_listen_fd=listener.fileno(),
+            use_libuv=True,
+        )
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the store's server owns the socket now and closes it
+    return store
 
 
 class DriverChannel:
@@ -94,28 +239,34 @@ class DriverChannel:
         self._store = store
         self._keys = keys
         self._secret = secret
+        self._outbox = Outbox(store, secret, DRIVER)
         self._thread: threading.Thread | None = None
 
     def start(self, on_message: Callable[[Any], None]) -> None:
-        """Start consuming; ``on_message`` runs in the consumer thread."""
+        """Start consuming; ``on_message`` runs in the consumer thread.
+
+        A message that went missing on the store is handed on as ``("lost", rank, text)``.
+        """
         reader = connect(self._store.host, self._store.port, timeout_s=30)
         reader.set_timeout(_LONG_WAIT)
+        inbox = Inbox(reader, self._secret, self._keys.to_driver)
 
         def consume() -> None:
             while True:
                 try:
-                    data = reader.queue_pop(self._keys.to_driver)
-                except Exception as exc:  # the store is going away
-                    _logger.debug("driver channel stopped: %s", exc)
-                    return
-                try:
-                    message = verify(self._secret, self._keys.to_driver, data)
+                    message = inbox.pop()
                 except ForgedMessageError as exc:
                     _logger.warning("ddptrain: %s (someone else is writing to this run's store)", exc)
                     continue
-                except Exception as exc:
+                except LostMessageError as exc:
+                    on_message(("lost", _sender_of(exc), str(exc)))
+                    continue
+                except (pickle.UnpicklingError, AttributeError, ImportError, EOFError) as exc:
                     _logger.warning("ddptrain: could not decode a worker message: %r", exc)
                     continue
+                except Exception as exc:  # the store is going away
+                    _logger.debug("driver channel stopped: %s", exc)
+                    return
                 if message == STOP:
                     return
                 on_message(message)
@@ -125,16 +276,14 @@ class DriverChannel:
 
     def send(self, rank: int, obj: Any) -> None:
         """Push a signed command to one worker."""
-        key = self._keys.to_worker(rank)
-        self._store.queue_push(key, sign(self._secret, key, obj))
+        self._outbox.push(self._keys.to_worker(rank), obj)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop the consumer thread (safe to call twice)."""
         if self._thread is None:
             return
         try:
-            key = self._keys.to_driver
-            self._store.queue_push(key, sign(self._secret, key, STOP))
+            self._outbox.push(self._keys.to_driver, STOP)
         except Exception as exc:
             _logger.debug("could not wake the channel thread: %s", exc)
         self._thread.join(timeout_s)
@@ -149,18 +298,21 @@ class WorkerChannel:
         self.keys = keys
         self.secret = secret
         self.rank = rank
+        self._outbox = Outbox(store, secret, rank)
+        self._inbox = Inbox(store, secret, keys.to_worker(rank))
 
     def send(self, obj: Any) -> None:
         """Push a signed message to the driver."""
-        key = self.keys.to_driver
-        self.store.queue_push(key, sign(self.secret, key, obj, plain_pickle=True))
+        self._outbox.push(self.keys.to_driver, obj, plain_pickle=True)
 
     def recv(self) -> Any:
-        """Block until the driver sends this rank a command."""
+        """Block until the driver sends this rank a command.
+
+        Raises:
+            LostMessageError: A command of the driver's was removed from the store.
+        """
         while True:
-            key = self.keys.to_worker(self.rank)
-            data = self.store.queue_pop(key)
             try:
-                return verify(self.secret, key, data)
+                return self._inbox.pop()
             except ForgedMessageError as exc:
                 _logger.warning("ddptrain rank %d: %s", self.rank, exc)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import socket
 import subprocess
 import sys
@@ -18,9 +17,16 @@ from ddptrain.hosts import HostSpec, is_local, parse_hosts, with_ssh_config
 
 __all__ = ["main", "check_hosts"]
 
-# Runs on each host: versions, GPUs, disk, and whether the driver's port can be reached.
+# Runs on each host the way its agent would (same python, working directory and environment, see
+# `_probe`): versions, GPUs, disk, and whether the driver's port can be reached. Arguments: the
+# driver's address and port, then the folders to import from first (as the agent's).
 _PROBE = r"""
 import json, os, shutil, socket, sys
+address, port = sys.argv[1:3]
+roots = sys.argv[3:]
+del sys.argv[1:]
+# Import as the agent does (ddptrain._agent._BOOT): never from the working directory.
+sys.path[:] = roots + [p for p in sys.path if p and p not in roots]
 out = {"python": sys.executable, "python_version": sys.version.split()[0]}
 for name in ("ddptrain", "torch", "cloudpickle"):
     try:
@@ -33,15 +39,14 @@ try:
     out["gpus"] = torch.cuda.device_count()
 except Exception:
     out["gpus"] = None
-workdir = sys.argv[1] if len(sys.argv) > 1 else os.getcwd()
 try:
-    out["free_gb"] = round(shutil.disk_usage(workdir).free / 1e9, 1)
+    out["free_gb"] = round(shutil.disk_usage(os.getcwd()).free / 1e9, 1)
 except OSError as exc:
     out["free_gb"] = "error: " + str(exc)
 try:
-    socket.create_connection((sys.argv[2], int(sys.argv[3])), timeout=3).close()
+    socket.create_connection((address, int(port)), timeout=3).close()
     out["reaches_driver"] = True
-except (OSError, IndexError, ValueError) as exc:
+except (OSError, ValueError) as exc:
     out["reaches_driver"] = str(exc) or type(exc).__name__
 print("DDPTRAIN_CHECK " + json.dumps(out))
 """
@@ -64,20 +69,24 @@ def _driver_versions() -> dict[str, str]:
 
 
 def _probe(host: HostSpec, port: int) -> dict[str, Any]:
-    python = host.python or sys.executable
-    workdir = host.workdir or os.getcwd()
-    if is_local(host):
-        args = [python, "-c", _PROBE, workdir, "127.0.0.1", str(port)]
+    """Run the probe on ``host`` exactly as a run starts its agent there."""
+    if is_local(host):  # as `LocalLauncher`: this python, the driver's environment and directory
+        from ddptrain._agent import import_roots
+
+        args = [sys.executable, "-c", _PROBE, "127.0.0.1", str(port), *import_roots()]
         proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
         return _parse(proc.stdout, proc.stderr, "local")
-    from ddptrain.ssh import connect
+    from ddptrain.ssh import connect, forwarded_env, run_program
 
+    # As `Run.new_launcher` and `SSHLauncher`: the host's python and working directory, through
+    # the same shell step, with the forwarded environment.
+    python = host.python or sys.executable
     client = connect(host, _env.ssh_connect_timeout_s())
     try:
         address = _env.driver_address() or client.get_transport().sock.getsockname()[0]
-        command = " ".join(shlex.quote(a) for a in (python, "-c", _PROBE, workdir, address, str(port)))
-        _, stdout, stderr = client.exec_command(command, timeout=120)
-        return _parse(stdout.read().decode(), stderr.read().decode(), "ok")
+        program = [python, "-c", _PROBE, address, str(port)]
+        _, out, err = run_program(client, python, host.workdir or os.getcwd(), forwarded_env(), program, 120)
+        return _parse(out, err, "ok")
     finally:
         client.close()
 
@@ -160,7 +169,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser("check", help="check SSH, Python, versions, GPUs, disk and the driver port on every host")
     check.add_argument("hostfile", nargs="?", help="host file (default: $DDPTRAIN_HOSTFILE)")
+    stack = sub.add_parser("stack", help="print every rank's Python stack and process state of a live run")
+    stack.add_argument("run", help="the run directory, or a run name under $DDPTRAIN_STORAGE_PATH")
     args = parser.parse_args(argv)
+    if args.command == "stack":
+        from ddptrain.watch import stack_command
+
+        return stack_command(args.run)
     source = args.hostfile or _env.hostfile()
     if not source:
         parser.error("give a host file, or set DDPTRAIN_HOSTFILE")

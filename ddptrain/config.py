@@ -5,12 +5,13 @@ from __future__ import annotations
 import logging
 import math
 import os
+import tempfile
 import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from ddptrain.errors import ConfigError
+from ddptrain.errors import ConfigError, ConfigTypeError
 
 if TYPE_CHECKING:
     from ddptrain.callbacks import UserCallback
@@ -130,12 +131,24 @@ class ScalingConfig:
         return float((self.resources_per_worker or {}).get("CPU", default))
 
     @property
+    def _resources_per_worker_not_none(self) -> dict[str, float]:
+        """Each worker's resources as Ray counts them: ``{"CPU": 1}`` (``{"GPU": 1}`` with
+        ``use_gpu``) by default, zero entries dropped, and ``accelerator_type:<X>`` at 0.001."""
+        if self.resources_per_worker is None:
+            resources: dict[str, float] = {"GPU": 1} if self.use_gpu else {"CPU": 1}
+        else:
+            resources = {k: v for k, v in self.resources_per_worker.items() if v != 0}
+        if self.use_gpu:
+            resources.setdefault("GPU", 1)
+        if self.accelerator_type:
+            resources.setdefault(f"accelerator_type:{self.accelerator_type}", 0.001)
+        return resources
+
+    @property
     def total_resources(self) -> dict[str, float]:
-        """Resources of the whole group."""
-        return {
-            "CPU": self.num_cpus_per_worker * self.num_workers,
-            "GPU": self.num_gpus_per_worker * self.num_workers,
-        }
+        """Resources of the whole group, as Ray reports them: each worker's non-zero resources
+        times ``num_workers`` (``ScalingConfig(num_workers=2).total_resources == {"CPU": 2.0}``)."""
+        return {k: float(v * self.num_workers) for k, v in self._resources_per_worker_not_none.items()}
 
     def _omp_num_threads(self) -> int:
         cpus = (self.resources_per_worker or {}).get("CPU")
@@ -147,8 +160,10 @@ class CheckpointConfig:
     """Which checkpoints to keep.
 
     Args:
-        num_to_keep: Keep at most this many checkpoints (``None`` keeps all). The latest
-            checkpoint is never deleted.
+        num_to_keep: Keep this many best checkpoints by ``checkpoint_score_attribute`` (the
+            newest without one) plus the latest, as Ray Train does: up to ``num_to_keep + 1``
+            may be on disk, and ``Result.best_checkpoints`` lists only the best
+            ``num_to_keep``. ``None`` keeps all.
         checkpoint_score_attribute: Metric used to rank checkpoints; ``None`` ranks by age.
         checkpoint_score_order: ``"max"`` or ``"min"``: which end of the score is best.
     """
@@ -228,11 +243,11 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         split = self.datasets_to_split
-        if isinstance(split, str):
-            if split != "all":
-                raise ConfigError(f"`datasets_to_split` must be 'all' or a list of dataset names, got {split!r}.")
-        elif not isinstance(split, (list, tuple)) or not all(isinstance(n, str) for n in split):
-            raise ConfigError(f"`datasets_to_split` must be 'all' or a list of dataset names, got {split!r}.")
+        if split != "all" and (not isinstance(split, (list, tuple)) or not all(isinstance(n, str) for n in split)):
+            raise ConfigTypeError(
+                f"`datasets_to_split` must be 'all' or a list of dataset names, got {type(split).__name__} "
+                f'{split!r}. Pass e.g. `datasets_to_split=["train"]`.'
+            )
 
 
 @dataclass
@@ -300,6 +315,24 @@ class RunConfig:
 
         raw = os.fspath(self.storage_path) if self.storage_path is not None else None
         return Path(os.path.expanduser(raw or _env.default_storage_path())).absolute()
+
+    def _check_storage(self) -> None:
+        """Raise ConfigError, naming the path, if the run's folder cannot be created or written
+        (called by ``fit()`` before any process starts)."""
+        root = self._storage_root()
+        existing = root / self.name if self.name else root
+        while not os.path.lexists(existing) and existing.parent != existing:
+            existing = existing.parent
+        hint = "Set `RunConfig(storage_path=...)` (or DDPTRAIN_STORAGE_PATH) to a folder you can write to."
+        if not existing.is_dir():
+            raise ConfigError(f"`storage_path` {root} cannot hold the run: {existing} is not a folder. {hint}")
+        try:
+            with tempfile.TemporaryFile(dir=existing):
+                pass
+        except OSError as exc:
+            raise ConfigError(
+                f"`storage_path` {root} cannot hold the run: cannot write in {existing} ({exc.strerror or exc}). {hint}"
+            ) from exc
 
     def _env_vars(self) -> dict[str, str]:
         env = (self.worker_runtime_env or {}).get("env_vars") or {}

@@ -370,12 +370,25 @@ def get_all_reported_checkpoints(
     """The run's kept checkpoints in score order (worst first, as ``Result.best_checkpoints``),
     including those of earlier attempts and of a resumed run.
 
-    Every checkpoint that this worker's earlier ``report()`` calls committed is included.
+    As in Ray, this first waits until the driver has processed every ``report()`` call this
+    worker made so far, on every rank: a checkpoint that another rank passed to the same
+    ``report()`` call, and that is still being persisted, is included.
+
+    Args:
+        consistency_mode: Accepted for compatibility (every listed checkpoint is committed).
+        timeout_s: Stop waiting after this many seconds and return the checkpoints committed
+            by then (``None``: wait as long as it takes).
+
+    Returns:
+        An empty list in local mode (``num_workers=0``).
     """
     session = _get_session("get_all_reported_checkpoints")
     if session.channel is None:
         return []
-    reply = session.call_driver(("checkpoints", session.context.get_world_rank()))
+    if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))):
+        raise TypeError(f"`timeout_s` must be a number of seconds or None, got {timeout_s!r}.")
+    rank = session.context.get_world_rank()
+    reply = session.call_driver(("checkpoints", rank, session.report_index, timeout_s))
     return [ReportedCheckpoint(Checkpoint(path), metrics) for path, metrics in reply[1]]
 
 

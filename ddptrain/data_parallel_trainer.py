@@ -161,6 +161,18 @@ class DataParallelTrainer:
             return None
         return data
 
+    def get_dataset_config(self) -> DataConfig:
+        """A copy of this trainer's dataset config (the ``dataset_config`` given, or the default)."""
+        return copy.copy(self.dataset_config)
+
+    def setup(self) -> None:
+        """Called by :meth:`fit` (in the driver, before any worker starts) to set up the trainer.
+
+        Override it in a subclass for setup that should run at ``fit()`` rather than in
+        ``__init__``; it runs once per ``fit()`` call, and an error in it fails ``fit()`` at once.
+        The default does nothing.
+        """
+
     def fit(self) -> Result:
         """Run training on the workers and return the :class:`~ddptrain.Result`.
 
@@ -174,9 +186,11 @@ class DataParallelTrainer:
                 "module that defines it starts training when it is imported. Put the code that "
                 'builds the trainer and calls `fit()` under `if __name__ == "__main__":`.'
             )
+        self.setup()
         self._validate()
         if self.scaling_config.num_workers == 0:
             return self._fit_local()
+        self._check_before_start()
         from ddptrain.run import Run
 
         run = Run(
@@ -191,6 +205,22 @@ class DataParallelTrainer:
         )
         run.start_checkpoint = self.resume_from_checkpoint
         return run.fit()
+
+    def _check_before_start(self) -> None:
+        """Fail at once, before torch is imported or any process starts, on what cannot work:
+        a storage path that cannot hold the run, or a bad ``DDPTRAIN_CONSOLE_RANKS``."""
+        self.run_config._check_storage()
+        try:
+            ranks = _env.console_ranks()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        unknown = sorted(r for r in ranks or () if r >= self.scaling_config.num_workers)
+        if unknown:
+            _logger.warning(
+                "ddptrain: DDPTRAIN_CONSOLE_RANKS names rank(s) %s, but the run has %d worker(s)",
+                unknown,
+                self.scaling_config.num_workers,
+            )
 
     def _fit_local(self) -> Result:
         """Local mode: run the function in this process, as rank 0 of 1."""

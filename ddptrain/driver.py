@@ -2,13 +2,13 @@
 
 Events reach the attempt through one queue: verified store messages from the channel
 thread (hello, result, report, collective, done) and agent events from the launcher thread
-(started, exited, agent failure). The first failure raises ``GroupFailed``; the ``finally``
+(started, exited, agent failure), and the log sink's write error (a full disk), which the
+driver raises as its own. The first worker failure raises ``GroupFailed``; the ``finally``
 of :meth:`Attempt.run` tears everything down in reverse order.
 """
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import pickle
@@ -25,14 +25,16 @@ import torch.distributed as dist
 from ddptrain import _env, storage
 from ddptrain._agent import AGENT_RANK
 from ddptrain._logs import LogSink
-from ddptrain.channel import DriverChannel, Keys
+from ddptrain.channel import DriverChannel, Keys, LostMessageError, open_store
 from ddptrain.errors import (
     LaunchError,
     WorkerDiedError,
     WorkerError,
     WorkerFailure,
     describe_exitcode,
+    is_disk_full,
 )
+from ddptrain.watch import Watch
 from ddptrain.worker_group import WorkerGroup
 
 if TYPE_CHECKING:
@@ -99,10 +101,13 @@ class Attempt:
         self.exit_expected = False
         self.rounds: dict[tuple[str, int], _Round] = {}
         self.finishing = False  # every rank returned; only teardown is left
+        # get_all_reported_checkpoints() calls waiting for earlier reports: (rank, index, deadline)
+        self.checkpoint_waiters: list[tuple[int, int, float | None]] = []
         self.sink: LogSink | None = None
         self.channel: DriverChannel | None = None
         self._next_call = 0
         self._next_round_check = 0.0
+        self.watch = Watch(run.run_dir, launcher.ask, self._where)
 
     # ----------------------------------------------------------------- lifecycle
     def run_group(self) -> list[Any]:
@@ -111,18 +116,17 @@ class Attempt:
         backend = None
         worker_group = WorkerGroup(self)
         try:
-            store = dist.TCPStore(
-                "127.0.0.1",
-                0,
-                is_master=True,
-                wait_for_workers=False,
-                timeout=datetime.timedelta(seconds=30),
-            )
+            store = open_store(self.launcher.bind_address())
             secret = secrets.token_bytes(32)
-            keys = Keys(self.run.run_id, self.index)
+            keys = Keys(secret)
             self.channel = DriverChannel(store, keys, secret)
             self.channel.start(lambda message: self.events.put(("msg", message)))
-            self.sink = LogSink(self.run.log_dir(self.index), self.run.rank_labels(), _env.console_ranks())
+            self.sink = LogSink(
+                self.run.log_dir(self.index),
+                self.run.rank_labels(),
+                _env.console_ranks(),
+                on_error=lambda error: self.events.put(("sink", error)),
+            )
             bootstrap = self.run.bootstrap(self.index, store.host, store.port, secret)
             self.launcher.start(bootstrap, self.sink, lambda event: self.events.put(("agent", event)))
             try:
@@ -142,6 +146,8 @@ class Attempt:
                 backend = backend()
             backend.on_start(worker_group, self.run.backend_config)
             backend.on_training_start(worker_group, self.run.backend_config)
+            self.watch.active = True
+            self.watch.activity()
             for rank in range(self.world_size):
                 self.channel.send(rank, ("train",))
             self.pump_until(lambda: len(self.done) == self.world_size)
@@ -163,6 +169,7 @@ class Attempt:
         Training succeeded, so problems from here on are logged, not raised.
         """
         self.finishing = True
+        self.watch.active = False
         self._warn_unfinished_rounds()
         try:
             backend.on_shutdown(worker_group, self.run.backend_config)
@@ -198,6 +205,7 @@ class Attempt:
             if now >= self._next_round_check:  # not per event: a fast rank 0 may be far ahead
                 self._next_round_check = now + _ROUND_CHECK_S
                 self._check_rounds()
+                self.watch.check(self.sink.last_write if self.sink is not None else 0.0)
             if deadline is not None and time.monotonic() > deadline and not done():
                 raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {waiting_for}")
 
@@ -205,7 +213,7 @@ class Attempt:
         failure = self._dispatch(event)
         if failure is None:
             return
-        if not self.finishing:
+        if not self.finishing and not is_disk_full(failure.exception):  # a full disk is never retried
             self.run.prepare_restart()
         failures = [failure]
         # Gather the other ranks that failed on their own at about the same time.
@@ -221,10 +229,13 @@ class Attempt:
 
     def _dispatch(self, event: tuple[str, Any]) -> WorkerFailure | None:
         source, item = event
+        if source == "sink":  # a log file could not be written (a full disk): the driver's failure
+            raise item
         return self._handle_message(item) if source == "msg" else self._handle_agent(item)
 
     def _handle_message(self, message: tuple[Any, ...]) -> WorkerFailure | None:
         kind, rank = message[0], message[1]
+        self.watch.activity()
         if kind == "hello":
             self.connected.add(rank)
             self.hosts[rank] = (message[2], message[3])
@@ -240,15 +251,21 @@ class Attempt:
             _, _, index, data = message
             self._add_to_round("collective", index, rank, data)
         elif kind == "checkpoints":
-            assert self.channel is not None
-            reported = [(c.path, m) for c, m in self.run.checkpoints.best_checkpoints()]
-            self.channel.send(rank, ("checkpoints", reported))
+            _, _, index, timeout_s = message
+            deadline = None if timeout_s is None else time.monotonic() + timeout_s
+            self.checkpoint_waiters.append((rank, index, deadline))
+            self._answer_checkpoint_waiters()
         elif kind == "done":
             self.done[rank] = (message[2], message[3])
+        elif kind == "lost":
+            return self._failure(rank if rank < self.world_size else 0, None, LostMessageError(message[2]))
         return None
 
     def _handle_agent(self, event: AgentEvent) -> WorkerFailure | None:
         kind, rank, payload = event
+        if kind == b"P":
+            self.watch.on_states(pickle.loads(payload))
+            return None
         if kind == b"S":
             info = pickle.loads(payload)
             self.hosts.setdefault(rank, (info["pid"], info["host"]))
@@ -264,7 +281,7 @@ class Attempt:
                 return self._failure(rank, exitcode, failure_from_record(record), record["traceback"])
             if self.exit_expected:
                 return None
-            return self._failure(rank, exitcode, WorkerDiedError(rank, exitcode))
+            return self._failure(rank, exitcode, WorkerDiedError(rank, exitcode, info.get("memory")))
         # Agent events name the agent by its first rank (AGENT_RANK: the only agent).
         agent_ranks = self.run.ranks_of_agent(None if rank == AGENT_RANK else rank)
         if kind == b"F":
@@ -283,11 +300,24 @@ class Attempt:
             return self._failure(missing[0], None, error)
         return None
 
+    def _where(self, rank: int) -> str:
+        pid, host = self.hosts.get(rank, (None, self.run.hostname))
+        if self.run.placement is not None:
+            host = self.run.host_of(rank)
+        return f"rank {rank} (host {host}, pid {pid})"
+
     def _failure(self, rank: int, exitcode: int | None, exc: BaseException, traceback_str: str = "") -> WorkerFailure:
         pid, host = self.hosts.get(rank, (None, self.run.hostname))
         if self.run.placement is not None:
             host = self.run.host_of(rank)  # the host list's name for it
         assert self.sink is not None
+        returned = sorted(r for r in self.done if r != rank)
+        note = ""
+        if returned and not self.finishing:
+            note = (
+                f"rank(s) {returned} had already returned from the training function; a rank that returns "
+                "early makes its peers' collectives fail"
+            )
         return WorkerFailure(
             rank=rank,
             host=host,
@@ -298,6 +328,7 @@ class Attempt:
             log_path=self.sink.path(rank),
             timestamp=time.time(),
             log_tail=self.sink.tail(rank),
+            note=note,
         )
 
     # ----------------------------------------------------------------- calls and rounds
@@ -310,7 +341,12 @@ class Attempt:
         self._next_call += 1
         for rank in ranks:
             self.channel.send(rank, ("execute", call_id, (fn, args, kwargs)))
-        self.pump_until(lambda: len(self.results.get(call_id, {})) == len(ranks))
+
+        def answered() -> bool:  # by every rank, or by one that failed: no need to wait for the rest
+            replies = self.results.get(call_id, {})
+            return len(replies) == len(ranks) or any(not ok for ok, _ in replies.values())
+
+        self.pump_until(answered)
         replies = self.results.pop(call_id)
         failed = [
             self._failure(rank, None, failure_from_record(value), value["traceback"])
@@ -348,6 +384,24 @@ class Attempt:
             for r in staged_ranks:
                 self.channel.send(r, ("ack", index, checkpoint.path if checkpoint else None, problem))
         self.run.after_report([metrics for metrics, _, _ in entries], checkpoint)
+        self._answer_checkpoint_waiters()
+
+    def _answer_checkpoint_waiters(self) -> None:
+        """Reply to each ``get_all_reported_checkpoints()`` call once no report round up to the
+        caller's last report is in flight any more (as Ray), or its ``timeout_s`` is over."""
+        if not self.checkpoint_waiters:
+            return
+        assert self.channel is not None
+        now = time.monotonic()
+        in_flight = [r.index for r in self.rounds.values() if r.kind == "report"]
+        waiting = []
+        for rank, index, deadline in self.checkpoint_waiters:
+            if any(i <= index for i in in_flight) and (deadline is None or now < deadline):
+                waiting.append((rank, index, deadline))
+                continue
+            reported = [(c.path, m) for c, m in self.run.checkpoints.reported_checkpoints()]
+            self.channel.send(rank, ("checkpoints", reported))
+        self.checkpoint_waiters = waiting
 
     def _fetch_if_remote(self, rank: int, index: int, staged: str) -> str:
         """The staged folder of ``rank`` on this machine: copied back over SSH if its host
@@ -356,14 +410,20 @@ class Attempt:
         if rank not in unshared:
             return staged
         local = os.path.join(self.run.run_dir, storage.STAGING, f"fetched_a{self.index}_r{index}", f"rank_{rank}")
-        self.launcher.fetch_dir(rank, staged, local)  # type: ignore[attr-defined]
+        with storage.naming_full_disk(local):
+            self.launcher.fetch_dir(rank, staged, local)  # type: ignore[attr-defined]
         return local
 
     def _check_rounds(self) -> None:
         """Fail when a rank waits for one that already returned; warn about late ranks."""
+        self._answer_checkpoint_waiters()  # those whose timeout_s is over
         for round_ in self.rounds.values():
             gone = sorted(set(self.done) - set(round_.entries))
-            waits = round_.kind == "collective" or any(entry[1] for entry in round_.entries.values())
+            waits = (
+                round_.kind == "collective"
+                or any(entry[1] for entry in round_.entries.values())
+                or (round_.kind == "report" and any(index >= round_.index for _, index, _ in self.checkpoint_waiters))
+            )
             if gone and waits:
                 what = "report()" if round_.kind == "report" else "a collective (barrier/broadcast)"
                 error = RuntimeError(

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import pickle
+import shutil
 import signal
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,9 +13,11 @@ from typing import Any
 __all__ = [
     "DdpTrainError",
     "ConfigError",
+    "ConfigTypeError",
     "LaunchError",
     "TrainingFailedError",
     "ControllerError",
+    "DiskFullError",
     "WorkerGroupError",
     "WorkerError",
     "WorkerDiedError",
@@ -28,6 +33,10 @@ class ConfigError(DdpTrainError, ValueError):
     """Bad user input: a config, a function or an argument that cannot work."""
 
 
+class ConfigTypeError(ConfigError, TypeError):
+    """Bad user input of the wrong type, where Ray raises ``TypeError``."""
+
+
 class LaunchError(DdpTrainError, RuntimeError):
     """The worker processes could not be started."""
 
@@ -38,6 +47,89 @@ class TrainingFailedError(DdpTrainError, RuntimeError):
 
 class ControllerError(TrainingFailedError):
     """Training failed because of the driver itself (Ray Train's name), not a worker."""
+
+
+class DiskFullError(DdpTrainError, OSError):
+    """A file of the run could not be written because its file system is full (or over quota).
+
+    An ``OSError`` with ``errno.ENOSPC``; it names the file and the space left where it failed.
+    ``fit()`` raises it as the ``__cause__`` of its ``TrainingFailedError`` and does not restart
+    the group: free some space and run the same named run again to resume.
+
+    Attributes:
+        path: The file or folder being written.
+        free_bytes: Free bytes on its file system when the write failed (``None``: unknown).
+        total_bytes: Size of that file system (``None``: unknown).
+    """
+
+    def __init__(self, path: str, free_bytes: int | None, total_bytes: int | None = None, reason: str = "") -> None:
+        self.path = str(path)
+        self.free_bytes = free_bytes
+        self.total_bytes = total_bytes
+        self.reason = reason or os.strerror(errno.ENOSPC)
+        space = "free space unknown"
+        if free_bytes is not None:
+            space = f"{_size(free_bytes)} free" + (f" of {_size(total_bytes)}" if total_bytes else "")
+        self.message = (
+            f"{self.reason}: could not write {self.path} ({space} on its file system). Free some space, "
+            "then run fit() again with the same RunConfig(name=...) to resume from the last committed checkpoint."
+        )
+        super().__init__(errno.ENOSPC, self.message)
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (DiskFullError, (self.path, self.free_bytes, self.total_bytes, self.reason))
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` says a file system is full or over quota (``shutil.copytree``'s error too)."""
+    if isinstance(exc, DiskFullError):
+        return True
+    if not isinstance(exc, OSError):
+        return False
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    # shutil.Error carries the failed copies' messages, not an errno.
+    return isinstance(exc, shutil.Error) and f"[Errno {errno.ENOSPC}]" in str(exc)
+
+
+def disk_full_error(exc: BaseException, path: str | os.PathLike[str]) -> DiskFullError | None:
+    """The :class:`DiskFullError` for a failed write of ``path``, or ``None`` when ``exc`` is
+    another error. Measures the free space of the nearest existing folder of ``path``."""
+    if isinstance(exc, DiskFullError):
+        return exc
+    if not is_disk_full(exc):
+        return None
+    free = total = None
+    folder = os.path.abspath(path)
+    while True:
+        try:
+            usage = shutil.disk_usage(folder)
+            free, total = usage.free, usage.total
+            break
+        except OSError:
+            parent = os.path.dirname(folder)
+            if parent == folder:
+                break
+            folder = parent
+    quota = isinstance(exc, OSError) and exc.errno == errno.EDQUOT
+    error = DiskFullError(str(path), free, total, os.strerror(errno.EDQUOT) if quota else "")
+    error.__cause__ = exc
+    return error
+
+
+def _size(n: int) -> str:
+    """``'512 B'``, ``'1.5 KiB'``, ``'2.0 MiB'``, ..."""
+    if n < 1024:
+        return f"{n} B"
+    value, unit = n / 1024, "KiB"
+    for bigger in ("MiB", "GiB", "TiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, bigger
+    return f"{value:.1f} {unit}"
 
 
 class WorkerError(DdpTrainError, RuntimeError):
@@ -60,15 +152,51 @@ class WorkerError(DdpTrainError, RuntimeError):
 
 
 class WorkerDiedError(DdpTrainError, RuntimeError):
-    """A worker process exited without finishing, or was killed by a signal."""
+    """A worker process exited without finishing, or was killed by a signal.
 
-    def __init__(self, rank: int, exitcode: int) -> None:
-        super().__init__(f"Worker rank {rank} died: {describe_exitcode(exitcode)}.")
+    Attributes:
+        memory: For a worker killed by SIGKILL, what its host knew about its memory (see
+            :func:`describe_memory`), else ``None``.
+    """
+
+    def __init__(self, rank: int, exitcode: int, memory: dict[str, Any] | None = None) -> None:
+        super().__init__(f"Worker rank {rank} died: {describe_death(exitcode, memory)}.")
         self.rank = rank
         self.exitcode = exitcode
+        self.memory = memory
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (WorkerDiedError, (self.rank, self.exitcode))
+        return (WorkerDiedError, (self.rank, self.exitcode, self.memory))
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def describe_memory(memory: dict[str, Any]) -> str:
+    """Why a worker got SIGKILL, from its host's evidence: ``oom_killed`` (the memory cgroup's
+    OOM-kill counter grew while it ran), ``cgroup``, ``limit``, ``peak`` (bytes) and ``maxrss``
+    (the worker's peak RSS in bytes); any of them may be missing."""
+    cgroup = ""
+    if memory.get("cgroup"):
+        labels = (("limit", "memory limit"), ("peak", "peak use"))
+        figures = [f"{label} {_mib(memory[key])}" for key, label in labels if memory.get(key)]
+        cgroup = f"cgroup {memory['cgroup']}" + (f" ({', '.join(figures)})" if figures else "")
+    if memory.get("oom_killed"):
+        cause = "probably out of memory: the kernel's OOM killer acted" + (f" in {cgroup}" if cgroup else "")
+    elif memory.get("oom_killed") is False:
+        cause = f"no out-of-memory kill was recorded in its {cgroup}"
+    else:
+        cause = "SIGKILL often comes from the kernel's out-of-memory killer (see `dmesg`)"
+    if memory.get("maxrss"):
+        cause += f"; the worker's peak RSS was {_mib(memory['maxrss'])}"
+    return cause
+
+
+def describe_death(exitcode: int, memory: dict[str, Any] | None = None) -> str:
+    """:func:`describe_exitcode`, followed by :func:`describe_memory` when there is evidence."""
+    text = describe_exitcode(exitcode)
+    return f"{text}, {describe_memory(memory)}" if memory else text
 
 
 def describe_exitcode(exitcode: int) -> str:
@@ -95,6 +223,7 @@ class WorkerFailure:
         traceback_str: The worker's formatted traceback, empty when it died without one.
         log_path: The file that holds this rank's output.
         timestamp: ``time.time()`` when the driver learned of the failure.
+        note: What else the driver knew when it happened (e.g. ranks that had returned).
     """
 
     rank: int
@@ -106,15 +235,16 @@ class WorkerFailure:
     log_path: str | None = None
     timestamp: float = 0.0
     log_tail: list[str] = field(default_factory=list)
+    note: str = ""
 
     def headline(self) -> str:
         where = f"rank {self.rank} (host {self.host}, pid {self.pid})"
         how = f"{type(self.exception).__name__}: {self.exception}"
         if isinstance(self.exception, WorkerDiedError):
-            how = describe_exitcode(self.exception.exitcode)
+            how = describe_death(self.exception.exitcode, self.exception.memory)
         elif self.exitcode is not None:
             how += f" [{describe_exitcode(self.exitcode)}]"
-        return f"{where}: {how}"
+        return f"{where}: {how}" + (f" ({self.note})" if self.note else "")
 
 
 def format_failures(failures: list[WorkerFailure], log_dir: str | None) -> str:

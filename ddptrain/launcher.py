@@ -41,6 +41,12 @@ class Launcher(Protocol):
     def shutdown(self, grace_s: float) -> None:
         """Stop every worker: SIGTERM, then SIGKILL after ``grace_s``. Safe to call twice."""
 
+    def bind_address(self) -> str:
+        """The address the driver's store listens on: the one these agents' workers use."""
+
+    def ask(self, command: bytes) -> None:
+        """Send the agents a one-byte request: ``b"Q"`` (worker states), ``b"T"`` (and stacks)."""
+
 
 class LocalLauncher:
     """Runs the workers of this machine under one agent process.
@@ -74,6 +80,18 @@ class LocalLauncher:
             text = line.decode("utf-8", errors="replace").rstrip()
             if text:
                 sys.stderr.write(f"[ddptrain agent] {text}\n")
+
+    def bind_address(self) -> str:
+        return "127.0.0.1"  # a local run's store is never reachable from elsewhere
+
+    def ask(self, command: bytes) -> None:
+        proc = self._proc
+        try:
+            if proc is not None and proc.stdin is not None and proc.poll() is None:
+                proc.stdin.write(command)
+                proc.stdin.flush()
+        except (OSError, ValueError):
+            pass  # the agent is gone; its exit is reported elsewhere
 
     def start(self, bootstrap: dict[str, Any], sink: LogSink, on_event: Callable[[AgentEvent], None]) -> None:
         proc = self._proc
@@ -133,6 +151,26 @@ class LocalLauncher:
                     pass
 
 
+def _is_loopback(address: str) -> bool:
+    return address.startswith("127.") or address in ("::1", "localhost")
+
+
+def _bind_address(addresses: list[str]) -> str:
+    """Where a multi-host run's store listens: the one address the hosts reach this machine
+    at (loopback when every host is this machine), or every interface when they use several."""
+    remote = sorted({a for a in addresses if not _is_loopback(a)})
+    if not remote:
+        return "127.0.0.1"
+    if len(remote) == 1:
+        return remote[0]
+    _logger.info(
+        "ddptrain: the hosts reach this machine at several addresses (%s); the store listens on all "
+        "interfaces (messages stay signed; see Security in the README)",
+        ", ".join(remote),
+    )
+    return "::" if any(":" in a for a in remote) else "0.0.0.0"
+
+
 class GroupLauncher:
     """Launchers of several hosts driven as one: each gets its node's share of the bootstrap.
 
@@ -142,8 +180,18 @@ class GroupLauncher:
 
     def __init__(self, launchers: list[tuple[Launcher, str]]) -> None:
         self._launchers = launchers
+        self._bind = _bind_address([address for _, address in launchers])
+        if not _is_loopback(self._bind):  # local agents reach the store at that address too
+            self._launchers = [(launcher, self._bind if _is_loopback(a) else a) for launcher, a in launchers]
         self._by_rank: dict[int, Any] = {}
         self.unshared_ranks: set[int] = set()  # ranks on hosts that cannot see the run directory
+
+    def bind_address(self) -> str:
+        return self._bind
+
+    def ask(self, command: bytes) -> None:
+        for launcher, _ in self._launchers:
+            launcher.ask(command)
 
     def fetch_dir(self, rank: int, remote: str, local: str) -> None:
         """Copy a folder from the host of ``rank`` to this machine, and delete it there."""
@@ -151,13 +199,15 @@ class GroupLauncher:
 
     def _prepare_storage(self, launcher: Any, share: dict[str, Any]) -> None:
         """For a host that cannot see the run directory: mark it, and give it the checkpoint to
-        resume from as a local copy."""
+        resume from as a local copy in its staging folder (which the launcher removes when it
+        shuts down, or the next run on that host if this driver is killed first)."""
         run = share["run"]
-        if not hasattr(launcher, "sees_run_dir") or launcher.sees_run_dir(run["run_dir"], run["run_id"]):
+        if not hasattr(launcher, "prepare_storage"):
+            return
+        cache = launcher.prepare_storage(run["run_dir"], run["run_id"])
+        if cache is None:
             return
         self.unshared_ranks.update(spec["rank"] for spec in share["workers"])
-        cache = f"/tmp/ddptrain-{run['run_id']}"
-        launcher.cache_dir = cache  # removed from the host when the launcher shuts down
         run["shared_storage"] = False
         run["local_cache"] = cache
         if run.get("checkpoint"):

@@ -37,8 +37,10 @@ class Result:
             with :meth:`from_path` never).
         path: The run directory (``None`` in local mode).
         metrics_history: Rank 0's metrics of every report, oldest first.
-        best_checkpoints: Kept checkpoints with their metrics, best last by the
-            ``CheckpointConfig`` score (oldest first without a score attribute).
+        best_checkpoints: The ``CheckpointConfig.num_to_keep`` best checkpoints (all kept
+            ones without ``num_to_keep``) with their metrics, worst first and best last by
+            the score (oldest first without a score attribute). As in Ray Train, the latest
+            checkpoint is kept on disk even when it is not among them, and then not listed.
         return_value: Rank 0's return value of the training function.
         return_values: Every rank's return value, by rank.
     """

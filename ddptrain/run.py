@@ -22,7 +22,15 @@ from ddptrain.checkpoint import Checkpoint
 from ddptrain.checkpoint_manager import CheckpointManager
 from ddptrain.config import CheckpointConfig
 from ddptrain.driver import Attempt, GroupFailed
-from ddptrain.errors import ConfigError, LaunchError, WorkerFailure, WorkerGroupError
+from ddptrain.errors import (
+    ConfigError,
+    ControllerError,
+    LaunchError,
+    WorkerFailure,
+    WorkerGroupError,
+    disk_full_error,
+    is_disk_full,
+)
 from ddptrain.hosts import HostSpec, Placement, is_local, parse_hosts, place_workers, with_ssh_config
 from ddptrain.launcher import GroupLauncher, Launcher, LocalLauncher
 from ddptrain.result import METRICS_FILE, Result, read_metrics
@@ -94,6 +102,7 @@ class Run:
         self._max_failures = failure_config.max_failures if failure_config else 0
         self.placement = self._placement()  # a bad host list is an error before anything starts
         self._failures_seen = 0
+        self._lost_reports = 0  # reports the checkpoint index knows of but metrics.jsonl lost
         self._spare: Launcher | None = None  # the next attempt's agent, started on a failure
 
     # ----------------------------------------------------------------- what workers get
@@ -233,7 +242,8 @@ class Run:
                 "secret": secret,
                 "connect_timeout_s": _env.store_connect_timeout_s(),
                 "checkpoint": self.latest_checkpoint.path if self.latest_checkpoint else None,
-                "report_index": len(self.metrics_history),
+                # Numbered on from the checkpoint index too: metrics.jsonl may have lost lines.
+                "report_index": len(self.metrics_history) + self._lost_reports,
                 "argv": list(sys.argv),
                 "log_level": self.run_config.logging_config.log_level if self.run_config.logging_config else "INFO",
             },
@@ -241,6 +251,27 @@ class Run:
 
     def log_dir(self, attempt: int) -> Path:
         return Path(self.run_dir, "logs", f"attempt_{attempt}")
+
+    def first_attempt(self) -> int:
+        """The number of this ``fit()``'s first attempt: attempts of a run continue across the
+        ``fit()`` calls that resume it, after the highest number in its logs or metrics."""
+        seen = [-1]
+        logs = Path(self.run_dir, "logs")
+        if logs.is_dir():
+            for entry in logs.iterdir():
+                number = entry.name.removeprefix("attempt_")
+                if entry.name.startswith("attempt_") and number.isdigit():
+                    seen.append(int(number))
+        try:
+            with open(os.path.join(self.run_dir, METRICS_FILE)) as f:
+                for line in f:
+                    try:
+                        seen.append(int(json.loads(line)["attempt"]))
+                    except (ValueError, KeyError, TypeError):
+                        continue  # a line cut short by a crash
+        except FileNotFoundError:
+            pass
+        return max(seen) + 1
 
     def remote_ranks(self) -> list[int]:
         """Ranks that run on other hosts than the driver's (over SSH)."""
@@ -280,8 +311,9 @@ class Run:
         """Persist rank 0's metrics of one report (one JSON line, flushed)."""
         self.metrics_history.append(metrics)
         line = {"time": time.time(), "attempt": attempt, "metrics": storage.to_jsonable(metrics)}
-        self._metrics_file.write(json.dumps(line) + "\n")
-        self._metrics_file.flush()
+        with storage.naming_full_disk(os.path.join(self.run_dir, METRICS_FILE)):
+            self._metrics_file.write(json.dumps(line) + "\n")
+            self._metrics_file.flush()
 
     @property
     def latest_checkpoint(self) -> Checkpoint | None:
@@ -303,8 +335,7 @@ class Run:
 
     def commit_checkpoint(self, staged: list[str], name: str, metrics: dict[str, Any], index: int) -> Checkpoint:
         """Commit staged files as checkpoint ``name``, record it, and apply retention."""
-        path = storage.commit_checkpoint(self.run_dir, staged, name)
-        return self.checkpoints.register(path, metrics, index)
+        return self.checkpoints.commit(staged, name, metrics, index)
 
     def after_report(self, metrics: list[dict[str, Any]], checkpoint: Checkpoint | None) -> None:
         for callback in self.run_config.callbacks or []:
@@ -315,9 +346,18 @@ class Run:
         """Pick up an earlier run of the same name: its checkpoints and metrics. Loud on purpose."""
         if not os.path.isdir(self.run_dir):
             return
-        storage.clean_leftovers(self.run_dir)  # before reading the index: it may move a checkpoint back
-        self.checkpoints.load()
+        self.checkpoints.recover()  # finishes or undoes a commit a crash interrupted
         self.metrics_history = read_metrics(self.run_dir)
+        self._lost_reports = max(0, self.checkpoints.report_index - len(self.metrics_history))
+        if self._lost_reports:
+            _logger.warning(
+                "ddptrain: %s has %d reports but the checkpoint index records report #%d; "
+                "reports are numbered on from #%d",
+                os.path.join(self.run_dir, METRICS_FILE),
+                len(self.metrics_history),
+                self.checkpoints.report_index,
+                self.checkpoints.report_index + 1,
+            )
         latest = self.checkpoints.latest
         if latest is not None:
             _logger.warning(
@@ -336,8 +376,8 @@ class Run:
             )
 
     def _prepare_dir(self) -> None:
-        os.makedirs(self.run_dir, exist_ok=True)
         storage.clean_leftovers(self.run_dir)
+        # run.json (argv) and trainer.pkl (the pickled config) are the user's secrets: 0600.
         storage.write_json_atomic(
             os.path.join(self.run_dir, "run.json"),
             {
@@ -345,17 +385,16 @@ class Run:
                 "run_id": self.run_id,
                 "started": time.time(),
                 "host": self.hostname,
+                "pid": os.getpid(),
                 "argv": sys.argv,
                 "num_workers": self.scaling_config.num_workers,
                 "use_gpu": self.scaling_config.use_gpu,
                 "backend_config": repr(self.backend_config),
             },
+            private=True,
         )
         if self.trainer_bytes is not None:
-            trainer_file = os.path.join(self.run_dir, "trainer.pkl")
-            with open(trainer_file + ".tmp", "wb") as f:
-                f.write(self.trainer_bytes)
-            os.replace(trainer_file + ".tmp", trainer_file)
+            storage.write_atomic(os.path.join(self.run_dir, "trainer.pkl"), self.trainer_bytes, private=True)
         self._metrics_file = open(os.path.join(self.run_dir, METRICS_FILE), "a+")  # noqa: SIM115
         if self._metrics_file.tell() > 0:  # end a line a crash may have cut short
             self._metrics_file.seek(self._metrics_file.tell() - 1)
@@ -386,8 +425,23 @@ class Run:
                 _logger.warning("ddptrain: could not start the next attempt's agents early: %s", exc)
 
     def fit(self) -> Result:
-        """Run attempts until one succeeds or the failure budget is spent."""
+        """Run attempts until one succeeds or the failure budget is spent.
+
+        A full disk where the driver writes (logs, metrics, checkpoints, the index) raises
+        ``ControllerError`` caused by a ``DiskFullError`` naming the file; like a worker's full
+        disk, it is never retried.
+        """
         self._check_gpus()
+        try:
+            with storage.RunLock(self.run_dir, self.name):
+                return self._fit_locked()
+        except OSError as exc:
+            full = disk_full_error(exc, exc.filename or self.run_dir)
+            if full is None:
+                raise
+            raise ControllerError(f"Training stopped: {full}") from full
+
+    def _fit_locked(self) -> Result:
         self._load_previous()
         launcher: Launcher | None = self.new_launcher()  # imports torch while we set up
         root_causes: list[WorkerFailure] = []
@@ -396,7 +450,7 @@ class Run:
             _logger.info(
                 "ddptrain: run %r in %s with %d workers", self.name, self.run_dir, self.scaling_config.num_workers
             )
-            index = 0
+            index = self.first_attempt()
             while True:
                 assert launcher is not None
                 attempt = Attempt(self, index, launcher)
@@ -411,7 +465,7 @@ class Run:
                     root_causes.append(failures[0])
                     self._failures_seen = len(root_causes)
                     self._after_exception(failures)
-                    if launcher is None:
+                    if launcher is None or any(is_disk_full(f.exception) for f in failures):
                         raise self._final_error(failures, root_causes, index) from failures[0].exception
                     _logger.warning(
                         "ddptrain: attempt %d failed (%s); restarting from %s (failure %d of %s allowed)",
@@ -430,7 +484,10 @@ class Run:
             if self.datasets is not None:
                 self.datasets.release()
             if self._metrics_file is not None:
-                self._metrics_file.close()
+                try:
+                    self._metrics_file.close()
+                except OSError:  # a full disk: the error that got us here says so
+                    pass
         return Result(
             metrics=self.metrics_history[-1] if self.metrics_history else None,
             checkpoint=self.latest_checkpoint,
@@ -446,8 +503,14 @@ class Run:
     ) -> WorkerGroupError:
         error = WorkerGroupError.from_failures(failures, str(self.log_dir(index)))
         if len(root_causes) > 1:
-            lines = [f"  attempt {i}: {f.headline()} (log: {f.log_path})" for i, f in enumerate(root_causes)]
+            first = index - len(root_causes) + 1
+            lines = [f"  attempt {first + i}: {f.headline()} (log: {f.log_path})" for i, f in enumerate(root_causes)]
             error.args = (f"{error.args[0]}\nRoot cause of every attempt ({len(root_causes)}):\n" + "\n".join(lines),)
+        if any(is_disk_full(f.exception) for f in failures):
+            error.args = (
+                f"{error.args[0]}\nA file system is full: the group was not restarted (FailureConfig does not "
+                "apply, every attempt would fail the same way until space is freed).",
+            )
         return error
 
     def _after_exception(self, failures: list[WorkerFailure]) -> None:

@@ -1,20 +1,23 @@
 """Starting one host's workers over SSH (driver side), with paramiko.
 
-One SSH connection per host runs ``PYTHON -m ddptrain._agent`` without a pty; the agent's
-stdin, stdout and stderr are the channel's. The driver sends the bootstrap (function and
-secret) over stdin, reads framed output and exit events from stdout, and sends a heartbeat
-byte every half second: the agent kills its whole process tree when stdin closes (the
-connection dropped, the driver died) or when heartbeats stop (a host or network that vanished
-without closing the connection).
+One SSH connection per host runs the agent (``ddptrain._agent.agent_command``) without a pty;
+the agent's stdin, stdout and stderr are the channel's. The driver first sends the forwarded
+environment over stdin (never on the command line, which every user of the host can see), then
+the bootstrap (function and secret); it reads framed output and exit events from stdout, and
+sends a heartbeat byte every half second: the agent kills its whole process tree when stdin
+closes (the connection dropped, the driver died) or when heartbeats stop (a host or network that
+vanished without closing the connection).
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import logging
 import os
 import pickle
 import shlex
+import socket
 import stat
 import sys
 import threading
@@ -23,48 +26,76 @@ from typing import Any
 
 from ddptrain import _env
 from ddptrain._agent import AGENT_RANK, FRAME, agent_command, read_frame
+from ddptrain._host_scripts import PID_LINE, PRESTART, STAGING_PREFIX, STORAGE_PREP, env_frame, one_line
 from ddptrain._logs import LogSink
 from ddptrain.errors import LaunchError
 from ddptrain.hosts import HostSpec
 
-__all__ = ["SSHLauncher", "connect", "remote_command"]
+__all__ = ["SSHLauncher", "connect", "forwarded_env", "remote_command", "run_program"]
 
 _logger = logging.getLogger(__name__)
 _HEARTBEAT_S = 0.5
 
 
-def remote_command(python: str, workdir: str | None, env: dict[str, str]) -> str:
-    """The shell command that starts the agent on a host; every value is quoted.
+def remote_command(python: str, workdir: str | None, program: list[str] | None = None) -> str:
+    """The shell command that starts ``program`` (default: the agent) on a host; every value is quoted.
 
+    It holds no environment value: the program gets its environment from ``env_frame`` (see
+    ``ddptrain._host_scripts``), sent over the channel's stdin right after the command starts.
     The agent imports ddptrain from the host's installation (or a forwarded ``PYTHONPATH``),
     never from the working directory (see ``ddptrain._agent._BOOT``).
     """
-    parts = []
-    if workdir:
-        parts.append(f"cd {shlex.quote(workdir)} &&")
-    parts.append("exec env")
-    parts.extend(shlex.quote(f"{key}={value}") for key, value in sorted(env.items()))
-    parts.extend(shlex.quote(arg) for arg in agent_command(python))
+    parts = [f"cd {shlex.quote(workdir)} &&"] if workdir else []
+    parts += ["exec", shlex.join([python, "-I", "-S", "-c", one_line(PRESTART), *(program or agent_command(python))])]
     return " ".join(parts)
+
+
+def forwarded_env() -> dict[str, str]:
+    """The driver's environment variables that programs on other hosts get (the patterns of
+    ``DDPTRAIN_FORWARD_ENV`` on top of the defaults)."""
+    patterns = _env.forwarded_env_patterns()
+    return {k: v for k, v in os.environ.items() if any(fnmatch.fnmatchcase(k, p) for p in patterns)}
+
+
+def run_program(
+    client: Any, python: str, workdir: str | None, env: dict[str, str], program: list[str], timeout_s: float
+) -> tuple[int | None, str, str]:
+    """Run ``program`` on a host exactly as the agent is started there (same shell step, working
+    directory and environment); returns its exit status, stdout and stderr."""
+    channel = client.get_transport().open_session()
+    try:
+        channel.settimeout(timeout_s)
+        channel.exec_command(remote_command(python, workdir, program))
+        try:
+            channel.sendall(env_frame(env))
+            channel.shutdown_write()
+        except OSError:
+            pass  # it ended already (no such directory or python): its stderr says why
+        out = channel.makefile("rb").read()
+        err = channel.makefile_stderr("rb").read()
+        code = int(channel.recv_exit_status())
+    finally:
+        channel.close()
+    if out.startswith(PID_LINE):
+        out = out.split(b"\n", 1)[1] if b"\n" in out else b""
+    return (None if code == -1 else code), out.decode(errors="replace"), err.decode(errors="replace")
 
 
 def connect(host: HostSpec, timeout_s: float) -> Any:
     """An authenticated paramiko client for ``host``; errors name the host and say what to do.
 
     Host keys are checked against ``~/.ssh/known_hosts`` (or ``$DDPTRAIN_SSH_KNOWN_HOSTS``);
-    unknown hosts are refused unless ``DDPTRAIN_SSH_ACCEPT_NEW_HOST_KEYS=1``. Passwords are never
-    asked for.
+    unknown hosts are refused unless ``DDPTRAIN_SSH_ACCEPT_NEW_HOST_KEYS=1``, which appends their
+    key to that file; ``@revoked`` keys are always refused, ``@cert-authority`` lines are skipped
+    (see ``ddptrain._known_hosts``). Passwords are never asked for.
     """
     import paramiko
 
+    from ddptrain import _known_hosts
+
     client = paramiko.SSHClient()
     known_hosts = _env.ssh_known_hosts()
-    if os.path.exists(known_hosts):
-        client.load_host_keys(known_hosts)
-    if _env.ssh_accept_new_host_keys():
-        client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
-    else:
-        client.set_missing_host_key_policy(paramiko.RejectPolicy())
+    known = _known_hosts.install(client, known_hosts, _env.ssh_accept_new_host_keys())
     address = host.address or host.name
     port = host.port or 22
     where = f"host {host.name!r} ({host.user + '@' if host.user else ''}{address}:{port})"
@@ -81,8 +112,15 @@ def connect(host: HostSpec, timeout_s: float) -> Any:
             look_for_keys=host.key is None,
             password=None,
         )
+    except _known_hosts.RevokedHostKeyError as exc:
+        client.close()
+        raise LaunchError(f"{where}: {exc} in {known_hosts}; refusing to connect.") from None
     except paramiko.BadHostKeyException as exc:
         client.close()
+        if known.is_revoked(exc.key):
+            raise LaunchError(
+                f"{where}: its host key is marked @revoked in {known_hosts}; refusing to connect."
+            ) from None
         raise LaunchError(
             f"{where}: its host key does not match the one in {known_hosts} ({exc}). If the host was "
             "reinstalled, remove the old key with `ssh-keygen -R`; otherwise someone may be intercepting."
@@ -96,9 +134,15 @@ def connect(host: HostSpec, timeout_s: float) -> Any:
     except paramiko.SSHException as exc:
         client.close()
         if "known_hosts" in str(exc):
+            skipped = (
+                f" Its {known.authorities} @cert-authority line(s) were skipped: ddptrain checks host keys, "
+                "not host certificates."
+                if known.authorities
+                else ""
+            )
             raise LaunchError(
                 f"{where}: unknown host key (not in {known_hosts}). Connect once with `ssh` to check "
-                "and save it, or set DDPTRAIN_SSH_ACCEPT_NEW_HOST_KEYS=1 to accept new hosts."
+                f"and save it, or set DDPTRAIN_SSH_ACCEPT_NEW_HOST_KEYS=1 to accept new hosts.{skipped}"
             ) from None
         raise LaunchError(f"{where}: SSH failed: {exc}.") from None
     except OSError as exc:
@@ -147,6 +191,13 @@ def gpu_slots(hosts: list[HostSpec], gpus_per_worker: float) -> list[HostSpec]:
     return probed
 
 
+def _child_path(folder: str, name: str) -> str | None:
+    """``folder/name`` if ``name`` is a plain file name (no ``/``, not ``.`` or ``..``), else ``None``."""
+    if not name or name in (".", "..") or "/" in name or "\0" in name:
+        return None
+    return os.path.join(folder, name)
+
+
 class SSHLauncher:
     """Runs one host's workers under an agent started over SSH.
 
@@ -166,21 +217,42 @@ class SSHLauncher:
         self._stderr_tail: list[str] = []
         self._sftp_client: Any = None
         self.cache_dir: str | None = None
+        self.python = python
+        self.agent_pid: int | None = None  # on the host; known once `_pid_known` is set
+        self._pid_known = threading.Event()
         try:
+            frame = env_frame(env)
             transport = self._client.get_transport()
             # The address this machine uses to reach the host: the host can reach us back on it.
             self.local_address: str = transport.sock.getsockname()[0]
             self._channel = transport.open_session()
-            self._channel.exec_command(remote_command(python, workdir, env))
+            self._channel.exec_command(remote_command(python, workdir))
+            self._stdout = self._channel.makefile("rb")
         except Exception as exc:
             self._client.close()
             raise LaunchError(f"host {host.name!r}: cannot start the ddptrain agent: {exc}.") from None
+        try:
+            self._channel.sendall(frame)
+        except OSError:
+            pass  # it ended already; `start` reports how
         self._spawn(self._read_stderr)
+        self._spawn(self._read_pid)
 
     def _spawn(self, target: Callable[[], None]) -> None:
         thread = threading.Thread(target=target, name=f"ddptrain-ssh-{self.host.name}", daemon=True)
         thread.start()
         self._threads.append(thread)
+
+    def _read_pid(self) -> None:
+        """The first line of the agent's stdout: its pid (nothing if it never started)."""
+        try:
+            line = self._stdout.readline()
+            if line.startswith(PID_LINE):
+                self.agent_pid = int(line[len(PID_LINE) :])
+        except (OSError, ValueError):
+            pass
+        finally:
+            self._pid_known.set()
 
     def _read_stderr(self) -> None:
         stream = self._channel.makefile_stderr("rb")
@@ -201,7 +273,8 @@ class SSHLauncher:
             raise LaunchError(f"on host {self.host.name!r} the agent did not start ({self._exit_detail()})") from None
 
         def read_frames() -> None:
-            stream = self._channel.makefile("rb")
+            stream = self._stdout
+            self._pid_known.wait()  # the pid line comes first
             seen = False
             while (frame := read_frame(stream)) is not None:
                 seen = True
@@ -241,21 +314,53 @@ class SSHLauncher:
                 ) from None
         return self._sftp_client
 
-    def sees_run_dir(self, run_dir: str, run_id: str) -> bool:
-        """Whether this host sees the driver's run directory (a shared file system)."""
-        path = shlex.quote(os.path.join(run_dir, "run.json"))
-        _, stdout, _ = self._client.exec_command(f"cat -- {path} 2>/dev/null", timeout=30)
+    def prepare_storage(self, run_dir: str, run_id: str) -> str | None:
+        """Check whether this host sees the run directory; if not, create its private staging
+        folder (``/tmp/ddptrain-<run id>``, 0700, owned by this host's agent) and return its
+        path. Either way, remove the staging folders of runs whose agent is gone from this host
+        (their driver was killed before it could remove them).
+
+        Raises:
+            LaunchError: The staging folder exists but is not a private folder of this user.
+        """
+        if not self._pid_known.wait(_env.worker_start_timeout_s()):
+            raise LaunchError(f"the ddptrain agent on host {self.host.name!r} did not start in time")
+        if self.agent_pid is None:
+            return None  # the agent did not start: `start` reports why
+        cache = f"{STAGING_PREFIX}{run_id}"
+        owner = f"driver {socket.gethostname()} pid {os.getpid()}"
+        args = [os.path.join(run_dir, "run.json"), run_id, cache, str(self.agent_pid), owner]
+        command = shlex.join([self.python, "-I", "-S", "-c", one_line(STORAGE_PREP), *args])
+        _, stdout, stderr = self._client.exec_command(command, timeout=60)
+        out, err = stdout.read().decode(errors="replace"), stderr.read().decode(errors="replace")
         try:
-            return bool(json.loads(stdout.read().decode() or "{}").get("run_id") == run_id)
+            answer = json.loads(out)
         except ValueError:
-            return False
+            raise LaunchError(f"host {self.host.name!r}: cannot prepare its storage: {err.strip() or out!r}") from None
+        if answer.get("error"):
+            raise LaunchError(f"host {self.host.name!r}: {answer['error']}")
+        if answer["shared"]:
+            return None
+        self.cache_dir = cache  # removed from the host when the launcher shuts down
+        return cache
 
     def fetch_dir(self, remote: str, local: str) -> None:
-        """Copy a folder from the host to this machine (recursively), then delete it there."""
+        """Copy a folder from the host to this machine (recursively), then delete it there.
+
+        Raises:
+            LaunchError: The host listed a name that is not a plain file name (``..``, an absolute
+                path, a ``/``): a compromised host must not write outside ``local``.
+        """
         sftp = self._sftp()
         os.makedirs(local, exist_ok=True)
         for entry in sftp.listdir_attr(remote):
-            source, target = f"{remote}/{entry.filename}", os.path.join(local, entry.filename)
+            target = _child_path(local, entry.filename)
+            if target is None:
+                raise LaunchError(
+                    f"host {self.host.name!r} listed {entry.filename!r} in {remote}, which is not a plain file "
+                    f"name; refusing to copy it to {local}."
+                )
+            source = f"{remote}/{entry.filename}"
             if stat.S_ISDIR(entry.st_mode or 0):
                 self.fetch_dir(source, target)
             else:
@@ -287,6 +392,16 @@ class SSHLauncher:
             thread.join(1.0)
         tail = "\n".join(self._stderr_tail[-10:])
         return f"exit status {code}" + (f":\n{tail}" if tail else "")
+
+    def ask(self, command: bytes) -> None:
+        """Send the agent a one-byte request (see ``Launcher.ask``)."""
+        try:
+            self._channel.sendall(command)
+        except Exception:
+            pass  # the connection is gone; that is reported elsewhere
+
+    def bind_address(self) -> str:
+        return self.local_address
 
     def shutdown(self, grace_s: float) -> None:
         if self._stop.is_set():

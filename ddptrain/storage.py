@@ -6,28 +6,41 @@ Layout of ``<storage_path>/<name>/``::
     metrics.jsonl            one line per report (rank 0's metrics)
     checkpoints.json         committed checkpoints, replaced atomically
     checkpoint_000003/       committed checkpoints (renamed into place when complete)
+    .commit.json             the checkpoint being committed, while it is (see checkpoint_manager)
     logs/attempt_0/rank_0.log
     .staging/                per-rank checkpoint files waiting to be committed
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ddptrain.errors import DdpTrainError, disk_full_error
+
 __all__ = [
+    "RunLock",
+    "try_lock_dir",
+    "RunInUseError",
+    "write_atomic",
     "stage_files",
     "commit_checkpoint",
+    "build_checkpoint",
+    "move_into_place",
+    "remove_staged",
     "clean_leftovers",
     "check_dir_name",
     "safe_child",
     "write_json_atomic",
     "to_jsonable",
+    "naming_full_disk",
 ]
 
 STAGING = ".staging"
@@ -58,16 +71,38 @@ def safe_child(run_dir: str, name: str) -> Path:
     return target
 
 
+@contextlib.contextmanager
+def naming_full_disk(path: str | Path) -> Iterator[None]:
+    """Turn a full file system met while writing ``path`` into a
+    :class:`~ddptrain.errors.DiskFullError` that names it and the space left there."""
+    try:
+        yield
+    except OSError as exc:
+        error = disk_full_error(exc, path)
+        if error is None or error is exc:
+            raise
+        raise error from exc
+
+
 def stage_files(run_dir: str, source: str, attempt: int, report_index: int, rank: int) -> str:
-    """Copy one rank's checkpoint files into the staging area; returns the staged folder."""
+    """Copy one rank's checkpoint files into the staging area; returns the staged folder.
+
+    Raises:
+        DiskFullError: The run directory's file system is full; nothing staged is left.
+    """
     if not os.path.isdir(source):
         raise FileNotFoundError(f"Checkpoint directory {source!r} does not exist.")
     target = Path(run_dir, STAGING, f"a{attempt}_r{report_index}", f"rank_{rank}")
     if target.exists():
         shutil.rmtree(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f".{target.name}.{uuid.uuid4().hex}")
-    shutil.copytree(source, partial)
+    try:
+        with naming_full_disk(target):  # measures the free space before the cleanup below
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copytree(source, partial)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)  # give the space back at once
+        raise
     os.rename(partial, target)
     return str(target)
 
@@ -78,22 +113,52 @@ def commit_checkpoint(run_dir: str, staged: list[str], name: str) -> str:
     Files of earlier entries of ``staged`` win over later ones with the same relative path.
     """
     final = safe_child(run_dir, name)
+    move_into_place(build_checkpoint(run_dir, staged, name), final)
+    remove_staged(staged)
+    return str(final)
+
+
+def build_checkpoint(run_dir: str, staged: list[str], name: str) -> Path:
+    """Merge staged folders into a hidden ``.<name>.<id>.partial`` folder of ``run_dir``.
+
+    Files of earlier entries of ``staged`` win over later ones with the same relative path.
+    Files are moved, not copied; the staged folders are left empty.
+    """
+    final = safe_child(run_dir, name)
     building = final.with_name(f".{final.name}.{uuid.uuid4().hex}.partial")
-    building.mkdir(parents=True)
-    for folder in reversed(staged):
-        for src_root, _dirs, files in os.walk(folder):
-            rel = os.path.relpath(src_root, folder)
-            dest_root = building / rel
-            dest_root.mkdir(parents=True, exist_ok=True)
-            for file in files:
-                os.replace(os.path.join(src_root, file), dest_root / file)
-    if final.exists():
-        old = final.with_name(f".{final.name}.{uuid.uuid4().hex}.old")
-        os.rename(final, old)
+    with naming_full_disk(building):
+        building.mkdir(parents=True)
+        for folder in reversed(staged):
+            for src_root, _dirs, files in os.walk(folder):
+                rel = os.path.relpath(src_root, folder)
+                dest_root = building / rel
+                dest_root.mkdir(parents=True, exist_ok=True)
+                for file in files:
+                    os.replace(os.path.join(src_root, file), dest_root / file)
+    return building
+
+
+def move_into_place(building: Path, final: Path) -> None:
+    """Rename a built checkpoint to its final name, replacing a folder of that name.
+
+    The folder being replaced is moved aside as ``.<name>.<id>.old`` first; if the rename
+    fails, it is moved back. After a crash, :func:`clean_leftovers` does the same.
+    """
+    if not final.exists():
         os.rename(building, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
+        return
+    old = final.with_name(f".{final.name}.{uuid.uuid4().hex}.old")
+    os.rename(final, old)
+    try:
         os.rename(building, final)
+    except BaseException:
+        os.rename(old, final)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_staged(staged: list[str]) -> None:
+    """Remove staged folders, and their parents once empty."""
     for folder in staged:
         shutil.rmtree(folder, ignore_errors=True)
         for parent in (Path(folder).parent, Path(folder).parent.parent):
@@ -101,7 +166,6 @@ def commit_checkpoint(run_dir: str, staged: list[str], name: str) -> str:
                 parent.rmdir()  # only once empty: another report may be staging next to it
             except OSError:
                 break
-    return str(final)
 
 
 def to_jsonable(value: Any) -> Any:
@@ -124,18 +188,32 @@ def to_jsonable(value: Any) -> Any:
     return repr(value)
 
 
-def write_json_atomic(path: str | Path, data: Any) -> None:
-    """Write JSON to a temporary file and rename it over ``path``.
+def write_atomic(path: str | Path, data: bytes, *, private: bool = False) -> None:
+    """Write ``data`` to a temporary file and rename it over ``path``.
 
     Readers see the old or the new file, whole, whatever process dies when. There is no
     fsync: on ext4 it would also force out every checkpoint byte written just before (about
     200 MB/s here), and a process crash, which is what this guards against, needs none.
+    ``private`` files are created 0600 (never readable by others, not even for a moment).
+    On a full file system it raises :class:`~ddptrain.errors.DiskFullError` naming ``path``,
+    and ``path`` is left as it was.
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
+    with naming_full_disk(path):
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600 if private else 0o666)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+
+def write_json_atomic(path: str | Path, data: Any, *, private: bool = False) -> None:
+    """Write JSON atomically (see :func:`write_atomic`)."""
+    write_atomic(path, json.dumps(data, indent=1).encode(), private=private)
 
 
 def clean_leftovers(run_dir: str) -> None:
@@ -143,13 +221,16 @@ def clean_leftovers(run_dir: str) -> None:
 
     A checkpoint being replaced under its own name is moved aside as ``.<name>.<id>.old``
     until its successor is renamed into place: if the successor never arrived, the old one
-    is moved back. Staged files and half-built checkpoints are removed.
+    is moved back. Staged files, half-built checkpoints and half-written JSON files
+    (``.<name>.<id>.tmp``) are removed.
     """
     root = Path(run_dir)
     if not root.is_dir():
         return
     shutil.rmtree(root / STAGING, ignore_errors=True)
     for entry in root.iterdir():
+        if entry.name.startswith(".") and entry.name.endswith(".tmp") and entry.is_file():
+            entry.unlink(missing_ok=True)
         if not (entry.name.startswith(".") and entry.is_dir()):
             continue
         if entry.name.endswith(".old"):
@@ -160,3 +241,69 @@ def clean_leftovers(run_dir: str) -> None:
             shutil.rmtree(entry, ignore_errors=True)
         elif entry.name.endswith(".partial"):
             shutil.rmtree(entry, ignore_errors=True)
+
+
+class RunInUseError(DdpTrainError, RuntimeError):
+    """Another live driver is using the run directory."""
+
+
+def try_lock_dir(path: str, shared: bool = False) -> int | None:
+    """An open fd of folder ``path`` holding a ``flock`` on it, or ``None`` if someone else holds one."""
+    import fcntl
+
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class RunLock:
+    """Only one driver at a time in a run directory.
+
+    An exclusive ``flock`` on the run directory itself, held for the whole ``fit()``: no file
+    is added to the directory, and the kernel drops the lock when its driver dies, however it
+    dies, so a dead driver's lock is simply taken over. Creates the run directory (0700) if
+    needed.
+
+    Raises:
+        RunInUseError: A live driver holds it; the error names its host, pid and start time
+            (from its ``run.json``).
+    """
+
+    def __init__(self, run_dir: str, name: str) -> None:
+        self.run_dir = run_dir
+        self.name = name
+        self._fd: int | None = None
+
+    def __enter__(self) -> RunLock:
+        os.makedirs(self.run_dir, mode=0o700, exist_ok=True)
+        fd = try_lock_dir(self.run_dir)
+        if fd is None:
+            raise RunInUseError(
+                f"Run {self.name!r} in {self.run_dir} is in use by a live driver ({self._holder()}). Wait "
+                "for it to finish, or give this run another `RunConfig(name=...)`."
+            )
+        self._fd = fd
+        return self
+
+    def _holder(self) -> str:
+        import time
+
+        try:
+            with open(os.path.join(self.run_dir, "run.json")) as f:
+                info = json.load(f)
+            started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info["started"]))
+            return f"host {info['host']}, pid {info.get('pid')}, started {started}"
+        except (OSError, ValueError, KeyError, TypeError):
+            return "host, pid and start time not recorded yet"
+
+    def __exit__(self, *exc_info: object) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)  # releases the lock

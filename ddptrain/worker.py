@@ -8,9 +8,11 @@ agent relays to the driver together with the exit code, and the worker exits wit
 
 from __future__ import annotations
 
+import faulthandler
 import io
 import logging
 import os
+import signal
 import socket
 import sys
 import traceback
@@ -169,6 +171,16 @@ def _train(user: dict[str, Any]) -> Any:
         return fn()
 
 
+def _leave_process_group() -> None:
+    """A rank that returned takes no part in collectives any more: close its gloo connections
+    now, so that a peer still waiting for it in one fails at once instead of after gloo's
+    timeout (30 minutes by default)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+        dist.destroy_process_group()
+
+
 def run(spec: dict[str, Any], shared: dict[str, Any], status_fd: int) -> int:
     """Run one worker to completion; returns its exit code.
 
@@ -176,6 +188,8 @@ def run(spec: dict[str, Any], shared: dict[str, Any], status_fd: int) -> int:
     agent (``"user"``) or its pickled form (``"payload"``), which the worker loads itself.
     """
     run_info = shared["run"]
+    # `ddptrain stack` and the driver's stall warnings ask for every thread's stack this way.
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     os.environ.update(spec["env"])
     restore_blas_threads()
     sys.argv = list(run_info.get("argv") or sys.argv)
@@ -191,7 +205,7 @@ def run(spec: dict[str, Any], shared: dict[str, Any], status_fd: int) -> int:
             user = load_user(shared["payload"])
         store = channel.connect(run_info["store_host"], run_info["store_port"], run_info["connect_timeout_s"])
         store.set_timeout(channel._LONG_WAIT)
-        keys = channel.Keys(run_info["run_id"], run_info["attempt"])
+        keys = channel.Keys(run_info["secret"])
         ch = channel.WorkerChannel(store, keys, run_info["secret"], rank)
         session = _make_session(spec, run_info)
         session.channel = ch
@@ -208,6 +222,7 @@ def run(spec: dict[str, Any], shared: dict[str, Any], status_fd: int) -> int:
         elif kind == "train":
             try:
                 value = _train(user)
+                _leave_process_group()
             except BaseException as exc:
                 record = failure_record(exc)
                 sys.stderr.write(record["traceback"])

@@ -118,7 +118,9 @@ def netns(ssh, monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
             pytest.fail(f"DDPTRAIN_REQUIRE_SSHD=1 but {reason}")
         pytest.skip(reason)
     hosts = NetnsHosts(ssh, count=2)
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")  # forwarded to the workers in the namespaces
+    # Their host names do not resolve: ddptrain must find each host's interface by itself.
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
     try:
         yield hosts
         deadline = time.monotonic() + 10.0

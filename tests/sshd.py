@@ -40,8 +40,8 @@ ClientAliveInterval 5
 ClientAliveCountMax 3
 MaxStartups 200:30:400
 LogLevel VERBOSE
-Subsystem sftp internal-sftp
-"""
+Subsystem sftp {sftp}
+{extra}"""
 
 
 def why_no_sshd() -> str | None:
@@ -117,7 +117,7 @@ class SSHServers:
         """A host whose file system does not show ``hidden``: its sshd (and everything started
         through it) runs in its own mount namespace with an empty tmpfs mounted over ``hidden``,
         as on a machine that does not share that storage."""
-        host = self._start(
+        return self.add_host(
             name,
             addr,
             wrap=[
@@ -130,6 +130,13 @@ class SSHServers:
                 f'mount -t tmpfs tmpfs "{hidden}" && exec "$0" "$@"',
             ],
         )
+
+    def add_host(
+        self, name: str, addr: str, wrap: list[str] | None = None, sftp: str = "internal-sftp", extra: str = ""
+    ) -> SSHHost:
+        """One more host, known to the SSH config and known_hosts; ``sftp`` is its SFTP server
+        command, ``extra`` more sshd_config lines (e.g. a ``ForceCommand``)."""
+        host = self._start(name, addr, wrap, sftp, extra)
         self.hosts.append(host)
         pub = (self.root / name / "host_key.pub").read_text().split()
         with open(self.known_hosts, "a") as f:
@@ -146,7 +153,9 @@ class SSHServers:
         stop_hosts([host])
         self.hosts.remove(host)
 
-    def _start(self, name: str, addr: str, wrap: list[str] | None = None) -> SSHHost:
+    def _start(
+        self, name: str, addr: str, wrap: list[str] | None = None, sftp: str = "internal-sftp", extra: str = ""
+    ) -> SSHHost:
         folder = self.root / name
         folder.mkdir(exist_ok=True)
         if not (folder / "host_key").exists():
@@ -154,7 +163,9 @@ class SSHServers:
         for _ in range(5):
             port = _free_port(addr)
             config = folder / "sshd_config"
-            config.write_text(_CONFIG.format(addr=addr, port=port, dir=folder, authorized=self.authorized))
+            config.write_text(
+                _CONFIG.format(addr=addr, port=port, dir=folder, authorized=self.authorized, sftp=sftp, extra=extra)
+            )
             log = folder / "sshd.log"
             log.write_text("")
             proc = subprocess.Popen(
@@ -254,7 +265,10 @@ class NetnsHosts:
     def __init__(self, servers: SSHServers, count: int = 2) -> None:
         self.servers = servers
         self.hosts: list[SSHHost] = []
+        links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
         for subnet in range(10, 250):
+            if f": vt{subnet}x" in links:
+                continue  # a veth of an earlier run's namespace, still going away (its sockets closing)
             self.bridge = f"ddptb{subnet}"
             if (
                 subprocess.run(["ip", "link", "add", self.bridge, "type", "bridge"], capture_output=True).returncode
@@ -285,8 +299,9 @@ class NetnsHosts:
             config.append(f"Host {name}\n  HostName {addr}\n  User root\n  IdentityFile {servers.client_key}\n")
         with open(servers.known_hosts, "a") as f:
             f.write("\n".join(known) + "\n")
-        with open(servers.ssh_config, "a") as f:
-            f.write("\n" + "\n".join(config))
+        # First in the file: ssh takes a host's first entry, and an earlier test's hosts of the
+        # same names may have had another subnet.
+        servers.ssh_config.write_text("\n".join(config) + "\n" + servers.ssh_config.read_text())
 
     def _start(self, name: str, addr: str, index: int) -> SSHHost:
         folder = self.servers.root / name
@@ -294,7 +309,11 @@ class NetnsHosts:
         if not (folder / "host_key").exists():
             _keygen(folder / "host_key")
         config = folder / "sshd_config"
-        config.write_text(_CONFIG.format(addr="0.0.0.0", port=22, dir=folder, authorized=self.servers.authorized))
+        config.write_text(
+            _CONFIG.format(
+                addr="0.0.0.0", port=22, dir=folder, authorized=self.servers.authorized, sftp="internal-sftp", extra=""
+            )
+        )
         log = folder / "sshd.log"
         log.write_text("")
         proc = subprocess.Popen(

@@ -172,32 +172,41 @@ def test_metadata_travels_with_the_persisted_checkpoint(storage: str) -> None:
 
 # --- retention ------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    ("attribute", "order", "kept_epochs", "best_epoch"),
-    [("score", "max", [0, 4], 0), ("score", "min", [1, 4], 1), (None, "max", [3, 4], 4)],
+    ("num_to_keep", "attribute", "order", "on_disk", "best"),
+    [
+        (1, "score", "max", [0, 4], [0]),  # the best survives a worse latest checkpoint
+        (2, "score", "max", [0, 2, 4], [2, 0]),
+        (2, "score", "min", [1, 3, 4], [3, 1]),
+        (2, None, "max", [3, 4], [3, 4]),
+    ],
 )
-def test_retention_keeps_the_best_and_always_the_latest(
-    storage: str, attribute: str | None, order: str, kept_epochs: list[int], best_epoch: int
+def test_retention_keeps_the_best_plus_the_latest(
+    storage: str, num_to_keep: int, attribute: str | None, order: str, on_disk: list[int], best: list[int]
 ) -> None:
     result = train.DataParallelTrainer(
         save_every_epoch,
         train_loop_config={"epochs": 5, "scores": [5, 1, 4, 2, 3]},
-        scaling_config=train.ScalingConfig(num_workers=2),
+        scaling_config=train.ScalingConfig(num_workers=1),
         run_config=train.RunConfig(
             name="keep",
             storage_path=storage,
             checkpoint_config=train.CheckpointConfig(
-                num_to_keep=2, checkpoint_score_attribute=attribute, checkpoint_score_order=order
+                num_to_keep=num_to_keep, checkpoint_score_attribute=attribute, checkpoint_score_order=order
             ),
         ),
     ).fit()
-    on_disk = sorted(p.name for p in Path(storage, "keep").glob("checkpoint_*"))
-    assert on_disk == [f"checkpoint_{e + 1:06d}" for e in kept_epochs]
-    assert sorted(m["epoch"] for _, m in result.best_checkpoints) == kept_epochs
-    assert result.checkpoint.path.endswith("checkpoint_000005")  # the latest survives any score
+    # Like Ray Train: the top `num_to_keep` by score stay on disk, and the latest one too.
+    assert sorted(p.name for p in Path(storage, "keep").glob("checkpoint_*")) == [
+        f"checkpoint_{e + 1:06d}" for e in on_disk
+    ]
+    assert result.checkpoint.path.endswith("checkpoint_000005")
+    # `best_checkpoints` lists only the top `num_to_keep`, worst first.
+    assert [m["epoch"] for _, m in result.best_checkpoints] == best
+    assert [m["epoch"] for _, m in train.Result.from_path(result.path).best_checkpoints] == best
     if attribute:
-        assert result.best_checkpoints[-1][1]["epoch"] == best_epoch
-        best = result.get_best_checkpoint("score", order)
-        assert best.path.endswith(f"checkpoint_{best_epoch + 1:06d}")
+        best_path = result.get_best_checkpoint("score", order).path
+        assert best_path.endswith(f"checkpoint_{best[-1] + 1:06d}")
+        assert json.loads(Path(best_path, "state.json").read_text()) == {"epoch": best[-1]}
     with pytest.raises(RuntimeError, match="metric 'nope'"):
         result.get_best_checkpoint("nope", "max")
 
@@ -363,6 +372,34 @@ def test_killed_driver_resumes_loudly_from_the_last_committed_checkpoint(storage
     assert not list(run_dir.glob(".*partial"))
 
 
+def test_a_resumed_run_never_commits_over_a_checkpoint_after_metrics_lost_lines(
+    storage: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    def fit(epochs: int) -> train.Result:
+        return train.DataParallelTrainer(
+            save_every_epoch,
+            train_loop_config={"epochs": epochs},
+            scaling_config=train.ScalingConfig(num_workers=1),
+            run_config=train.RunConfig(name="lossy", storage_path=storage),
+        ).fit()
+
+    first = fit(2)
+    Path(first.path, "metrics.jsonl").write_text("")  # the file lost its lines
+    again = fit(3)
+    assert again.return_values == [{"start": 2}]
+    # The new checkpoint gets a new name; the ones the run resumed from keep their contents.
+    assert again.checkpoint.path.endswith("checkpoint_000003")
+    assert [os.path.basename(c.path) for c, _ in again.best_checkpoints] == [
+        "checkpoint_000001",
+        "checkpoint_000002",
+        "checkpoint_000003",
+    ]
+    for epoch, (checkpoint, metrics) in enumerate(again.best_checkpoints):
+        assert json.loads(Path(checkpoint.path, "state.json").read_text()) == {"epoch": epoch}
+        assert metrics["epoch"] == epoch
+    assert "metrics.jsonl has 0 reports but the checkpoint index records report #2" in caplog.text
+
+
 def test_a_corrupt_index_is_a_clear_error_and_changes_nothing(storage: str) -> None:
     run_dir = Path(storage, "corrupt")
     run_dir.mkdir(parents=True)
@@ -522,3 +559,52 @@ def test_restore_asks_for_the_datasets_again(storage: str) -> None:
         train.DataParallelTrainer.restore(result.path)
     trainer = train.DataParallelTrainer.restore(result.path, datasets={"train": train.data.from_items([3])})
     assert list(trainer.datasets) == ["train"]
+
+
+def list_after_report_without_checkpoint() -> list:
+    # Only rank 0 saves, and it is slow to get there: rank 1's report returns at once.
+    rank = train.get_context().get_world_rank()
+    if rank == 0:
+        time.sleep(1.0)
+        with tempfile.TemporaryDirectory() as d:
+            write_checkpoint(d, **{"model.txt": "weights"})
+            train.report({"step": 1}, checkpoint=train.Checkpoint.from_directory(d))
+    else:
+        train.report({"step": 1})
+    return [(os.path.basename(r.checkpoint.path), r.metrics) for r in train.get_all_reported_checkpoints()]
+
+
+def test_get_all_reported_checkpoints_waits_for_reports_in_flight(storage: str) -> None:
+    # As in Ray: the call first waits for every report this rank made to be processed, so the
+    # checkpoint rank 0 passed to the same report() call is listed on rank 1 too.
+    result = train.DataParallelTrainer(
+        list_after_report_without_checkpoint,
+        scaling_config=train.ScalingConfig(num_workers=2),
+        run_config=train.RunConfig(storage_path=storage),
+    ).fit()
+    expected = [("checkpoint_000001", {"step": 1})]
+    assert result.return_values == [expected, expected]
+
+
+def list_with_timeout() -> tuple:
+    rank = train.get_context().get_world_rank()
+    if rank == 0:
+        time.sleep(3.0)
+        with tempfile.TemporaryDirectory() as d:
+            train.report({"step": 1}, checkpoint=train.Checkpoint.from_directory(d))
+        return ()
+    train.report({"step": 1})
+    start = time.monotonic()
+    listed = train.get_all_reported_checkpoints(timeout_s=0.5)
+    return len(listed), time.monotonic() - start
+
+
+def test_get_all_reported_checkpoints_timeout_returns_what_is_committed(storage: str) -> None:
+    result = train.DataParallelTrainer(
+        list_with_timeout,
+        scaling_config=train.ScalingConfig(num_workers=2),
+        run_config=train.RunConfig(storage_path=storage),
+    ).fit()
+    listed, waited_s = result.return_values[1]
+    assert listed == 0  # rank 0's checkpoint was not reported yet when the timeout was over
+    assert 0.4 < waited_s < 2.5

@@ -35,7 +35,13 @@ def test_scaling_config_rejects_bad_input(kwargs: dict, message: str | None) -> 
 
 
 def test_scaling_config_resources() -> None:
-    assert train.ScalingConfig(num_workers=2).total_resources == {"CPU": 2, "GPU": 0}
+    # As Ray's: each worker's non-zero resources times num_workers.
+    assert train.ScalingConfig(num_workers=2).total_resources == {"CPU": 2}
+    assert train.ScalingConfig(num_workers=2, use_gpu=True).total_resources == {"GPU": 2}
+    assert train.ScalingConfig(
+        num_workers=3, use_gpu=True, resources_per_worker={"CPU": 0, "GPU": 1, "memory": 0}
+    ).total_resources == {"GPU": 3}
+    assert train.ScalingConfig(num_workers=2, resources_per_worker={"CPU": 2, "GPU": 0}).total_resources == {"CPU": 4}
     gpu = train.ScalingConfig(num_workers=2, use_gpu=True, resources_per_worker={"GPU": 2})
     assert gpu.num_gpus_per_worker == 2
     assert train.ScalingConfig(resources_per_worker={"CPU": 3})._omp_num_threads() == 3
@@ -80,7 +86,6 @@ def test_run_config_storage_path_expands_home_and_accepts_path(monkeypatch, tmp_
         (train.CheckpointConfig, {"checkpoint_score_order": "best"}, "'max' or 'min'"),
         (train.FailureConfig, {"max_failures": -2}, "`max_failures` must be >= -1"),
         (train.LoggingConfig, {"log_level": "LOUD"}, "logging level name"),
-        (train.DataConfig, {"datasets_to_split": "some"}, "'all' or a list"),
         (TorchConfig, {"init_method": "file"}, "'env' or 'tcp'"),
         (TorchConfig, {"timeout_s": 0}, "`timeout_s` must be"),
     ],
@@ -88,6 +93,13 @@ def test_run_config_storage_path_expands_home_and_accepts_path(monkeypatch, tmp_
 def test_other_configs_reject_bad_input(cls: type, kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         cls(**kwargs)
+
+
+def test_datasets_to_split_of_the_wrong_type_is_a_type_error_like_rays() -> None:
+    for bad in ("hello", 3, None, ["train", 1]):
+        with pytest.raises(TypeError, match="`datasets_to_split` must be 'all' or a list of dataset names"):
+            train.DataConfig(datasets_to_split=bad)  # type: ignore[arg-type]
+    assert train.DataConfig(datasets_to_split=["train"]).datasets_to_split == ["train"]
 
 
 def test_trainer_rejects_wrong_config_types() -> None:

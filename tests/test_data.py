@@ -635,3 +635,28 @@ def test_batches_go_to_the_workers_gpu(storage: str) -> None:
     ).fit()
     # device="auto" is the worker's GPU; with a collate_fn, "auto" leaves the batch where it is.
     assert result.return_value == {"auto": "cuda:0", "pinned": "cuda:0", "collated": "cpu"}
+
+
+# --- zip (Ray's ingest examples zip features and labels) ---------------------------------------
+def test_zip_puts_columns_side_by_side_like_ray() -> None:
+    ids = train.data.range(4)
+    zipped = ids.zip(train.data.range(4), train.data.from_items([{"id": str(i), "y": i * 10} for i in range(4)]))
+    # Ray's names for duplicates: the first free suffix _1, _2, ...
+    assert zipped.columns() == ["id", "id_1", "id_2", "y"]
+    assert zipped.take(2) == [{"id": 0, "id_1": 0, "id_2": "0", "y": 0}, {"id": 1, "id_1": 1, "id_2": "1", "y": 10}]
+    assert ids.columns() == ["id"]  # the inputs are unchanged
+    assert ids.zip(ids).zip(ids).columns() == ["id", "id_1", "id_2"]
+    with pytest.raises(ValueError, match="different numbers of rows: 4 and 3"):
+        ids.zip(train.data.range(3))
+
+
+def read_zipped_shard() -> list:
+    shard = train.get_dataset_shard("train")
+    return [(int(b["x"][0, 0]), int(b["label"][0])) for b in shard.iter_batches(batch_size=1)]
+
+
+def test_zipped_features_and_labels_reach_the_workers(storage: str) -> None:
+    features = train.data.from_numpy({"x": np.arange(8, dtype=np.float32).reshape(4, 2)})
+    labels = train.data.from_numpy({"label": np.array([10, 11, 12, 13])})
+    result = fit(read_zipped_shard, {"train": features.zip(labels)}, 2, storage)
+    assert result.return_values == [[(0, 10), (2, 11)], [(4, 12), (6, 13)]]

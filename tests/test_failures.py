@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -9,6 +10,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -89,6 +91,7 @@ def test_worker_killed_by_signal_is_reported(storage: str) -> None:
     error = run_failing(storage, "kill")
     assert "killed by signal SIGKILL (9)" in str(error)
     assert error.worker_failures[1].exitcode == -9
+    assert "probably out of memory" not in str(error)  # it killed itself: no OOM kill was counted
 
 
 @pytest.mark.timeout(60)
@@ -208,3 +211,166 @@ def test_a_crash_is_seen_even_while_the_workers_children_hold_its_pipes(storage:
         ).fit()
     assert isinstance(info.value.__cause__, DataError)
     assert time.monotonic() - start < 30  # not the child's 300 s
+
+
+# --- what fails before any process starts --------------------------------------------------
+def never_runs() -> None:
+    raise AssertionError("no worker may start")
+
+
+def fit_quickly_failing(storage_path: str, **kwargs: object) -> tuple[BaseException, float]:
+    trainer = train.DataParallelTrainer(
+        never_runs,
+        scaling_config=train.ScalingConfig(num_workers=2),
+        run_config=train.RunConfig(name="r", storage_path=storage_path),
+    )
+    start = time.monotonic()
+    with pytest.raises(train.ConfigError) as info:
+        trainer.fit()
+    return info.value, time.monotonic() - start
+
+
+@contextlib.contextmanager
+def read_only_folder(path: Path) -> Iterator[None]:
+    """A folder nobody can write in: a read-only tmpfs as root (who may write anywhere), else mode 0o500."""
+    path.mkdir()
+    if os.geteuid() != 0:
+        path.chmod(0o500)
+        try:
+            yield
+        finally:
+            path.chmod(0o700)
+        return
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs: {mounted.stderr.decode().strip()}")
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def test_a_storage_path_that_is_a_file_fails_at_once(tmp_path: Path) -> None:
+    file = tmp_path / "results.txt"
+    file.write_text("not a folder")
+    for storage_path in (file, file / "runs"):
+        error, elapsed_s = fit_quickly_failing(str(storage_path))
+        assert f"`storage_path` {storage_path} cannot hold the run: {file} is not a folder" in str(error)
+        assert elapsed_s < 1.0  # no process was started: starting one takes seconds
+
+
+def test_an_unwritable_storage_path_fails_at_once(tmp_path: Path) -> None:
+    folder = tmp_path / "read-only"
+    with read_only_folder(folder):
+        for storage_path in (folder, folder / "deeper" / "runs"):
+            error, elapsed_s = fit_quickly_failing(str(storage_path))
+            assert f"`storage_path` {storage_path} cannot hold the run: cannot write in {folder}" in str(error)
+            assert elapsed_s < 1.0
+        assert os.listdir(folder) == []
+
+
+@pytest.mark.parametrize("value", ["zero", "-1", "0;1", ","])
+def test_a_bad_console_ranks_variable_fails_before_anything_starts(
+    value: str, storage: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DDPTRAIN_CONSOLE_RANKS", value)
+    error, elapsed_s = fit_quickly_failing(storage)
+    expected = f"`DDPTRAIN_CONSOLE_RANKS` must be 'all' or comma-separated ranks such as '0' or '0,3', got {value!r}"
+    assert expected in str(error)
+    assert elapsed_s < 1.0
+    assert not os.path.exists(storage)  # not even the run directory was made
+
+
+# --- a worker killed by the kernel's OOM killer ------------------------------------------
+def _memory_cgroup_parent() -> tuple[Path, int] | None:
+    """A memory cgroup this test may create children in, and its version (2, else 1)."""
+    mounts = Path("/proc/self/mountinfo").read_text().splitlines()
+    v2 = [line.split()[4] for line in mounts if " - cgroup2 " in line]
+    if v2 and "memory" in Path(v2[0], "cgroup.controllers").read_text().split():
+        root = Path(v2[0])
+        if "memory" not in Path(root, "cgroup.subtree_control").read_text().split():
+            try:
+                Path(root, "cgroup.subtree_control").write_text("+memory")
+            except OSError:
+                return None
+        return root, 2
+    for line in mounts:
+        left, _, right = line.partition(" - ")
+        if right.split()[0] == "cgroup" and "memory" in right.split()[2].split(","):
+            own = next(p for p in Path("/proc/self/cgroup").read_text().splitlines() if ":memory:" in p)
+            return Path(left.split()[4], own.split(":", 2)[2].lstrip("/")), 1
+    return None
+
+
+@contextlib.contextmanager
+def memory_cgroup(limit_bytes: int) -> Iterator[Path]:
+    """A new memory cgroup limited to ``limit_bytes`` (no swap); skips the test if none can be made."""
+    if os.geteuid() != 0:
+        pytest.skip("creating a memory cgroup needs root (CI runs as root)")
+    try:
+        found = _memory_cgroup_parent()
+    except (OSError, StopIteration, IndexError) as exc:
+        pytest.skip(f"no memory cgroup: {exc!r}")
+    if found is None:
+        pytest.skip("no memory cgroup controller that this process may use")
+    parent, version = found
+    group = parent / f"ddptrain-test-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        group.mkdir()
+    except OSError as exc:
+        pytest.skip(f"cannot create a memory cgroup in {parent}: {exc}")
+    try:
+        if version == 2:
+            (group / "memory.max").write_text(str(limit_bytes))
+            if (group / "memory.swap.max").exists():
+                (group / "memory.swap.max").write_text("0")
+        else:
+            (group / "memory.limit_in_bytes").write_text(str(limit_bytes))
+            if (group / "memory.memsw.limit_in_bytes").exists():
+                (group / "memory.memsw.limit_in_bytes").write_text(str(limit_bytes))
+        yield group
+    finally:
+        deadline = time.monotonic() + 10
+        while (group / "cgroup.procs").read_text().strip() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        group.rmdir()
+
+
+OOM_DRIVER = textwrap.dedent(
+    """
+    import sys
+    import ddptrain as train
+
+    def hog():
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")  # the OOM killer's first choice in the cgroup
+        chunks = []
+        for _ in range(256):
+            chunks.append(bytearray(64 << 20))  # zero-filled: every page is touched
+        print("the limit did not stop me", flush=True)
+
+    if __name__ == "__main__":
+        try:
+            train.DataParallelTrainer(hog, run_config=train.RunConfig(name="oom", storage_path=sys.argv[1])).fit()
+        except train.TrainingFailedError as exc:
+            print(exc)
+    """
+)
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_killed_by_the_oom_killer_says_so(tmp_path: Path, storage: str) -> None:
+    script = tmp_path / "oom_driver.py"
+    script.write_text(OOM_DRIVER)
+    with memory_cgroup(768 << 20) as group:
+        # The driver starts inside the cgroup; its agent and worker inherit it.
+        command = f'echo $$ > "{group}/cgroup.procs" && exec "$0" "$1" "$2"'
+        proc = subprocess.run(
+            ["sh", "-c", command, sys.executable, str(script), storage], capture_output=True, text=True, timeout=100
+        )
+    out = proc.stdout
+    assert "Root cause (first failure): rank 0 " in out, out + proc.stderr
+    expected = "killed by signal SIGKILL (9), probably out of memory: the kernel's OOM killer acted in cgroup"
+    assert f"{expected} {group} (memory limit 768.0 MiB" in out
+    peak_mib = float(out.split("the worker's peak RSS was ")[1].split(" MiB")[0])
+    assert 300 < peak_mib <= 768

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import sys
+import time
 from pathlib import Path
 
 import ddptrain as train
@@ -42,3 +44,25 @@ def test_console_ranks_filter(storage: str, capfd, monkeypatch) -> None:
     assert "[rank1] out line from 1" in out
     assert "[rank0]" not in out
     assert "out line from 0" in Path(storage, "quiet", "logs", "attempt_0", "rank_0.log").read_text()
+
+
+def say_run(config: dict) -> None:
+    print(f"this is run {config['run']}")
+    train.report({"run": config["run"]})
+
+
+def test_rerunning_a_named_run_continues_attempt_numbers(storage: str) -> None:
+    started = time.time()
+    for run in (1, 2):
+        train.DataParallelTrainer(
+            say_run,
+            train_loop_config={"run": run},
+            run_config=train.RunConfig(name="again", storage_path=storage),
+        ).fit()
+    logs = Path(storage, "again", "logs")
+    assert sorted(p.name for p in logs.iterdir()) == ["attempt_0", "attempt_1"]
+    assert (logs / "attempt_0" / "rank_0.log").read_text() == "this is run 1\n"
+    assert (logs / "attempt_1" / "rank_0.log").read_text() == "this is run 2\n"
+    lines = [json.loads(line) for line in Path(storage, "again", "metrics.jsonl").read_text().splitlines()]
+    assert [(line["attempt"], line["metrics"]) for line in lines] == [(0, {"run": 1}), (1, {"run": 2})]
+    assert all(started <= line["time"] <= time.time() for line in lines)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -31,6 +32,7 @@ def allreduce_on_hosts() -> dict:
         "node": ctx.get_node_rank(),
         "local": (ctx.get_local_rank(), ctx.get_local_world_size()),
         "env": (os.environ["NODE_RANK"], os.environ["LOCAL_RANK"], os.environ["MASTER_ADDR"]),
+        "ifname": (os.environ.get("GLOO_SOCKET_IFNAME"), os.environ.get("NCCL_SOCKET_IFNAME")),
     }
 
 
@@ -305,12 +307,12 @@ def test_a_key_the_host_does_not_accept_is_a_clear_error(ssh, storage: str, tmp_
 def test_a_host_with_another_ddptrain_version_is_refused(ssh, storage: str, tmp_path: Path) -> None:
     import sys
 
+    # A python wrapper (arguments passed through) whose ddptrain says it is another version.
+    site = tmp_path / "old-ddptrain-site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text('import ddptrain\nddptrain.__version__ = "0.0.1"\n')
     fake = tmp_path / "python-with-old-ddptrain"
-    fake.write_text(
-        "#!/bin/sh\n"
-        f'exec {sys.executable} -c \'import ddptrain, runpy; ddptrain.__version__ = "0.0.1"; '
-        'runpy.run_module("ddptrain._agent", run_name="__main__")\'\n'
-    )
+    fake.write_text(f'#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} "$@"\n')
     fake.chmod(0o755)
     with pytest.raises(
         train.DdpTrainError, match=r"(?s)version mismatch.*ddptrain 0\.0\.1 here, 0\.1\.0 on the driver"
@@ -434,8 +436,11 @@ def test_py_modules_ship_code_a_host_does_not_have(ssh, isolated: tuple[str, str
         sys.modules.pop("hidden_helpers", None)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(60)
 def test_hosts_with_their_own_network_stacks_train_together(netns, storage: str, capfd) -> None:
+    """The hosts' names do not resolve and GLOO_SOCKET_IFNAME is not set: gloo must still find
+    the bridge (the interface each host's SSH connection arrives on), not fall back to 127.0.0.1."""
+    assert subprocess.run(["getent", "hosts", "n0"], capture_output=True).returncode != 0
     result = TorchTrainer(
         allreduce_on_hosts,
         scaling_config=train.ScalingConfig(num_workers=4, hosts=["n0 slots=2", "n1 slots=2"]),
@@ -444,8 +449,58 @@ def test_hosts_with_their_own_network_stacks_train_together(netns, storage: str,
     assert result.metrics == {"sum": 10.0, "rank": 0}
     assert [v["ssh"][0] for v in result.return_values] == [netns.hosts[0].addr] * 2 + [netns.hosts[1].addr] * 2
     assert {v["env"][2] for v in result.return_values} == {netns.driver_address}  # the store, across the bridge
+    assert {v["ifname"] for v in result.return_values} == {("eth0", "eth0")}
     out, _ = capfd.readouterr()
     assert "[n1:rank3] hello from rank 3" in out
+
+
+def late_collective() -> float:
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    if train.get_context().get_world_rank() == 1:
+        time.sleep(1.5)  # longer than gloo's timeout while joining (0.4 s here), far shorter than timeout_s
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    return total.item()
+
+
+@pytest.mark.timeout(60)
+def test_the_bound_on_joining_does_not_shorten_collectives(netns, storage: str, monkeypatch) -> None:
+    monkeypatch.setenv("DDPTRAIN_STORE_CONNECT_TIMEOUT_S", "2")
+    result = TorchTrainer(
+        late_collective,
+        scaling_config=train.ScalingConfig(num_workers=2, hosts=["n0 slots=1", "n1 slots=1"]),
+        run_config=train.RunConfig(name="late", storage_path=storage),
+    ).fit()
+    assert result.return_values == [2.0, 2.0]
+
+
+@pytest.mark.timeout(60)
+def test_gloo_that_cannot_reach_the_other_hosts_fails_in_seconds_naming_host_and_fix(
+    netns, storage: str, monkeypatch
+) -> None:
+    """The user's own GLOO_SOCKET_IFNAME wins over the automatic choice; when it names an
+    interface the other hosts cannot reach (here loopback), fit() fails within the store
+    timeout, not gloo's 30 minutes, and says which host and what to set."""
+    import time
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    monkeypatch.setenv("DDPTRAIN_STORE_CONNECT_TIMEOUT_S", "5")
+    started = time.monotonic()
+    with pytest.raises(train.TrainingFailedError) as caught:
+        TorchTrainer(
+            allreduce_on_hosts,
+            scaling_config=train.ScalingConfig(num_workers=2, hosts=["n0 slots=1", "n1 slots=1"]),
+            run_config=train.RunConfig(name="unreachable", storage_path=storage),
+        ).fit()
+    elapsed = time.monotonic() - started
+    message = str(caught.value)
+    assert re.search(r"gloo on host n[01] \(GLOO_SOCKET_IFNAME=lo\) could not connect", message), message
+    assert "set GLOO_SOCKET_IFNAME to the network interface" in message, message
+    assert elapsed < 30, f"failed after {elapsed:.0f} s"
 
 
 def reads_env() -> tuple:
@@ -477,3 +532,263 @@ def test_new_host_keys_are_accepted_only_when_asked(ssh, storage: str, tmp_path:
         run_config=train.RunConfig(storage_path=storage),
     ).fit()
     assert result.return_value[2] is None
+
+
+# ----------------------------------------------------------------- hardening (issue 9)
+def test_forwarded_values_are_never_on_a_command_line(ssh, storage: str, tmp_path: Path, monkeypatch) -> None:
+    """What `ps` on a host shows of the commands ddptrain runs there holds no forwarded value."""
+    import uuid
+
+    commands = tmp_path / "commands.log"
+    logger = tmp_path / "log-command"  # the host runs every command through it: a record of what `ps` saw
+    logger.write_text(
+        f'#!/bin/sh\nprintf "%s\\n" "$SSH_ORIGINAL_COMMAND" >> {commands}\nexec "$SHELL" -c "$SSH_ORIGINAL_COMMAND"\n'
+    )
+    logger.chmod(0o755)
+    host = ssh.add_host("cmdlog", "127.0.0.10", extra=f"ForceCommand {logger}\n")
+    token, hf_token = uuid.uuid4().hex, uuid.uuid4().hex
+    monkeypatch.setenv("MYAPP_TOKEN", token)
+    monkeypatch.setenv("HF_TOKEN", hf_token)  # forwarded by default
+    monkeypatch.setenv("DDPTRAIN_FORWARD_ENV", "MYAPP_*")
+    try:
+        result = train.DataParallelTrainer(
+            reads_env,
+            scaling_config=train.ScalingConfig(num_workers=1, hosts=["cmdlog"]),
+            run_config=train.RunConfig(
+                storage_path=storage, worker_runtime_env={"env_vars": {"FROM_RUNTIME_ENV": "x=y"}}
+            ),
+        ).fit()
+    finally:
+        ssh.remove_host(host)
+    assert result.return_value == ("x=y", token, None)
+    seen = commands.read_text()
+    assert "ddptrain" in seen  # the agent was started through the logger
+    assert token not in seen and hf_token not in seen and "FROM_RUNTIME_ENV" not in seen
+
+
+def test_env_frame_carries_any_value_and_refuses_what_env_cannot_hold() -> None:
+    from ddptrain._host_scripts import env_frame
+    from ddptrain.errors import ConfigError
+
+    frame = env_frame({"B": "a b'c $X\nü", "A": ""})
+    assert frame == len(frame[4:]).to_bytes(4, "big") + b"A=\0B=" + "a b'c $X\nü".encode()
+    for bad in ({"": "x"}, {"A=B": "x"}, {"A": "x\0y"}):
+        with pytest.raises(ConfigError, match="cannot be passed to a host"):
+            env_frame(bad)
+
+
+def test_fetched_names_must_stay_inside_the_destination(ssh, tmp_path: Path) -> None:
+    """A host that lists `../escape` (a lying SFTP server) cannot make the driver write outside."""
+    from ddptrain.errors import LaunchError
+    from ddptrain.hosts import with_ssh_config
+    from ddptrain.ssh import SSHLauncher
+
+    sftp_server = next(
+        (p for p in ("/usr/lib/openssh/sftp-server", "/usr/libexec/sftp-server") if os.path.exists(p)), None
+    )
+    if sftp_server is None:
+        pytest.skip("OpenSSH's sftp-server not found")
+    liar = Path(__file__).with_name("lying_sftp.py")
+    host = ssh.add_host("liar", "127.0.0.11", sftp=f"{sys.executable} {liar} {sftp_server} escape ../escape")
+    remote, local = tmp_path / "remote", tmp_path / "local"
+    (remote / "clean").mkdir(parents=True)
+    (remote / "clean" / "model.pt").write_text("weights")
+    (remote / "evil").mkdir()
+    (remote / "evil" / "escape").write_text("listed as ../escape")
+    (remote / "escape").write_text("what ../escape names on the host")
+    launcher = None
+    try:
+        launcher = SSHLauncher(with_ssh_config(HostSpec("liar"), str(ssh.ssh_config)), {}, sys.executable, None)
+        launcher.fetch_dir(str(remote / "clean"), str(local / "clean"))  # an honest listing: copied, then removed
+        assert (local / "clean" / "model.pt").read_text() == "weights"
+        assert not (remote / "clean").exists()
+        with pytest.raises(LaunchError, match=r"host 'liar' listed '\.\./escape' .*not a plain file name"):
+            launcher.fetch_dir(str(remote / "evil"), str(local / "evil"))
+        assert not (local / "escape").exists()
+        assert (remote / "evil" / "escape").exists()  # nothing deleted on the host either
+    finally:
+        if launcher is not None:
+            launcher.shutdown(0)
+        ssh.remove_host(host)
+
+
+def test_only_plain_names_are_fetched() -> None:
+    from ddptrain.ssh import _child_path
+
+    assert _child_path("/dst", "rank_0.pt") == "/dst/rank_0.pt"
+    assert _child_path("/dst", "..hidden") == "/dst/..hidden"
+    for name in ("", ".", "..", "../x", "/etc/passwd", "a/../../b", "a\0b"):
+        assert _child_path("/dst", name) is None
+
+
+def _h0(ssh) -> HostSpec:
+    from ddptrain.hosts import with_ssh_config
+
+    return with_ssh_config(HostSpec("h0"), str(ssh.ssh_config))
+
+
+def _host_key_line(ssh, name: str) -> str:
+    return next(line for line in ssh.known_hosts.read_text().splitlines() if line.startswith(f"[{_addr(ssh, name)}]"))
+
+
+def _addr(ssh, name: str) -> str:
+    return next(h.addr for h in ssh.hosts if h.name == name)
+
+
+def test_cert_authority_and_revoked_lines_are_understood(ssh, tmp_path: Path, monkeypatch) -> None:
+    from ddptrain.ssh import connect
+
+    other = tmp_path / "other"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
+    other_key = " ".join(Path(f"{other}.pub").read_text().split()[:2])
+    h0_line = _host_key_line(ssh, "h0")
+    known = tmp_path / "known_hosts"
+    monkeypatch.setenv("DDPTRAIN_SSH_KNOWN_HOSTS", str(known))
+    # Markers in the file: every host that has its own key line still connects.
+    known.write_text(f"# ours\n@cert-authority *.example.org {other_key}\n@revoked * {other_key}\n{h0_line}\n")
+    connect(_h0(ssh), 10).close()
+    # A revoked key is refused, even where a line also lists it as valid, even when accepting new keys.
+    h0_key = " ".join(h0_line.split()[1:3])
+    known.write_text(f"@revoked * {h0_key}\n{h0_line}\n")
+    monkeypatch.setenv("DDPTRAIN_SSH_ACCEPT_NEW_HOST_KEYS", "1")
+    with pytest.raises(train.LaunchError, match=r"host 'h0' .*marked @revoked in .*refusing to connect"):
+        connect(_h0(ssh), 10)
+    # A host known only through a certificate authority is unknown, and the error says why.
+    monkeypatch.delenv("DDPTRAIN_SSH_ACCEPT_NEW_HOST_KEYS")
+    known.write_text(f"@cert-authority * {other_key}\n")
+    with pytest.raises(train.LaunchError, match=r"unknown host key.*1 @cert-authority line\(s\) were skipped"):
+        connect(_h0(ssh), 10)
+
+
+def test_accepting_a_new_host_key_only_appends_to_known_hosts(ssh, tmp_path: Path, monkeypatch) -> None:
+    from ddptrain.ssh import connect
+
+    known = tmp_path / "known_hosts"
+    original = f"# my comment, kept\n\n{_host_key_line(ssh, 'h1')}  # h1, with a trailing comment"  # no final newline
+    known.write_text(original)
+    monkeypatch.setenv("DDPTRAIN_SSH_KNOWN_HOSTS", str(known))
+    monkeypatch.setenv("DDPTRAIN_SSH_ACCEPT_NEW_HOST_KEYS", "1")
+    connect(_h0(ssh), 10).close()
+    assert known.read_text() == original + "\n" + _host_key_line(ssh, "h0") + "\n"
+    monkeypatch.delenv("DDPTRAIN_SSH_ACCEPT_NEW_HOST_KEYS")
+    connect(_h0(ssh), 10).close()  # the appended key is trusted from now on
+    fresh = tmp_path / "new" / "known_hosts"  # no file yet: created, private
+    monkeypatch.setenv("DDPTRAIN_SSH_KNOWN_HOSTS", str(fresh))
+    monkeypatch.setenv("DDPTRAIN_SSH_ACCEPT_NEW_HOST_KEYS", "1")
+    connect(_h0(ssh), 10).close()
+    assert fresh.read_text() == _host_key_line(ssh, "h0") + "\n"
+    assert fresh.stat().st_mode & 0o777 == 0o600
+
+
+def returns_ddptrain_file() -> str:
+    import ddptrain
+
+    return ddptrain.__file__
+
+
+@pytest.mark.timeout(120)
+def test_check_probes_what_a_run_uses(ssh, storage: str, tmp_path: Path, monkeypatch) -> None:
+    """A host python without ddptrain installed, which gets it from a PYTHONPATH relative to the
+    run's working directory: `ddptrain check` agrees with a run that works there, and neither
+    imports the `ddptrain/` someone planted in that working directory."""
+    import site
+
+    import ddptrain
+
+    venv = tmp_path / "venv-without-ddptrain"  # torch and the rest, but not ddptrain
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    packages = next(venv.glob("lib/python*/site-packages"))
+    (packages / "driver_packages.pth").write_text(site.getsitepackages()[0] + "\n")
+    python = str(venv / "bin" / "python")
+    without_pythonpath = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    assert (
+        subprocess.run(
+            [python, "-c", "import ddptrain"], capture_output=True, cwd=tmp_path, env=without_pythonpath
+        ).returncode
+        == 1
+    )
+    workdir = tmp_path / "work dir"
+    (workdir / "ddptrain").mkdir(parents=True)
+    (workdir / "ddptrain" / "__init__.py").write_text('__version__ = "6.6.6"\n')  # planted
+    (workdir / "src").symlink_to(Path(ddptrain.__file__).parent.parent)
+    monkeypatch.setenv("PYTHONPATH", "src")  # forwarded; relative to the working directory
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text(f"h0 python={python} workdir='{workdir}'\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddptrain.cli", "check", str(hostfile)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    h0 = next(line for line in proc.stdout.splitlines() if line.startswith("h0 "))
+    assert f" {ddptrain.__version__} " in h0 and "missing" not in h0 and "6.6.6" not in h0, proc.stdout
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = train.DataParallelTrainer(
+        returns_ddptrain_file,
+        scaling_config=train.ScalingConfig(num_workers=1, hosts=[HostSpec("h0", python=python, workdir=str(workdir))]),
+        run_config=train.RunConfig(storage_path=storage),
+    ).fit()
+    assert result.return_value == str(workdir / "src" / "ddptrain" / "__init__.py")
+
+
+def staging_folders() -> dict[str, int]:
+    """The /tmp/ddptrain-* folders this host has, with their modes."""
+    return {p.name: p.stat().st_mode & 0o777 for p in Path("/tmp").glob("ddptrain-*") if p.is_dir()}
+
+
+STAGING_DRIVER = """
+import sys, tempfile, time
+from pathlib import Path
+import ddptrain as train
+
+def checkpoints_then_sleeps():
+    with tempfile.TemporaryDirectory() as d:
+        Path(d, "w.txt").write_text("w")
+        train.report({"step": 0}, checkpoint=train.Checkpoint.from_directory(d))
+    print("worker up", flush=True)
+    time.sleep(600)
+
+if __name__ == "__main__":
+    train.DataParallelTrainer(
+        checkpoints_then_sleeps,
+        scaling_config=train.ScalingConfig(num_workers=1, hosts=[sys.argv[2]]),
+        run_config=train.RunConfig(name="killed", storage_path=sys.argv[1]),
+    ).fit()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_drivers_staging_folder_is_removed_by_the_next_run(
+    ssh, isolated: tuple[str, str], tmp_path: Path
+) -> None:
+    import json
+    import time
+
+    storage, iso = isolated
+    before = set(staging_folders())
+    script = tmp_path / "driver.py"
+    script.write_text(STAGING_DRIVER)
+    proc = subprocess.Popen([sys.executable, str(script), storage, iso], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    try:
+        assert any("worker up" in line for line in proc.stdout)
+    finally:
+        proc.kill()  # SIGKILL: no chance to clean up
+        proc.wait()
+        proc.stdout.close()
+    run_id = json.loads(Path(storage, "killed", "run.json").read_text())["run_id"]
+    stale = f"ddptrain-{run_id}"
+    deadline = time.monotonic() + 20
+    while ssh.ssh_processes() and time.monotonic() < deadline:  # the host's agent and worker end
+        time.sleep(0.1)
+    assert stale in set(staging_folders()) - before  # left behind on the host
+    result = train.DataParallelTrainer(
+        staging_folders,
+        scaling_config=train.ScalingConfig(num_workers=1, hosts=[iso]),
+        run_config=train.RunConfig(storage_path=storage),
+    ).fit()
+    seen = result.return_value
+    assert stale not in seen  # the next run on that host removed it
+    assert seen[f"ddptrain-{result_run_id(result)}"] == 0o700  # and its own is private
+    assert not Path("/tmp", stale).exists()

@@ -217,3 +217,31 @@ def test_workers_that_do_not_start_in_time_are_a_launch_error(storage: str, monk
             scaling_config=train.ScalingConfig(num_workers=2),
             run_config=train.RunConfig(storage_path=storage),
         ).fit()
+
+
+class SetupTrainer(train.DataParallelTrainer):
+    """A subclass that uses the two DeveloperAPI hooks of Ray's DataParallelTrainer."""
+
+    def setup(self) -> None:
+        self.train_loop_config = {**(self.train_loop_config or {}), "set_up_in": os.getpid()}
+
+
+def return_config(config: dict) -> dict:
+    return config
+
+
+def test_setup_runs_at_fit_and_get_dataset_config_returns_a_copy(storage: str) -> None:
+    data_config = train.DataConfig(datasets_to_split=[])
+    trainer = SetupTrainer(
+        return_config,
+        train_loop_config={"lr": 0.1},
+        scaling_config=train.ScalingConfig(num_workers=2),
+        run_config=train.RunConfig(storage_path=storage),
+        dataset_config=data_config,
+    )
+    got = trainer.get_dataset_config()
+    assert got.datasets_to_split == [] and got is not data_config
+    assert train.DataParallelTrainer(return_config).get_dataset_config().datasets_to_split == "all"
+    result = trainer.fit()
+    # setup() ran in the driver, before the workers got the config.
+    assert result.return_values == [{"lr": 0.1, "set_up_in": os.getpid()}] * 2

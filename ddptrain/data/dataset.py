@@ -102,11 +102,19 @@ class Dataset:
         [{'x': 1.0, 'y': 0}]
     """
 
-    def __init__(self, columns: Mapping[str, np.ndarray], num_rows: int, buffer: SharedBuffer | None = None) -> None:
+    def __init__(
+        self,
+        columns: Mapping[str, np.ndarray],
+        num_rows: int,
+        buffer: SharedBuffer | tuple[SharedBuffer, ...] | None = None,
+    ) -> None:
         # Private: build datasets with the ddptrain.data functions.
         self._columns = dict(columns)
         self._num_rows = num_rows
-        self._buffer = buffer  # keeps the shared memory of the columns alive
+        # The shared memory of the columns (kept alive here); a zipped dataset has several.
+        self._buffers: tuple[SharedBuffer, ...] = (
+            buffer if isinstance(buffer, tuple) else () if buffer is None else (buffer,)
+        )
 
     @classmethod
     def _build(cls, columns: Mapping[str, ColumnSource], order: np.ndarray | None = None) -> Dataset:
@@ -200,7 +208,7 @@ class Dataset:
     # ----------------------------------------------------------------- new datasets
     def _slice(self, start: int, stop: int) -> Dataset:
         """Rows ``start:stop``; shares memory with this dataset."""
-        return Dataset({n: c[start:stop] for n, c in self._columns.items()}, stop - start, self._buffer)
+        return Dataset({n: c[start:stop] for n, c in self._columns.items()}, stop - start, self._buffers)
 
     def materialize(self) -> Dataset:
         """This dataset (it is always in memory)."""
@@ -216,7 +224,41 @@ class Dataset:
         unknown = [n for n in names if n not in self._columns]
         if unknown:
             raise ValueError(f"Unknown column(s) {unknown}; the dataset has {self.columns()}.")
-        return Dataset({n: self._columns[n] for n in names}, self._num_rows, self._buffer)
+        return Dataset({n: self._columns[n] for n in names}, self._num_rows, self._buffers)
+
+    def zip(self, *other: Dataset) -> Dataset:
+        """This dataset's columns side by side with those of ``other`` (Ray Data's ``zip``).
+
+        The datasets must have the same number of rows. A column name already taken gets the
+        first free suffix ``_1``, ``_2``, ... (``id``, ``id_1``), as in Ray. The result shares
+        memory with the datasets zipped.
+
+        Raises:
+            ValueError: The datasets have different numbers of rows.
+
+        Example:
+            >>> features = ddptrain.data.from_numpy({"x": np.zeros((4, 3))})
+            >>> labels = ddptrain.data.from_numpy({"y": np.arange(4)})
+            >>> features.zip(labels).columns()
+            ['x', 'y']
+        """
+        columns = dict(self._columns)
+        buffers = list(self._buffers)
+        for ds in other:
+            if not isinstance(ds, Dataset):
+                raise TypeError(f"`zip` takes ddptrain.data.Dataset objects, got {type(ds).__name__}.")
+            if ds._num_rows != self._num_rows:
+                raise ValueError(
+                    f"Cannot zip datasets with different numbers of rows: {self._num_rows} and {ds._num_rows}."
+                )
+            for name, column in ds._columns.items():
+                new_name, i = name, 1
+                while new_name in columns:
+                    new_name = f"{name}_{i}"
+                    i += 1
+                columns[new_name] = column
+            buffers += [b for b in ds._buffers if all(b is not mine for mine in buffers)]
+        return Dataset(columns, self._num_rows, tuple(buffers))
 
     def random_shuffle(self, *, seed: int | None = None, num_blocks: int | None = None) -> Dataset:
         """The rows in a random order (a new copy in shared memory).
@@ -312,7 +354,9 @@ class Dataset:
         shared, inline = {}, {}
         for name, column in self._columns.items():
             part = column[start:stop]
-            ref = self._buffer.locate(part) if share and self._buffer is not None and len(part) else None
+            ref = None
+            if share and len(part):
+                ref = next((r for b in self._buffers if (r := b.locate(part)) is not None), None)
             if ref is None:
                 inline[name] = part
             else:

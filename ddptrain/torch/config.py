@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ddptrain.backend import Backend, BackendConfig
-from ddptrain.errors import ConfigError
+from ddptrain.errors import ConfigError, LaunchError
 
 if TYPE_CHECKING:
     from ddptrain.worker_group import WorkerGroup
@@ -65,11 +65,25 @@ def _set_cuda_device() -> Iterator[None]:
     yield
 
 
+# gloo waits up to this many times its timeout for a peer's first connection (gloo/transport/tcp/pair.h).
+_GLOO_CONNECT_FACTOR = 5
+_JOINED_PREFIX = "ddptrain_joined/"  # in the driver's store (one per attempt): a rank reached the group's setup
+
+
 def _setup_process_group(backend: str, init_method: str, timeout_s: float) -> None:
-    """Runs on each worker: join the process group through the driver's store."""
+    """Runs on each worker: join the process group through the driver's store.
+
+    Joining is bounded by ``DDPTRAIN_STORE_CONNECT_TIMEOUT_S`` (or ``timeout_s`` if smaller),
+    not ``timeout_s`` (30 minutes by default): first every rank waits in the store for all
+    the others to arrive (a slow CUDA start is absorbed here); then, with everyone present,
+    connecting the ranks' pairs gets the same bound, and a rank that cannot connect by then
+    never will (gloo bound to an address the other hosts cannot reach). It fails with a
+    message that names its host and the fix. The group's operations then get ``timeout_s``.
+    """
     import torch
     import torch.distributed as dist
 
+    from ddptrain import _env
     from ddptrain.torch.train_loop_utils import get_device
 
     device = get_device()
@@ -80,12 +94,42 @@ def _setup_process_group(backend: str, init_method: str, timeout_s: float) -> No
         url = "env://"
     else:
         url = f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-    dist.init_process_group(
-        backend=backend,
-        init_method=url,
-        rank=int(os.environ["RANK"]),
-        world_size=int(os.environ["WORLD_SIZE"]),
-        timeout=datetime.timedelta(seconds=timeout_s),
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    join = datetime.timedelta(seconds=min(timeout_s, _env.store_connect_timeout_s() or timeout_s))
+    store, _, _ = next(dist.rendezvous(url, rank=rank, world_size=world_size, timeout=join))
+    store.set(f"{_JOINED_PREFIX}{rank}", b"1")
+    store.wait([f"{_JOINED_PREFIX}{r}" for r in range(world_size)], join)
+    try:
+        dist.init_process_group(
+            backend=backend, store=store, rank=rank, world_size=world_size, timeout=join / _GLOO_CONNECT_FACTOR
+        )
+    except RuntimeError as exc:  # torch's DistError and gloo's connect errors
+        if "gloo" not in backend:
+            raise
+        raise LaunchError(_gloo_connect_failure(join.total_seconds(), exc)) from exc
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.distributed_c10d._set_pg_timeout(timeout)
+    store.set_timeout(timeout)  # as init_process_group leaves the store when it makes the rendezvous itself
+
+
+def _gloo_connect_failure(join_s: float, exc: BaseException) -> str:
+    """Why this rank could not join gloo's process group, naming its host and the fix."""
+    import socket
+
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+    bound = (
+        f"GLOO_SOCKET_IFNAME={ifname}"
+        if ifname
+        else "GLOO_SOCKET_IFNAME not set: it used the address its host name resolves to, or 127.0.0.1"
+    )
+    cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return (
+        f"gloo on host {socket.gethostname()} ({bound}) could not connect to the other ranks within "
+        f"{join_s:g} s ({cause}). Every rank must reach the address gloo binds to on every host: "
+        "set GLOO_SOCKET_IFNAME to the network interface this host reaches the other hosts on (see "
+        "`ip addr`), in the driver's environment (it is forwarded) or in "
+        "RunConfig(worker_runtime_env={'env_vars': ...}); when it is not set, a host reached over SSH "
+        "uses the interface its SSH connection arrives on. DDPTRAIN_STORE_CONNECT_TIMEOUT_S bounds this wait."
     )
 
 

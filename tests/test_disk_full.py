@@ -1,0 +1,250 @@
+"""A full disk under the run directory: fit() fails within seconds naming the file and the free
+space, nothing hangs or is left running, and the run resumes once space is freed.
+
+The file system is a small real tmpfs, so these tests need root (they skip otherwise). Each
+``fit()`` that meets the full disk runs in a child process with a deadline: a hang fails the test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import ddptrain as train
+from ddptrain import storage
+from ddptrain.checkpoint_manager import INDEX_FILE, CheckpointManager
+from ddptrain.config import CheckpointConfig
+from ddptrain.errors import DiskFullError
+
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+_HANG_S = 90  # a child fit() still running after this hung
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 2 MiB tmpfs, unmounted afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def _fill(path: Path, leave: int) -> None:
+    """Write a filler file that leaves about ``leave`` bytes free on its file system."""
+    size = max(0, storage_free(path.parent) - leave)
+    with open(path, "wb") as f:
+        f.write(b"\0" * size)
+    assert abs(storage_free(path.parent) - leave) <= 8192  # tmpfs counts whole pages
+
+
+def storage_free(path: Path) -> int:
+    import shutil
+
+    return shutil.disk_usage(path).free
+
+
+def _write_state(step: int, size: int = 100) -> train.Checkpoint:
+    folder = tempfile.mkdtemp(prefix="disk-full-ckpt-")
+    Path(folder, "state.json").write_text(json.dumps({"step": step}))
+    Path(folder, "weights.bin").write_bytes(os.urandom(size))
+    return train.Checkpoint.from_directory(folder)
+
+
+def _resumed_step() -> int | None:
+    checkpoint = train.get_checkpoint()
+    if checkpoint is None:
+        return None
+    with checkpoint.as_directory() as folder:
+        step: int = json.loads(Path(folder, "state.json").read_text())["step"]
+    train.report({"resumed_from": step})
+    return step
+
+
+def chatty_loop(config: dict) -> int:
+    """Commits a checkpoint, then prints and reports until the disk is full."""
+    step = _resumed_step()
+    if step is not None:
+        return step
+    train.report({"step": 1}, checkpoint=_write_state(1))
+    line = "x" * 1000
+    for i in range(200_000):  # bounded: 200 MB of output per rank
+        print(f"{i} {line}", flush=True)
+        if i % 100 == 0:
+            train.report({"step": 1, "line": i})
+    return -1
+
+
+def metrics_loop(config: dict) -> int:
+    """Commits a checkpoint, then reports big metrics (and prints nothing) until the disk is full."""
+    step = _resumed_step()
+    if step is not None:
+        return step
+    train.report({"step": 1}, checkpoint=_write_state(1))
+    blob = "m" * 20_000
+    for i in range(20_000):  # bounded: 400 MB of metrics
+        train.report({"step": 1, "report": i, "blob": blob})
+    return -1
+
+
+def big_checkpoint_loop(config: dict) -> int:
+    """Commits a small checkpoint, then one too big for the disk."""
+    step = _resumed_step()
+    if step is not None:
+        return step
+    train.report({"step": 1}, checkpoint=_write_state(1))
+    train.report({"step": 2}, checkpoint=_write_state(2, size=config["size"]))
+    return 2
+
+
+_CHILD = textwrap.dedent(
+    """
+    import json, sys, time
+    sys.path.insert(0, sys.argv[1])
+    import ddptrain as train
+    import test_disk_full
+    from ddptrain.torch import TorchTrainer
+
+    args = json.loads(sys.argv[2])
+    trainer = TorchTrainer(
+        getattr(test_disk_full, args["loop"]),
+        train_loop_config=args["config"],
+        scaling_config=train.ScalingConfig(num_workers=2),
+        run_config=train.RunConfig(
+            name="full", storage_path=args["storage"], failure_config=train.FailureConfig(max_failures=3)
+        ),
+    )
+    start = time.monotonic()
+    try:
+        result = trainer.fit()
+        out = {"ok": True, "return_value": result.return_value, "checkpoint": result.checkpoint.path}
+    except Exception as exc:
+        out = {"ok": False, "type": type(exc).__name__, "message": str(exc),
+               "cause": type(exc.__cause__).__name__, "path": getattr(exc.__cause__, "path", None)}
+    out["elapsed_s"] = time.monotonic() - start
+    print("RESULT " + json.dumps(out), flush=True)
+    """
+)
+
+
+def _fit_in_child(storage_path: Path, loop: str, config: dict | None = None) -> dict:
+    """Run fit() in a child process; fails the test if it is still running after _HANG_S."""
+    args = json.dumps({"storage": str(storage_path), "loop": loop, "config": config or {}})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, _TESTS, args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=_HANG_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.communicate()
+        pytest.fail(f"fit() hung on a full disk (still running after {_HANG_S} s)")
+    lines = [line for line in out.decode(errors="replace").splitlines() if line.startswith("RESULT ")]
+    assert lines, f"the child printed no result (exit code {proc.returncode}):\n{err.decode(errors='replace')[-3000:]}"
+    result: dict = json.loads(lines[-1][len("RESULT ") :])
+    return result
+
+
+def _assert_clear_disk_error(failed: dict, disk: Path) -> None:
+    assert not failed["ok"], failed
+    assert failed["type"] in ("ControllerError", "WorkerGroupError"), failed
+    assert failed["cause"] == "DiskFullError", failed
+    assert failed["path"].startswith(str(disk)), failed
+    assert f"free of {2.0:.1f} MiB" in failed["message"], failed["message"]
+    assert "same RunConfig(name=...)" in failed["message"], failed["message"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("loop", "full_file"), [("chatty_loop", "rank_*.log"), ("metrics_loop", "metrics.jsonl")])
+def test_output_that_fills_the_disk_fails_fit_fast_and_the_run_resumes(
+    small_disk: Path, loop: str, full_file: str
+) -> None:
+    filler = small_disk / "filler"
+    _fill(filler, leave=512 * 1024)
+    failed = _fit_in_child(small_disk, loop)
+    _assert_clear_disk_error(failed, small_disk)
+    assert Path(failed["path"]).match(full_file), failed["path"]
+    assert failed["elapsed_s"] < 20, failed
+    print(f"fit() failed on the full disk after {failed['elapsed_s']:.1f} s: {failed['message'].splitlines()[0]}")
+
+    filler.unlink()  # space is back: the same run resumes from its committed checkpoint
+    resumed = _fit_in_child(small_disk, loop)
+    assert resumed["ok"], resumed
+    assert resumed["return_value"] == 1
+    assert os.path.basename(resumed["checkpoint"]) == "checkpoint_000001"
+
+
+@pytest.mark.timeout(300)
+def test_checkpoint_that_fills_the_disk_fails_without_restarts_and_the_run_resumes(small_disk: Path) -> None:
+    filler = small_disk / "filler"
+    _fill(filler, leave=600 * 1024)
+    failed = _fit_in_child(small_disk, "big_checkpoint_loop", {"size": 512 * 1024})
+    _assert_clear_disk_error(failed, small_disk)
+    assert failed["type"] == "WorkerGroupError"  # staged by a worker
+    assert "not restarted" in failed["message"]
+    assert failed["elapsed_s"] < 20, failed
+    run_dir = small_disk / "full"
+    assert sorted(p.name for p in (run_dir / "logs").iterdir()) == ["attempt_0"]  # despite max_failures=3
+    print(f"fit() failed on the full disk after {failed['elapsed_s']:.1f} s: {failed['message'].splitlines()[1]}")
+
+    filler.unlink()
+    resumed = _fit_in_child(small_disk, "big_checkpoint_loop", {"size": 512 * 1024})
+    assert resumed["ok"], resumed
+    assert resumed["return_value"] == 1
+    assert not (run_dir / storage.STAGING).exists() or not any((run_dir / storage.STAGING).iterdir())
+
+
+def test_full_disk_while_writing_the_index_keeps_the_run_resumable(small_disk: Path, tmp_path: Path) -> None:
+    run_dir = small_disk / "run"
+    run_dir.mkdir()
+    manager = CheckpointManager(str(run_dir), CheckpointConfig())
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "state.json").write_text('{"step": 1}')
+    manager.commit([storage.stage_files(str(run_dir), str(source), 0, 1, 0)], "checkpoint_000001", {"step": 1}, 1)
+    index_before = (run_dir / INDEX_FILE).read_text()
+    (source / "state.json").write_text('{"step": 2}')
+    staged = storage.stage_files(str(run_dir), str(source), 0, 2, 0)
+
+    filler = small_disk / "filler"
+    _fill(filler, leave=0)  # every last page
+    with pytest.raises(DiskFullError) as info:
+        manager.commit([staged], "checkpoint_000002", {"step": 2}, 2)
+    assert info.value.path.startswith(str(run_dir))
+    assert info.value.free_bytes is not None and info.value.free_bytes < 8192
+    assert "No space left on device" in str(info.value) and str(run_dir) in str(info.value)
+
+    filler.unlink()
+    assert (run_dir / INDEX_FILE).read_text() == index_before
+    resumed = CheckpointManager(str(run_dir), CheckpointConfig())
+    resumed.recover()
+    assert resumed.latest is not None and os.path.basename(resumed.latest.path) == "checkpoint_000001"
+    assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoint_000001", INDEX_FILE]
+
+
+def test_disk_full_error_survives_pickling_and_names_path_and_space(tmp_path: Path) -> None:
+    import pickle
+
+    error = DiskFullError(str(tmp_path / "x"), 1536, 2 << 20)
+    again = pickle.loads(pickle.dumps(error))
+    assert isinstance(again, OSError) and again.errno == error.errno
+    assert (again.path, again.free_bytes, again.total_bytes) == (error.path, 1536, 2 << 20)
+    assert str(again) == str(error)
+    assert str(tmp_path / "x") in str(error) and "1.5 KiB free of 2.0 MiB" in str(error)
