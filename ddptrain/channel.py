@@ -25,6 +25,7 @@ import pickle
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -58,6 +59,7 @@ DRIVER = 0xFFFFFFFF  # the driver's sender id
 # The store's server drops connections that send values of about 8 MiB or more.
 CHUNK_BYTES = 4 * 2**20
 _CHUNKS = "__ddptrain_chunks__"
+_BEAT_SENDER = 0x40000000  # a rank's heartbeats are numbered apart from its messages
 
 
 class ForgedMessageError(Exception):
@@ -138,7 +140,12 @@ class Outbox:
         self.secret = secret
         self.sender = sender
         self._numbers: dict[str, int] = {}
+        self._pushed: dict[str, int] = {}  # messages whose push has returned, per queue
         self._lock = threading.Lock()  # numbers must reach the queue in order
+
+    def pushed(self, key: str) -> int:
+        """How many messages were pushed to ``key`` so far (their pushes returned)."""
+        return self._pushed.get(key, 0)
 
     def push(self, key: str, obj: Any, *, plain_pickle: bool = False) -> None:
         with self._lock:
@@ -154,6 +161,7 @@ class Outbox:
                 announce = (_CHUNKS, blob, count)
                 data = sign(self.secret, key, announce, sender=self.sender, number=number, plain_pickle=True)
             self.store.queue_push(key, data)
+            self._pushed[key] = number + 1
 
 
 class Inbox:
@@ -164,6 +172,10 @@ class Inbox:
         self.secret = secret
         self.key = key
         self._expected: dict[int, int] = {}
+
+    def received(self, sender: int) -> int:
+        """How many messages of ``sender`` arrived so far."""
+        return self._expected.get(sender, 0)
 
     def pop(self) -> Any:
         """Block until the next message; raises ForgedMessageError or LostMessageError."""
@@ -240,6 +252,7 @@ class DriverChannel:
         self._keys = keys
         self._secret = secret
         self._outbox = Outbox(store, secret, DRIVER)
+        self._claims: dict[int, int] = {}  # rank -> messages its last heartbeat said it had pushed
         self._thread: threading.Thread | None = None
 
     def start(self, on_message: Callable[[Any], None]) -> None:
@@ -269,10 +282,29 @@ class DriverChannel:
                     return
                 if message == STOP:
                     return
+                if isinstance(message, tuple) and message[0] == "beat":
+                    lost = self._check_beat(inbox, message[1], message[2])
+                    if lost is not None:
+                        on_message(("lost", message[1], lost))
+                    continue
                 on_message(message)
 
         self._thread = threading.Thread(target=consume, name="ddptrain-channel", daemon=True)
         self._thread.start()
+
+    def _check_beat(self, inbox: Inbox, rank: int, pushed: int) -> str | None:
+        """A worker's heartbeat says how many messages it had pushed; if what the previous beat
+        claimed has still not arrived, someone removed it from the store (even the last one)."""
+        claimed = self._claims.get(rank)
+        self._claims[rank] = pushed
+        received = inbox.received(rank)
+        if claimed is not None and received < claimed:
+            self._claims.pop(rank)
+            return (
+                f"message(s) #{received}..#{claimed - 1} from rank {rank} never arrived: something else "
+                "removed them from this run's store"
+            )
+        return None
 
     def send(self, rank: int, obj: Any) -> None:
         """Push a signed command to one worker."""
@@ -304,6 +336,22 @@ class WorkerChannel:
     def send(self, obj: Any) -> None:
         """Push a signed message to the driver."""
         self._outbox.push(self.keys.to_driver, obj, plain_pickle=True)
+
+    def start_heartbeat(self, host: str, port: int, interval_s: float) -> None:
+        """Every ``interval_s``, tell the driver how many messages this rank has pushed, over a
+        connection of its own (the main one may be blocked in a pop). A message someone removed
+        from the store is then noticed within two beats, even the last one."""
+        beats = Outbox(connect(host, port, timeout_s=30), self.secret, self.rank | _BEAT_SENDER)
+
+        def beat() -> None:
+            while True:
+                time.sleep(interval_s)
+                try:
+                    beats.push(self.keys.to_driver, ("beat", self.rank, self._outbox.pushed(self.keys.to_driver)))
+                except Exception:
+                    return  # the store is gone, and with it the driver
+
+        threading.Thread(target=beat, name="ddptrain-heartbeat", daemon=True).start()
 
     def recv(self) -> Any:
         """Block until the driver sends this rank a command.

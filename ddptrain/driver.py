@@ -347,6 +347,11 @@ class Attempt:
             return len(replies) == len(ranks) or any(not ok for ok, _ in replies.values())
 
         self.pump_until(answered)
+        if len(self.results.get(call_id, {})) < len(ranks):  # one failed: gather others failing with it
+            try:
+                self.pump_until(lambda: len(self.results.get(call_id, {})) == len(ranks), timeout_s=0.5)
+            except TimeoutError:
+                pass
         replies = self.results.pop(call_id)
         failed = [
             self._failure(rank, None, failure_from_record(value), value["traceback"])

@@ -171,6 +171,10 @@ def _train(user: dict[str, Any]) -> Any:
         return fn()
 
 
+# Seconds between a worker's heartbeats (see ``WorkerChannel.start_heartbeat``).
+HEARTBEAT_S = 2.0
+
+
 def _leave_process_group() -> None:
     """A rank that returned takes no part in collectives any more: close its gloo connections
     now, so that a peer still waiting for it in one fails at once instead of after gloo's
@@ -211,6 +215,7 @@ def run(spec: dict[str, Any], shared: dict[str, Any], status_fd: int) -> int:
         session.channel = ch
         context._set_session(session)
         ch.send(("hello", rank, os.getpid(), socket.gethostname()))
+        ch.start_heartbeat(run_info["store_host"], run_info["store_port"], HEARTBEAT_S)
     except BaseException as exc:
         _write_status(status_fd, failure_record(exc))
         return 1

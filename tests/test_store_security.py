@@ -246,3 +246,37 @@ def test_a_second_driver_on_a_live_run_fails_at_once_naming_it(storage: str, tmp
         scaling_config=train.ScalingConfig(num_workers=1),
         run_config=train.RunConfig(name="live", storage_path=storage),
     ).fit()
+
+
+def lose_the_last_message() -> str:
+    from ddptrain import context
+
+    session = context._session
+    assert session is not None and session.channel is not None
+    ch = session.channel
+    if ch.rank == 1:
+        push = ch._outbox.push
+
+        def push_all_but_done(key: str, obj, **kwargs) -> None:
+            if obj[0] == "done":  # pushed, and popped off the store by someone else at once
+                ch._outbox._numbers[key] += 1
+                ch._outbox._pushed[key] = ch._outbox._numbers[key]
+                return
+            push(key, obj, **kwargs)
+
+        ch._outbox.push = push_all_but_done  # type: ignore[method-assign]
+    return "returned"
+
+
+@pytest.mark.timeout(60)
+def test_a_removed_last_message_fails_the_run_within_a_heartbeat(storage: str) -> None:
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(train.TrainingFailedError, match=r"from rank 1 never arrived"):
+        train.DataParallelTrainer(
+            lose_the_last_message,
+            scaling_config=train.ScalingConfig(num_workers=2),
+            run_config=train.RunConfig(storage_path=storage),
+        ).fit()
+    assert time.monotonic() - start < 20
