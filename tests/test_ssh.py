@@ -792,3 +792,30 @@ def test_a_killed_drivers_staging_folder_is_removed_by_the_next_run(
     assert stale not in seen  # the next run on that host removed it
     assert seen[f"ddptrain-{result_run_id(result)}"] == 0o700  # and its own is private
     assert not Path("/tmp", stale).exists()
+
+
+def report_store_port() -> None:
+    train.report({"port": int(os.environ["MASTER_PORT"])})
+
+
+class _StoreListeners(train.UserCallback):
+    """Runs in the driver: where the store listens, seen while the run is live."""
+
+    def __init__(self) -> None:
+        self.seen: list[list[str]] = []
+
+    def after_report(self, run_context, metrics, checkpoint) -> None:
+        from test_store_security import _listen_addresses
+
+        self.seen.append(_listen_addresses(metrics[0]["port"]))
+
+
+@pytest.mark.timeout(60)
+def test_a_multi_host_store_listens_only_where_the_hosts_reach_it(netns, storage: str) -> None:
+    listeners = _StoreListeners()
+    train.DataParallelTrainer(
+        report_store_port,
+        scaling_config=train.ScalingConfig(num_workers=2, hosts=["n0 slots=1", "n1 slots=1"]),
+        run_config=train.RunConfig(storage_path=storage, callbacks=[listeners]),
+    ).fit()
+    assert listeners.seen == [[netns.driver_address]]  # not every interface, not loopback
