@@ -119,11 +119,12 @@ class Watch:
                 pid = self.states[rank].get("pid")
                 _logger.warning(
                     "ddptrain: %s has been stopped by a signal for %.0f s (process state T); its peers wait "
-                    "for it. `kill -CONT %s` on its host resumes it.",
+                    "for it (their Python stacks follow in their output). `kill -CONT %s` on its host resumes it.",
                     self._where(rank),
                     now - since,
                     pid,
                 )
+                self._ask(b"T")
         stall_s = _env.stall_warn_s()
         quiet = now - max(self.last_activity, last_output)
         if quiet >= stall_s and now - self._stall_warned_at >= stall_s:

@@ -96,7 +96,7 @@ def _kill_workers() -> None:
 
 
 @pytest.mark.timeout(90)
-def test_a_stopped_worker_is_named_with_its_state(storage: str, monkeypatch, caplog) -> None:
+def test_a_stopped_worker_is_named_with_its_state(storage: str, monkeypatch, caplog, capfd) -> None:
     import logging
 
     monkeypatch.setenv("DDPTRAIN_REPORT_WARN_INTERVAL_S", "1")
@@ -106,6 +106,11 @@ def test_a_stopped_worker_is_named_with_its_state(storage: str, monkeypatch, cap
         while not any("stopped by a signal" in r.getMessage() for r in caplog.records):
             assert time.monotonic() < deadline, "no warning about the stopped worker"
             time.sleep(0.2)
+        seen = ""
+        while "in all_reduce" not in seen:  # where its peer waits, printed with the warning
+            assert time.monotonic() < deadline, f"no stack of rank 0: {seen[-2000:]}"
+            time.sleep(0.2)
+            seen += "\n".join(line for line in capfd.readouterr().err.splitlines() if line.startswith("[rank0]"))
         _kill_workers()
         thread.join(30)
     message = next(r.getMessage() for r in caplog.records if "stopped by a signal" in r.getMessage())
