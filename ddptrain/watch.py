@@ -191,6 +191,7 @@ def stack_command(run: str, timeout_s: float = 10.0) -> int:
         if now != last:
             last, settled_at = now, time.monotonic()
     states = json.loads(states_file.read_text())
+    states_file.unlink(missing_ok=True)
     for log in logs:
         rank = log.stem.removeprefix("rank_")
         state = states.get(rank)
