@@ -233,6 +233,15 @@ def _check_versions(expected: dict[str, str]) -> None:
         )
 
 
+def _stat_fields(pid: int) -> list[str]:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state first; empty: gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
 def _kill_group_strays() -> None:
     """Kill what is left in the agent's process group (e.g. DataLoader workers of a worker)."""
     group, me = os.getpgid(0), os.getpid()
@@ -241,12 +250,8 @@ def _kill_group_strays() -> None:
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == me:
             continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == group:
+        fields = _stat_fields(int(entry))
+        if len(fields) > 2 and int(fields[2]) == group:
             try:
                 os.kill(int(entry), signal.SIGKILL)
             except ProcessLookupError:
@@ -316,13 +321,12 @@ def _kill_all(children: list[_Child], grace_s: float) -> None:
 
 def process_state(pid: int) -> dict[str, str]:
     """The kernel's view of a process: its state letter and the kernel function it waits in."""
-    state = {"state": "?", "wchan": ""}
+    fields = _stat_fields(pid)
+    state = {"state": fields[0] if fields else "?", "wchan": ""}
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            state["state"] = f.read().rsplit(")", 1)[1].split()[0]
         with open(f"/proc/{pid}/wchan") as f:
             state["wchan"] = f.read().strip()
-    except (OSError, IndexError):
+    except OSError:
         pass
     return state
 

@@ -14,6 +14,7 @@ __all__ = [
     "loading_training_function",
     "console_ranks",
     "worker_start",
+    "forwarded_env",
     "WORKER_MARKER",
 ]
 
@@ -138,6 +139,15 @@ def forwarded_env_patterns() -> tuple[str, ...]:
     ``DDPTRAIN_FORWARD_ENV`` (comma-separated) on top of the defaults."""
     extra = tuple(p.strip() for p in os.environ.get("DDPTRAIN_FORWARD_ENV", "").split(",") if p.strip())
     return _DEFAULT_FORWARD + extra
+
+
+def forwarded_env() -> dict[str, str]:
+    """The driver's environment variables that programs on other hosts get: those whose names
+    match :func:`forwarded_env_patterns`."""
+    import fnmatch
+
+    patterns = forwarded_env_patterns()
+    return {k: v for k, v in os.environ.items() if any(fnmatch.fnmatchcase(k, p) for p in patterns)}
 
 
 def ssh_heartbeat_timeout_s() -> float:

@@ -67,7 +67,19 @@ class ForgedMessageError(Exception):
 
 
 class LostMessageError(Exception):
-    """A message that a sender pushed never arrived: someone else removed it from the store."""
+    """Messages ``first..last`` that ``sender`` pushed never arrived: someone else removed them
+    from the store. ``rank`` is the worker they came from (``None``: the driver)."""
+
+    def __init__(self, sender: int, first: int, last: int) -> None:
+        super().__init__(
+            f"message(s) #{first}..#{last} from {_who(sender)} never arrived: something else removed them "
+            "from this run's store"
+        )
+        self.sender, self.first, self.last = sender, first, last
+        self.rank = None if sender == DRIVER else sender & ~_BEAT_SENDER
+
+    def __reduce__(self) -> tuple[Any, ...]:  # crosses processes inside failure records
+        return (LostMessageError, (self.sender, self.first, self.last))
 
 
 class Keys:
@@ -129,7 +141,11 @@ def verify(secret: bytes, key: str, data: bytes) -> Any:
 
 
 def _who(sender: int) -> str:
-    return "the driver" if sender == DRIVER else f"rank {sender}"
+    if sender == DRIVER:
+        return "the driver"
+    if sender & _BEAT_SENDER:
+        return f"rank {sender & ~_BEAT_SENDER}'s heartbeat"
+    return f"rank {sender}"
 
 
 class Outbox:
@@ -188,12 +204,7 @@ class Inbox:
             )
         if number > expected:
             self._expected[sender] = number + 1
-            lost = LostMessageError(
-                f"message(s) #{expected}..#{number - 1} from {_who(sender)} never arrived: something else "
-                "removed them from this run's store"
-            )
-            lost.sender = sender  # type: ignore[attr-defined]
-            raise lost
+            raise LostMessageError(sender, expected, number - 1)
         self._expected[sender] = number + 1
         if isinstance(obj, tuple) and len(obj) == 3 and obj[0] == _CHUNKS:
             names = [f"{obj[1]}/{i}" for i in range(obj[2])]
@@ -204,10 +215,6 @@ class Inbox:
             if (inner_sender, inner_number) != (sender, number):
                 raise ForgedMessageError("rejected a split store message that does not match its announcement")
         return obj
-
-
-def _sender_of(exc: LostMessageError) -> int:
-    return getattr(exc, "sender", 0)
 
 
 def connect(host: str, port: int, timeout_s: float) -> dist.TCPStore:
@@ -258,7 +265,8 @@ class DriverChannel:
     def start(self, on_message: Callable[[Any], None]) -> None:
         """Start consuming; ``on_message`` runs in the consumer thread.
 
-        A message that went missing on the store is handed on as ``("lost", rank, text)``.
+        Messages that went missing on the store are handed on as ``("lost", error)``
+        (a :class:`LostMessageError`).
         """
         reader = connect(self._store.host, self._store.port, timeout_s=30)
         reader.set_timeout(_LONG_WAIT)
@@ -272,7 +280,7 @@ class DriverChannel:
                     _logger.warning("ddptrain: %s (someone else is writing to this run's store)", exc)
                     continue
                 except LostMessageError as exc:
-                    on_message(("lost", _sender_of(exc), str(exc)))
+                    on_message(("lost", exc))
                     continue
                 except (pickle.UnpicklingError, AttributeError, ImportError, EOFError) as exc:
                     _logger.warning("ddptrain: could not decode a worker message: %r", exc)
@@ -285,14 +293,14 @@ class DriverChannel:
                 if isinstance(message, tuple) and message[0] == "beat":
                     lost = self._check_beat(inbox, message[1], message[2])
                     if lost is not None:
-                        on_message(("lost", message[1], lost))
+                        on_message(("lost", lost))
                     continue
                 on_message(message)
 
         self._thread = threading.Thread(target=consume, name="ddptrain-channel", daemon=True)
         self._thread.start()
 
-    def _check_beat(self, inbox: Inbox, rank: int, pushed: int) -> str | None:
+    def _check_beat(self, inbox: Inbox, rank: int, pushed: int) -> LostMessageError | None:
         """A worker's heartbeat says how many messages it had pushed; if what the previous beat
         claimed has still not arrived, someone removed it from the store (even the last one)."""
         claimed = self._claims.get(rank)
@@ -300,10 +308,7 @@ class DriverChannel:
         received = inbox.received(rank)
         if claimed is not None and received < claimed:
             self._claims.pop(rank)
-            return (
-                f"message(s) #{received}..#{claimed - 1} from rank {rank} never arrived: something else "
-                "removed them from this run's store"
-            )
+            return LostMessageError(rank, received, claimed - 1)
         return None
 
     def send(self, rank: int, obj: Any) -> None:

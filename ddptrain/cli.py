@@ -76,7 +76,7 @@ def _probe(host: HostSpec, port: int) -> dict[str, Any]:
         args = [sys.executable, "-c", _PROBE, "127.0.0.1", str(port), *import_roots()]
         proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
         return _parse(proc.stdout, proc.stderr, "local")
-    from ddptrain.ssh import connect, forwarded_env, run_program
+    from ddptrain.ssh import connect, run_program
 
     # As `Run.new_launcher` and `SSHLauncher`: the host's python and working directory, through
     # the same shell step, with the forwarded environment.
@@ -85,7 +85,7 @@ def _probe(host: HostSpec, port: int) -> dict[str, Any]:
     try:
         address = _env.driver_address() or client.get_transport().sock.getsockname()[0]
         program = [python, "-c", _PROBE, address, str(port)]
-        _, out, err = run_program(client, python, host.workdir or os.getcwd(), forwarded_env(), program, 120)
+        _, out, err = run_program(client, python, host.workdir or os.getcwd(), _env.forwarded_env(), program, 120)
         return _parse(out, err, "ok")
     finally:
         client.close()

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from ddptrain import _env, storage
 from ddptrain._agent import AGENT_RANK
 from ddptrain._logs import LogSink
-from ddptrain.channel import DriverChannel, Keys, LostMessageError, open_store
+from ddptrain.channel import DriverChannel, Keys, open_store
 from ddptrain.errors import (
     LaunchError,
     WorkerDiedError,
@@ -257,8 +257,9 @@ class Attempt:
             self._answer_checkpoint_waiters()
         elif kind == "done":
             self.done[rank] = (message[2], message[3])
-        elif kind == "lost":
-            return self._failure(rank if rank < self.world_size else 0, None, LostMessageError(message[2]))
+        elif kind == "lost":  # ("lost", LostMessageError): `rank` is the error here
+            error = message[1]
+            return self._failure(0 if error.rank is None else error.rank, None, error)
         return None
 
     def _handle_agent(self, event: AgentEvent) -> WorkerFailure | None:
@@ -300,16 +301,18 @@ class Attempt:
             return self._failure(missing[0], None, error)
         return None
 
-    def _where(self, rank: int) -> str:
-        pid, host = self.hosts.get(rank, (None, self.run.hostname))
-        if self.run.placement is not None:
-            host = self.run.host_of(rank)
-        return f"rank {rank} (host {host}, pid {pid})"
-
-    def _failure(self, rank: int, exitcode: int | None, exc: BaseException, traceback_str: str = "") -> WorkerFailure:
+    def _pid_host(self, rank: int) -> tuple[int | None, str]:
         pid, host = self.hosts.get(rank, (None, self.run.hostname))
         if self.run.placement is not None:
             host = self.run.host_of(rank)  # the host list's name for it
+        return pid, host
+
+    def _where(self, rank: int) -> str:
+        pid, host = self._pid_host(rank)
+        return f"rank {rank} (host {host}, pid {pid})"
+
+    def _failure(self, rank: int, exitcode: int | None, exc: BaseException, traceback_str: str = "") -> WorkerFailure:
+        pid, host = self._pid_host(rank)
         assert self.sink is not None
         returned = sorted(r for r in self.done if r != rank)
         note = ""

@@ -9,7 +9,7 @@ from typing import Any
 
 from ddptrain.checkpoint import Checkpoint
 
-__all__ = ["Result", "read_metrics"]
+__all__ = ["Result", "read_metrics", "read_metric_lines"]
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -121,22 +121,32 @@ class Result:
         )
 
 
+def read_metric_lines(run_dir: str) -> list[dict[str, Any]]:
+    """Every line of ``run_dir/metrics.jsonl`` (``{"time", "attempt", "metrics"}``), oldest first.
+
+    A line cut short by a crash is skipped.
+    """
+    lines: list[dict[str, Any]] = []
+    path = os.path.join(run_dir, METRICS_FILE)
+    if not os.path.exists(path):
+        return lines
+    with open(path) as f:
+        for text in f:
+            text = text.strip()
+            if not text:
+                continue
+            try:
+                line = json.loads(text)
+                line["metrics"]  # noqa: B018 (a line without metrics is a cut one)
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut short by a crash
+            lines.append(line)
+    return lines
+
+
 def read_metrics(run_dir: str) -> list[dict[str, Any]]:
     """Rank 0's metrics of every report in ``run_dir/metrics.jsonl``, oldest first.
 
     A line cut short by a crash is skipped.
     """
-    history: list[dict[str, Any]] = []
-    path = os.path.join(run_dir, METRICS_FILE)
-    if not os.path.exists(path):
-        return history
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                history.append(json.loads(line)["metrics"])
-            except (ValueError, KeyError, TypeError):
-                continue  # a line cut short by a crash
-    return history
+    return [line["metrics"] for line in read_metric_lines(run_dir)]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import fnmatch
 import json
 import logging
 import os
@@ -33,7 +32,7 @@ from ddptrain.errors import (
 )
 from ddptrain.hosts import HostSpec, Placement, is_local, parse_hosts, place_workers, with_ssh_config
 from ddptrain.launcher import GroupLauncher, Launcher, LocalLauncher
-from ddptrain.result import METRICS_FILE, Result, read_metrics
+from ddptrain.result import METRICS_FILE, Result, read_metric_lines
 
 if TYPE_CHECKING:
     from ddptrain.backend import BackendConfig
@@ -103,6 +102,7 @@ class Run:
         self.placement = self._placement()  # a bad host list is an error before anything starts
         self._failures_seen = 0
         self._lost_reports = 0  # reports the checkpoint index knows of but metrics.jsonl lost
+        self._last_attempt = -1  # the highest attempt number in an earlier run's metrics
         self._spare: Launcher | None = None  # the next attempt's agent, started on a failure
 
     # ----------------------------------------------------------------- what workers get
@@ -111,8 +111,7 @@ class Run:
         remote one only the variables meant for workers (the driver's PATH or HOME may not
         exist there)."""
         if remote:
-            patterns = _env.forwarded_env_patterns()
-            env = {k: v for k, v in os.environ.items() if any(fnmatch.fnmatchcase(k, p) for p in patterns)}
+            env = _env.forwarded_env()
         else:
             env = dict(os.environ)
         env.update(self.run_config._env_vars())
@@ -254,23 +253,15 @@ class Run:
 
     def first_attempt(self) -> int:
         """The number of this ``fit()``'s first attempt: attempts of a run continue across the
-        ``fit()`` calls that resume it, after the highest number in its logs or metrics."""
-        seen = [-1]
+        ``fit()`` calls that resume it, after the highest number in its logs or metrics (as
+        read by ``_load_previous``)."""
+        seen = [self._last_attempt]
         logs = Path(self.run_dir, "logs")
         if logs.is_dir():
             for entry in logs.iterdir():
                 number = entry.name.removeprefix("attempt_")
                 if entry.name.startswith("attempt_") and number.isdigit():
                     seen.append(int(number))
-        try:
-            with open(os.path.join(self.run_dir, METRICS_FILE)) as f:
-                for line in f:
-                    try:
-                        seen.append(int(json.loads(line)["attempt"]))
-                    except (ValueError, KeyError, TypeError):
-                        continue  # a line cut short by a crash
-        except FileNotFoundError:
-            pass
         return max(seen) + 1
 
     def remote_ranks(self) -> list[int]:
@@ -344,10 +335,13 @@ class Run:
     # ----------------------------------------------------------------- the fit loop
     def _load_previous(self) -> None:
         """Pick up an earlier run of the same name: its checkpoints and metrics. Loud on purpose."""
-        if not os.path.isdir(self.run_dir):
-            return
         self.checkpoints.recover()  # finishes or undoes a commit a crash interrupted
-        self.metrics_history = read_metrics(self.run_dir)
+        lines = read_metric_lines(self.run_dir)
+        self.metrics_history = [line["metrics"] for line in lines]
+        for line in lines:
+            attempt = line.get("attempt")
+            if isinstance(attempt, int) and not isinstance(attempt, bool):
+                self._last_attempt = max(self._last_attempt, attempt)
         self._lost_reports = max(0, self.checkpoints.report_index - len(self.metrics_history))
         if self._lost_reports:
             _logger.warning(
@@ -376,7 +370,7 @@ class Run:
             )
 
     def _prepare_dir(self) -> None:
-        storage.clean_leftovers(self.run_dir)
+        """Write the run's own files (``_load_previous`` has already cleaned up after a crash)."""
         # run.json (argv) and trainer.pkl (the pickled config) are the user's secrets: 0600.
         storage.write_json_atomic(
             os.path.join(self.run_dir, "run.json"),

@@ -11,7 +11,6 @@ vanished without closing the connection).
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import logging
 import os
@@ -31,7 +30,7 @@ from ddptrain._logs import LogSink
 from ddptrain.errors import LaunchError
 from ddptrain.hosts import HostSpec
 
-__all__ = ["SSHLauncher", "connect", "forwarded_env", "remote_command", "run_program"]
+__all__ = ["SSHLauncher", "connect", "remote_command", "run_program"]
 
 _logger = logging.getLogger(__name__)
 _HEARTBEAT_S = 0.5
@@ -48,13 +47,6 @@ def remote_command(python: str, workdir: str | None, program: list[str] | None =
     parts = [f"cd {shlex.quote(workdir)} &&"] if workdir else []
     parts += ["exec", shlex.join([python, "-I", "-S", "-c", one_line(PRESTART), *(program or agent_command(python))])]
     return " ".join(parts)
-
-
-def forwarded_env() -> dict[str, str]:
-    """The driver's environment variables that programs on other hosts get (the patterns of
-    ``DDPTRAIN_FORWARD_ENV`` on top of the defaults)."""
-    patterns = _env.forwarded_env_patterns()
-    return {k: v for k, v in os.environ.items() if any(fnmatch.fnmatchcase(k, p) for p in patterns)}
 
 
 def run_program(

@@ -31,7 +31,6 @@ __all__ = [
     "RunInUseError",
     "write_atomic",
     "stage_files",
-    "commit_checkpoint",
     "build_checkpoint",
     "move_into_place",
     "remove_staged",
@@ -105,17 +104,6 @@ def stage_files(run_dir: str, source: str, attempt: int, report_index: int, rank
         raise
     os.rename(partial, target)
     return str(target)
-
-
-def commit_checkpoint(run_dir: str, staged: list[str], name: str) -> str:
-    """Merge staged folders into ``run_dir/name`` and rename it into place.
-
-    Files of earlier entries of ``staged`` win over later ones with the same relative path.
-    """
-    final = safe_child(run_dir, name)
-    move_into_place(build_checkpoint(run_dir, staged, name), final)
-    remove_staged(staged)
-    return str(final)
 
 
 def build_checkpoint(run_dir: str, staged: list[str], name: str) -> Path:

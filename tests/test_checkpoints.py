@@ -523,7 +523,9 @@ def test_an_interrupted_overwrite_is_rolled_back(storage: str) -> None:
     staged = run_dir / "staged"
     staged.mkdir()
     (staged / "v.txt").write_text("1")
-    path = store.commit_checkpoint(str(run_dir), [str(staged)], "latest")
+    path = run_dir / "latest"
+    store.move_into_place(store.build_checkpoint(str(run_dir), [str(staged)], "latest"), path)
+    store.remove_staged([str(staged)])
     # The driver died between moving the old copy aside and renaming the new one in.
     os.rename(path, run_dir / ".latest.0123abcd.old")
     (run_dir / ".latest.4567ef.partial").mkdir()
