@@ -42,6 +42,7 @@ from ddptrain.errors import (
     WorkerGroupError,
 )
 from ddptrain.result import Result
+from ddptrain.warm import reuse_workers
 
 __version__ = "0.1.0"
 
@@ -87,5 +88,6 @@ __all__ = [
     "get_context",
     "get_dataset_shard",
     "report",
+    "reuse_workers",
     "__version__",
 ]

@@ -210,11 +210,13 @@ def versions() -> dict[str, str]:
     import torch
 
     import ddptrain
+    from ddptrain import protocol
 
     major_minor = ".".join(sys.version.split()[0].split(".")[:2])
     return {
         "python": major_minor,
         "ddptrain": ddptrain.__version__,
+        "protocol": str(protocol.VERSION),
         "torch": torch.__version__.split("+")[0],
         "cloudpickle": cloudpickle.__version__,
     }
@@ -470,7 +472,7 @@ def main() -> int:
             except OSError as exc:
                 print(f"ddptrain agent: cannot enter {bootstrap['cwd']!r}: {exc}", file=sys.stderr)
         shared: dict[str, Any] = {"run": bootstrap["run"], "payload": bootstrap["payload"]}
-        if bootstrap.get("start", "shared") == "shared":
+        if bootstrap.get("start", "shared") == "shared" and bootstrap["payload"] is not None:
             shared["user"] = load_user(bootstrap["payload"])
             reason = _fork_unsafe_after_loading()
             if reason is not None:

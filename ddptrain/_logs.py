@@ -29,7 +29,7 @@ class LogSink:
     """Writes each rank's output to ``<log_dir>/rank_<k>.log`` and echoes it with a prefix.
 
     Args:
-        log_dir: Folder for this attempt's log files.
+        log_dir: Folder for this attempt's log files (``None``: the console only).
         labels: The console prefix of each rank, e.g. ``{0: "rank0"}``.
         echo_ranks: Ranks whose lines are copied to the driver's stdout/stderr (``None``: all).
         on_error: Called once, from the relaying thread, with the first write error: a
@@ -38,12 +38,11 @@ class LogSink:
 
     def __init__(
         self,
-        log_dir: Path,
+        log_dir: Path | None,
         labels: dict[int, str],
         echo_ranks: set[int] | None = None,
         on_error: Callable[[OSError], None] | None = None,
     ) -> None:
-        log_dir.mkdir(parents=True, exist_ok=True)
         self.log_dir = log_dir
         self._labels = labels
         self._echo_ranks = echo_ranks
@@ -56,12 +55,28 @@ class LogSink:
         self._closed = False
         self.dropped: dict[int, int] = {}  # bytes of each rank's output that reached no file
         self.last_write = time.monotonic()  # when a rank last printed anything
-        for rank in labels:  # every rank gets its file, even one that prints nothing
-            self._files[rank] = open(self.path(rank), "ab")  # noqa: SIM115 (closed in close())
+        self._open_files()
 
-    def path(self, rank: int) -> str:
-        """The log file of ``rank``."""
-        return str(self.log_dir / f"rank_{rank}.log")
+    def _open_files(self) -> None:
+        if self.log_dir is None:
+            return
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        for rank in self._labels:  # every rank gets its file, even one that prints nothing
+            self._files[rank] = open(self.log_dir / f"rank_{rank}.log", "ab")  # noqa: SIM115 (closed in close())
+
+    def path(self, rank: int) -> str | None:
+        """The log file of ``rank`` (``None`` when output goes to the console only)."""
+        return None if self.log_dir is None else str(self.log_dir / f"rank_{rank}.log")
+
+    def retarget(self, log_dir: Path | None) -> None:
+        """Write from now on to files in ``log_dir`` (a warm group starting its next run)."""
+        self.flush_partial()
+        with self._lock:
+            self._close_files()
+            self.log_dir = log_dir
+            self._tails.clear()
+            self._error = None
+            self._open_files()
 
     def write(self, rank: int, stream: bytes, data: bytes) -> None:
         """Take a chunk of a rank's stdout (``b"O"``) or stderr (``b"E"``)."""
@@ -81,10 +96,13 @@ class LogSink:
                 self._emit(rank, stream, line)
 
     def _write_file(self, rank: int, data: bytes) -> None:
+        path = self.path(rank)
+        if path is None:
+            return
         try:
             file = self._files.get(rank)
             if file is None:
-                file = self._files[rank] = open(self.path(rank), "ab")  # noqa: SIM115 (closed in close())
+                file = self._files[rank] = open(path, "ab")  # noqa: SIM115 (closed in close())
             file.write(data)
             file.flush()
         except OSError as exc:
@@ -96,9 +114,9 @@ class LogSink:
                 except OSError:
                     pass
             if self._error is None:
-                error: OSError | None = disk_full_error(exc, self.path(rank))
+                error: OSError | None = disk_full_error(exc, path)
                 if error is None:
-                    error = exc if exc.filename else OSError(exc.errno, exc.strerror, self.path(rank))
+                    error = exc if exc.filename else OSError(exc.errno, exc.strerror, path)
                 self._error = error
                 if self._on_error is not None:
                     self._on_error(error)
@@ -131,13 +149,16 @@ class LogSink:
         self.flush_partial()
         with self._lock:
             self._closed = True
-            for file in self._files.values():
-                try:
-                    file.close()
-                except OSError:
-                    pass
-            self._files.clear()
-            dropped, self.dropped = self.dropped, {}
+            self._close_files()
+
+    def _close_files(self) -> None:
+        for file in self._files.values():
+            try:
+                file.close()
+            except OSError:
+                pass
+        self._files.clear()
+        dropped, self.dropped = self.dropped, {}
         for rank, size in sorted(dropped.items()):
             _logger.warning(
                 "ddptrain: %s misses the last %d bytes of rank %d's output: writing it failed",

@@ -32,6 +32,8 @@ from typing import Any
 import cloudpickle
 import torch.distributed as dist
 
+from ddptrain import protocol
+
 __all__ = [
     "Keys",
     "ForgedMessageError",
@@ -265,7 +267,7 @@ class DriverChannel:
     def start(self, on_message: Callable[[Any], None]) -> None:
         """Start consuming; ``on_message`` runs in the consumer thread.
 
-        Messages that went missing on the store are handed on as ``("lost", error)``
+        Messages that went missing on the store are handed on as :class:`protocol.Lost`
         (a :class:`LostMessageError`).
         """
         reader = connect(self._store.host, self._store.port, timeout_s=30)
@@ -280,7 +282,7 @@ class DriverChannel:
                     _logger.warning("ddptrain: %s (someone else is writing to this run's store)", exc)
                     continue
                 except LostMessageError as exc:
-                    on_message(("lost", exc))
+                    on_message(protocol.Lost(exc))
                     continue
                 except (pickle.UnpicklingError, AttributeError, ImportError, EOFError) as exc:
                     _logger.warning("ddptrain: could not decode a worker message: %r", exc)
@@ -290,10 +292,10 @@ class DriverChannel:
                     return
                 if message == STOP:
                     return
-                if isinstance(message, tuple) and message[0] == "beat":
-                    lost = self._check_beat(inbox, message[1], message[2])
+                if isinstance(message, protocol.Beat):
+                    lost = self._check_beat(inbox, message.rank, message.pushed)
                     if lost is not None:
-                        on_message(("lost", lost))
+                        on_message(protocol.Lost(lost))
                     continue
                 on_message(message)
 
@@ -352,7 +354,7 @@ class WorkerChannel:
             while True:
                 time.sleep(interval_s)
                 try:
-                    beats.push(self.keys.to_driver, ("beat", self.rank, self._outbox.pushed(self.keys.to_driver)))
+                    beats.push(self.keys.to_driver, protocol.Beat(self.rank, self._outbox.pushed(self.keys.to_driver)))
                 except Exception:
                     return  # the store is gone, and with it the driver
 

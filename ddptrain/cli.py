@@ -11,9 +11,13 @@ import sys
 import threading
 from typing import Any
 
+import ddptrain
 from ddptrain import _env
+from ddptrain._agent import import_roots
 from ddptrain.errors import DdpTrainError
 from ddptrain.hosts import HostSpec, is_local, parse_hosts, with_ssh_config
+from ddptrain.ssh import connect, run_program
+from ddptrain.watch import stack_command
 
 __all__ = ["main", "check_hosts"]
 
@@ -58,8 +62,6 @@ def _driver_versions() -> dict[str, str]:
     import cloudpickle
     import torch
 
-    import ddptrain
-
     return {
         "python_version": ".".join(sys.version.split()[0].split(".")[:2]),
         "ddptrain": ddptrain.__version__,
@@ -71,12 +73,9 @@ def _driver_versions() -> dict[str, str]:
 def _probe(host: HostSpec, port: int) -> dict[str, Any]:
     """Run the probe on ``host`` exactly as a run starts its agent there."""
     if is_local(host):  # as `LocalLauncher`: this python, the driver's environment and directory
-        from ddptrain._agent import import_roots
-
         args = [sys.executable, "-c", _PROBE, "127.0.0.1", str(port), *import_roots()]
         proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
         return _parse(proc.stdout, proc.stderr, "local")
-    from ddptrain.ssh import connect, run_program
 
     # As `Run.new_launcher` and `SSHLauncher`: the host's python and working directory, through
     # the same shell step, with the forwarded environment.
@@ -173,8 +172,6 @@ def main(argv: list[str] | None = None) -> int:
     stack.add_argument("run", help="the run directory, or a run name under $DDPTRAIN_STORAGE_PATH")
     args = parser.parse_args(argv)
     if args.command == "stack":
-        from ddptrain.watch import stack_command
-
         return stack_command(args.run)
     source = args.hostfile or _env.hostfile()
     if not source:

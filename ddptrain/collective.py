@@ -11,6 +11,7 @@ from typing import TypeVar
 
 import cloudpickle
 
+from ddptrain import protocol
 from ddptrain.context import _get_session
 
 __all__ = ["barrier", "broadcast_from_rank_zero"]
@@ -33,8 +34,9 @@ def broadcast_from_rank_zero(data: T) -> T:
     session.collective_index += 1
     rank = session.context.get_world_rank()
     payload = cloudpickle.dumps(data) if rank == 0 else None
-    reply = session.call_driver(("collective", rank, session.collective_index, payload))
-    result: T = pickle.loads(reply[2])
+    reply = session.call_driver(protocol.Collective(rank, session.collective_index, payload))
+    assert isinstance(reply, protocol.CollectiveResult), reply
+    result: T = pickle.loads(reply.data)  # type: ignore[arg-type]
     return result
 
 

@@ -9,12 +9,12 @@ import tempfile
 import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
+from ddptrain import _env
+from ddptrain.callbacks import UserCallback
 from ddptrain.errors import ConfigError, ConfigTypeError
-
-if TYPE_CHECKING:
-    from ddptrain.callbacks import UserCallback
+from ddptrain.hosts import parse_hosts
 
 __all__ = [
     "ScalingConfig",
@@ -93,8 +93,6 @@ class ScalingConfig:
                 f"got {self.placement_strategy!r}."
             )
         if self.hosts is not None:
-            from ddptrain.hosts import parse_hosts
-
             parse_hosts(self.hosts)  # a bad host file is an error now, not at fit()
         resources = self.resources_per_worker
         if resources is not None:
@@ -311,7 +309,6 @@ class RunConfig:
         _check_types(self)
 
     def _storage_root(self) -> Path:
-        from ddptrain import _env
 
         raw = os.fspath(self.storage_path) if self.storage_path is not None else None
         return Path(os.path.expanduser(raw or _env.default_storage_path())).absolute()
@@ -340,7 +337,6 @@ class RunConfig:
 
 
 def _check_types(run_config: RunConfig) -> None:
-    from ddptrain.callbacks import UserCallback
 
     expected = (
         ("failure_config", FailureConfig),

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ddptrain import protocol, storage
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.errors import DdpTrainError
 
@@ -182,7 +183,7 @@ class _Session:
     collective_index: int = 0
     local_reports: list[tuple[dict[str, Any], Checkpoint | None]] = field(default_factory=list)
 
-    def call_driver(self, message: tuple[Any, ...]) -> Any:
+    def call_driver(self, message: Any) -> Any:
         """Send a message and wait for the driver's reply to it."""
         assert self.channel is not None
         self.channel.send(message)
@@ -242,7 +243,6 @@ def _check_metrics(metrics: Any) -> dict[str, Any]:
 
 
 def _check_dir_name(name: str | None) -> None:
-    from ddptrain import storage
 
     if name is not None:
         storage.check_dir_name(name)
@@ -309,23 +309,23 @@ def report(
             )
     rank = session.context.get_world_rank()
     staged = _stage_checkpoint(session, checkpoint) if checkpoint is not None else None
-    message = ("report", rank, session.report_index, metrics, staged, checkpoint_dir_name)
+    message = protocol.Report(rank, session.report_index, metrics, staged, checkpoint_dir_name)
     # On a host that cannot see the run directory the staged files wait in a local cache,
     # and the driver copies them back over SSH before it commits the checkpoint.
     if staged is None:
         session.channel.send(message)
         return
     reply = session.call_driver(message)
-    if reply[3]:  # the driver refused to commit it
-        raise ValueError(reply[3])
-    session.checkpoint = Checkpoint(reply[2])
+    assert isinstance(reply, protocol.Ack), reply
+    if reply.problem or reply.path is None:  # the driver refused to commit it
+        raise ValueError(reply.problem)
+    session.checkpoint = Checkpoint(reply.path)
     if delete_local_checkpoint_after_upload and checkpoint is not None:
         shutil.rmtree(checkpoint.path, ignore_errors=True)
 
 
 def _stage_checkpoint(session: _Session, checkpoint: Checkpoint) -> str:
     """Copy this rank's checkpoint files next to the run directory; the driver commits them."""
-    from ddptrain import storage
 
     assert session.run_dir is not None
     return storage.stage_files(
@@ -388,8 +388,9 @@ def get_all_reported_checkpoints(
     if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))):
         raise TypeError(f"`timeout_s` must be a number of seconds or None, got {timeout_s!r}.")
     rank = session.context.get_world_rank()
-    reply = session.call_driver(("checkpoints", rank, session.report_index, timeout_s))
-    return [ReportedCheckpoint(Checkpoint(path), metrics) for path, metrics in reply[1]]
+    reply = session.call_driver(protocol.CheckpointsQuery(rank, session.report_index, timeout_s))
+    assert isinstance(reply, protocol.CheckpointsReply), reply
+    return [ReportedCheckpoint(Checkpoint(path), metrics) for path, metrics in reply.reported]
 
 
 def get_dataset_shard(dataset_name: str | None = None) -> Any:

@@ -15,6 +15,7 @@ import cloudpickle
 from ddptrain import _env, context
 from ddptrain.backend import BackendConfig
 from ddptrain.checkpoint import Checkpoint
+from ddptrain.checkpoint_manager import RunDirectoryError
 from ddptrain.config import DataConfig, RunConfig, ScalingConfig
 from ddptrain.data.ingest import DatasetIngest, check_datasets
 from ddptrain.errors import ConfigError, WorkerFailure, WorkerGroupError
@@ -297,7 +298,6 @@ class DataParallelTrainer:
         Raises:
             RunDirectoryError: ``path`` holds no restorable run.
         """
-        from ddptrain.checkpoint_manager import RunDirectoryError
 
         run_dir = os.path.abspath(os.path.expanduser(os.fspath(path)))
         file = os.path.join(run_dir, TRAINER_FILE)

@@ -202,8 +202,8 @@ class GroupLauncher:
         resume from as a local copy in its staging folder (which the launcher removes when it
         shuts down, or the next run on that host if this driver is killed first)."""
         run = share["run"]
-        if not hasattr(launcher, "prepare_storage"):
-            return
+        if not hasattr(launcher, "prepare_storage") or not run.get("run_dir"):
+            return  # a group that runs functions has no run directory to share
         cache = launcher.prepare_storage(run["run_dir"], run["run_id"])
         if cache is None:
             return

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddptrain.checkpoint import Checkpoint
+from ddptrain.checkpoint_manager import CheckpointManager
 
 __all__ = ["Result", "read_metrics", "read_metric_lines"]
 
@@ -105,7 +106,6 @@ class Result:
             RuntimeError: ``path`` is not a ddptrain run directory, or its checkpoint index
                 cannot be read.
         """
-        from ddptrain.checkpoint_manager import CheckpointManager
 
         run_dir = os.path.abspath(os.path.expanduser(os.fspath(path)))
         if not os.path.exists(os.path.join(run_dir, "run.json")):

@@ -6,23 +6,19 @@ import datetime
 import json
 import logging
 import os
-import socket
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ddptrain import _env, storage
-from ddptrain._agent import versions as agent_versions
 from ddptrain.callbacks import TrainRunContext
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.checkpoint_manager import CheckpointManager
 from ddptrain.config import CheckpointConfig
-from ddptrain.driver import Attempt, GroupFailed
+from ddptrain.driver import Attempt
 from ddptrain.errors import (
-    ConfigError,
     ControllerError,
     LaunchError,
     WorkerFailure,
@@ -30,9 +26,11 @@ from ddptrain.errors import (
     disk_full_error,
     is_disk_full,
 )
-from ddptrain.hosts import HostSpec, Placement, is_local, parse_hosts, place_workers, with_ssh_config
-from ddptrain.launcher import GroupLauncher, Launcher, LocalLauncher
+from ddptrain.launcher import Launcher
+from ddptrain.plan import Plan
 from ddptrain.result import METRICS_FILE, Result, read_metric_lines
+from ddptrain.warm import keeps_warm, put_warm, take_warm
+from ddptrain.worker_group import GroupFailed, WorkerGroup
 
 if TYPE_CHECKING:
     from ddptrain.backend import BackendConfig
@@ -84,7 +82,6 @@ class Run:
         self.storage_path = str(run_config._storage_root())
         self.name = run_config.name or _fresh_name(self.storage_path)
         self.run_dir = os.path.join(self.storage_path, self.name)
-        self.hostname = socket.gethostname()
         self.context = TrainRunContext(
             run_id=self.run_id,
             run_config=run_config,
@@ -99,154 +96,34 @@ class Run:
         self._metrics_file: Any = None
         failure_config = run_config.failure_config
         self._max_failures = failure_config.max_failures if failure_config else 0
-        self.placement = self._placement()  # a bad host list is an error before anything starts
+        self.plan = Plan(scaling_config, run_config._env_vars())  # a bad host list fails here
         self._failures_seen = 0
         self._lost_reports = 0  # reports the checkpoint index knows of but metrics.jsonl lost
         self._last_attempt = -1  # the highest attempt number in an earlier run's metrics
         self._spare: Launcher | None = None  # the next attempt's agent, started on a failure
 
     # ----------------------------------------------------------------- what workers get
-    def agent_env(self, remote: bool = False) -> dict[str, str]:
-        """Environment of an agent and its workers: the driver's own for a local agent; for a
-        remote one only the variables meant for workers (the driver's PATH or HOME may not
-        exist there)."""
-        if remote:
-            env = _env.forwarded_env()
-        else:
-            env = dict(os.environ)
-        env.update(self.run_config._env_vars())
-        env.setdefault("OMP_NUM_THREADS", str(self.scaling_config._omp_num_threads()))
-        env[_env.WORKER_MARKER] = "1"
-        if self.scaling_config.use_gpu:
-            env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-        return env
-
-    def _placement(self) -> Placement | None:
-        raw = self.scaling_config.hosts if self.scaling_config.hosts is not None else _env.hostfile()
-        if raw is None:
-            return None
-        hosts = [h if is_local(h) else with_ssh_config(h, _env.ssh_config_path()) for h in parse_hosts(raw)]
-        if self.scaling_config.use_gpu:  # a host without `slots` runs one worker per GPU
-            from ddptrain.ssh import gpu_slots
-
-            hosts = gpu_slots(hosts, self.scaling_config.num_gpus_per_worker)
-        return place_workers(hosts, self.scaling_config.num_workers, self.scaling_config.placement_strategy)
-
-    def new_launcher(self) -> Launcher:
-        """Start the agents of one attempt: one local process, or one per host over SSH."""
-        if self.placement is None:
-            return LocalLauncher(self.agent_env())
-        from ddptrain.ssh import SSHLauncher
-
-        def start(host: HostSpec) -> tuple[Launcher, str]:
-            if is_local(host):
-                return LocalLauncher(self.agent_env()), "127.0.0.1"
-            python = host.python or sys.executable
-            launcher = SSHLauncher(host, self.agent_env(remote=True), python, host.workdir or os.getcwd())
-            return launcher, _env.driver_address() or launcher.local_address
-
-        results: dict[int, tuple[Launcher, str] | BaseException] = {}
-
-        def start_into(node: int, host: HostSpec) -> None:
-            try:
-                results[node] = start(host)
-            except BaseException as exc:  # reported below, with every other host's outcome
-                results[node] = exc
-
-        threads = [
-            threading.Thread(target=start_into, args=(node, host), daemon=True)
-            for node, host in enumerate(self.placement.hosts)
-        ]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        errors = [r for r in results.values() if isinstance(r, BaseException)]
-        started = [r for r in results.values() if not isinstance(r, BaseException)]
-        if errors:
-            for launcher, _ in started:
-                launcher.shutdown(0)
-            raise LaunchError("\n".join(str(e) for e in errors)) from errors[0]
-        return GroupLauncher([results[node] for node in range(len(self.placement.hosts))])  # type: ignore[misc]
-
-    def worker_specs(self, attempt: int, store_host: str, store_port: int) -> list[dict[str, Any]]:
-        world = self.scaling_config.num_workers
-        gpus = self.scaling_config.num_gpus_per_worker
-        nodes = self.placement.ranks if self.placement else [list(range(world))]
-        specs = []
-        for node_rank, ranks in enumerate(nodes):
-            for local_rank, rank in enumerate(ranks):
-                if gpus >= 1:
-                    devices = [local_rank * int(gpus) + i for i in range(int(gpus))]
-                elif gpus > 0:
-                    devices = [int(local_rank * gpus)]
-                else:
-                    devices = []
-                env = {
-                    "RANK": str(rank),
-                    "WORLD_SIZE": str(world),
-                    "LOCAL_RANK": str(local_rank),
-                    "LOCAL_WORLD_SIZE": str(len(ranks)),
-                    "NODE_RANK": str(node_rank),
-                    "GROUP_RANK": str(node_rank),
-                    "GROUP_WORLD_SIZE": str(len(nodes)),
-                    "ROLE_RANK": str(rank),
-                    "ROLE_WORLD_SIZE": str(world),
-                    "MASTER_ADDR": store_host,
-                    "MASTER_PORT": str(store_port),
-                    # torch's env:// and tcp:// rendezvous then join the driver's store as clients.
-                    "TORCHELASTIC_USE_AGENT_STORE": "True",
-                    "TORCHELASTIC_RESTART_COUNT": str(attempt),
-                }
-                specs.append(
-                    {
-                        "rank": rank,
-                        "local_rank": local_rank,
-                        "node_rank": node_rank,
-                        "world_size": world,
-                        "local_world_size": len(ranks),
-                        "devices": devices,
-                        "env": env,
-                    }
-                )
-        return specs
-
-    def bootstrap(self, attempt: int, store_host: str, store_port: int, secret: bytes) -> dict[str, Any]:
-        """Everything an agent needs; it travels over the agent's stdin, never the store.
-
-        Called at every start of the group: datasets given as functions are built again, and
-        each worker's spec gets its shard specs (shared-memory references, no data).
-        """
-        workers = self.worker_specs(attempt, store_host, store_port)
-        if self.datasets is not None:
-            shards = self.datasets.shards(remote_ranks=self.remote_ranks())
-            for spec in workers:
-                spec["datasets"] = shards[spec["rank"]]
+    def run_info(self, attempt: int) -> dict[str, Any]:
+        """What a worker needs to know of this run (it travels with the bootstrap, or to warm
+        workers as the argument of ``ddptrain.worker.begin_run``)."""
         return {
-            "payload": self.payload,
-            "sys_path": list(sys.path),  # '' stands for the working directory, given as "cwd"
-            "cwd": os.getcwd(),
-            "start": _env.worker_start(self.scaling_config.use_gpu),
-            "grace_s": _env.shutdown_grace_s(),
-            "versions": agent_versions(),
-            "workers": workers,
-            "run": {
-                "run_id": self.run_id,
-                "attempt": attempt,
-                "name": self.name,
-                "storage_path": self.storage_path,
-                "run_dir": self.run_dir,
-                "store_host": store_host,
-                "store_port": store_port,
-                "secret": secret,
-                "connect_timeout_s": _env.store_connect_timeout_s(),
-                "checkpoint": self.latest_checkpoint.path if self.latest_checkpoint else None,
-                # Numbered on from the checkpoint index too: metrics.jsonl may have lost lines.
-                "report_index": len(self.metrics_history) + self._lost_reports,
-                "argv": list(sys.argv),
-                "log_level": self.run_config.logging_config.log_level if self.run_config.logging_config else "INFO",
-            },
+            "run_id": self.run_id,
+            "attempt": attempt,
+            "name": self.name,
+            "storage_path": self.storage_path,
+            "run_dir": self.run_dir,
+            "checkpoint": self.latest_checkpoint.path if self.latest_checkpoint else None,
+            # Numbered on from the checkpoint index too: metrics.jsonl may have lost lines.
+            "report_index": len(self.metrics_history) + self._lost_reports,
+            "argv": list(sys.argv),
+            "log_level": self.run_config.logging_config.log_level if self.run_config.logging_config else "INFO",
         }
+
+    def dataset_shards(self) -> dict[int, Any] | None:
+        """Each rank's shard specs for a new start (datasets given as functions are built again)."""
+        if self.datasets is None:
+            return None
+        return self.datasets.shards(remote_ranks=self.plan.remote_ranks())
 
     def log_dir(self, attempt: int) -> Path:
         return Path(self.run_dir, "logs", f"attempt_{attempt}")
@@ -263,39 +140,6 @@ class Run:
                 if entry.name.startswith("attempt_") and number.isdigit():
                     seen.append(int(number))
         return max(seen) + 1
-
-    def remote_ranks(self) -> list[int]:
-        """Ranks that run on other hosts than the driver's (over SSH)."""
-        if self.placement is None:
-            return []
-        return [
-            rank
-            for host, ranks in zip(self.placement.hosts, self.placement.ranks, strict=True)
-            if not is_local(host)
-            for rank in ranks
-        ]
-
-    def ranks_of_agent(self, first_rank: int | None) -> list[int]:
-        """The ranks run by the agent whose first rank is ``first_rank`` (``None``: the only agent)."""
-        if self.placement is None or first_rank is None:
-            return list(range(self.scaling_config.num_workers))
-        node, _ = self.placement.node_of(first_rank)
-        return self.placement.ranks[node]
-
-    def host_of(self, rank: int) -> str:
-        """The name of the host that runs ``rank``."""
-        if self.placement is None:
-            return self.hostname
-        return self.placement.hosts[self.placement.node_of(rank)[0]].name
-
-    def rank_labels(self) -> dict[int, str]:
-        if self.placement is None:
-            return {rank: f"rank{rank}" for rank in range(self.scaling_config.num_workers)}
-        return {
-            rank: f"{host.name}:rank{rank}"
-            for host, ranks in zip(self.placement.hosts, self.placement.ranks, strict=True)
-            for rank in ranks
-        }
 
     # ----------------------------------------------------------------- what workers report
     def record_metrics(self, metrics: dict[str, Any], attempt: int) -> None:
@@ -378,7 +222,7 @@ class Run:
                 "name": self.name,
                 "run_id": self.run_id,
                 "started": time.time(),
-                "host": self.hostname,
+                "host": self.plan.hostname,
                 "pid": os.getpid(),
                 "argv": sys.argv,
                 "num_workers": self.scaling_config.num_workers,
@@ -395,26 +239,12 @@ class Run:
             if self._metrics_file.read(1) != "\n":
                 self._metrics_file.write("\n")
 
-    def _check_gpus(self) -> None:
-        if not self.scaling_config.use_gpu or self.placement is not None:
-            return  # multi-host: each host's slots were checked against its own GPUs
-        import torch
-
-        needed = self.scaling_config.num_gpus_per_worker * self.scaling_config.num_workers
-        available = torch.cuda.device_count()
-        if needed > available:
-            raise ConfigError(
-                f"`ScalingConfig` asks for {needed:g} GPU(s) on this machine "
-                f"({self.scaling_config.num_workers} workers x {self.scaling_config.num_gpus_per_worker:g}), "
-                f"but torch sees {available}. Lower `num_workers` or set `use_gpu=False`."
-            )
-
     def prepare_restart(self) -> None:
-        """On a failure: if a restart will follow, start its agent now, during the teardown."""
+        """On a failure: if a restart will follow, start its agents now, during the teardown."""
         allowed = self._max_failures
         if self._spare is None and (allowed == -1 or self._failures_seen < allowed):
             try:
-                self._spare = self.new_launcher()
+                self._spare = self.plan.new_launcher()
             except LaunchError as exc:  # the restart will try again, and report it then
                 _logger.warning("ddptrain: could not start the next attempt's agents early: %s", exc)
 
@@ -425,7 +255,7 @@ class Run:
         ``ControllerError`` caused by a ``DiskFullError`` naming the file; like a worker's full
         disk, it is never retried.
         """
-        self._check_gpus()
+        self.plan.check_gpus()
         try:
             with storage.RunLock(self.run_dir, self.name):
                 return self._fit_locked()
@@ -437,7 +267,9 @@ class Run:
 
     def _fit_locked(self) -> Result:
         self._load_previous()
-        launcher: Launcher | None = self.new_launcher()  # imports torch while we set up
+        # A warm group from an earlier fit(), or new agents importing torch while we set up.
+        group: WorkerGroup | None = take_warm(self.plan) or WorkerGroup(self.plan, self.plan.new_launcher())
+        kept = False
         root_causes: list[WorkerFailure] = []
         try:
             self._prepare_dir()
@@ -446,20 +278,21 @@ class Run:
             )
             index = self.first_attempt()
             while True:
-                assert launcher is not None
-                attempt = Attempt(self, index, launcher)
+                assert group is not None
+                attempt = Attempt(self, index, group, keep=keeps_warm(self.plan))
                 try:
                     return_values = attempt.run_group()
                     break
                 except GroupFailed as failed:
-                    launcher.shutdown(0)
-                    launcher, self._spare = self._spare, None
+                    group.shutdown(0)
+                    group = WorkerGroup(self.plan, self._spare) if self._spare is not None else None
+                    self._spare = None
                     storage.clean_leftovers(self.run_dir)
                     failures = sorted(failed.failures, key=lambda f: (f.timestamp, f.rank))
                     root_causes.append(failures[0])
                     self._failures_seen = len(root_causes)
                     self._after_exception(failures)
-                    if launcher is None or any(is_disk_full(f.exception) for f in failures):
+                    if group is None or any(is_disk_full(f.exception) for f in failures):
                         raise self._final_error(failures, root_causes, index) from failures[0].exception
                     _logger.warning(
                         "ddptrain: attempt %d failed (%s); restarting from %s (failure %d of %s allowed)",
@@ -470,10 +303,14 @@ class Run:
                         "unlimited" if self._max_failures == -1 else self._max_failures,
                     )
                     index += 1
+            if attempt.keep and group.alive:
+                put_warm(group)
+                kept = True
         finally:
-            for leftover in (launcher, self._spare):
-                if leftover is not None:
-                    leftover.shutdown(_env.shutdown_grace_s())
+            if group is not None and not kept:
+                group.shutdown()
+            if self._spare is not None:
+                self._spare.shutdown(_env.shutdown_grace_s())
             self._spare = None
             if self.datasets is not None:
                 self.datasets.release()

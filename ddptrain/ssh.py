@@ -27,8 +27,8 @@ from ddptrain import _env
 from ddptrain._agent import AGENT_RANK, FRAME, agent_command, read_frame
 from ddptrain._host_scripts import PID_LINE, PRESTART, STAGING_PREFIX, STORAGE_PREP, env_frame, one_line
 from ddptrain._logs import LogSink
-from ddptrain.errors import LaunchError
-from ddptrain.hosts import HostSpec
+from ddptrain.errors import ConfigError, LaunchError
+from ddptrain.hosts import HostSpec, is_local
 
 __all__ = ["SSHLauncher", "connect", "remote_command", "run_program"]
 
@@ -153,9 +153,6 @@ def gpu_slots(hosts: list[HostSpec], gpus_per_worker: float) -> list[HostSpec]:
         ConfigError: A host without ``slots`` has no GPU.
     """
     from dataclasses import replace
-
-    from ddptrain.errors import ConfigError
-    from ddptrain.hosts import is_local
 
     probed: list[HostSpec] = []
     for host in hosts:

@@ -20,8 +20,10 @@ from typing import Any
 
 import cloudpickle
 
-from ddptrain import channel, context
+from ddptrain import channel, context, protocol
+from ddptrain._agent import load_user, write_all
 from ddptrain.checkpoint import Checkpoint
+from ddptrain.data.ingest import open_shards
 from ddptrain.errors import exception_to_bytes
 
 __all__ = ["reopen_std_streams", "restore_blas_threads", "run"]
@@ -112,7 +114,6 @@ def failure_record(exc: BaseException) -> dict[str, Any]:
 
 
 def _write_status(status_fd: int, record: dict[str, Any]) -> None:
-    from ddptrain._agent import write_all
 
     write_all(status_fd, cloudpickle.dumps(record))
 
@@ -127,11 +128,12 @@ def _setup_logging(level: str) -> None:
 
 
 def _make_session(spec: dict[str, Any], run: dict[str, Any]) -> context._Session:
-    from ddptrain.data.ingest import open_shards
+    """This worker's session in ``run`` (``{}``: a group that runs functions, not a training run)."""
 
-    storage = context.StorageContext(run["storage_path"], run["name"])
+    name = run.get("name", "")
+    storage = context.StorageContext(run.get("storage_path", ""), name)
     ctx = context.TrainContext(
-        experiment_name=run["name"],
+        experiment_name=name,
         world_size=spec["world_size"],
         world_rank=spec["rank"],
         local_rank=spec["local_rank"],
@@ -143,8 +145,8 @@ def _make_session(spec: dict[str, Any], run: dict[str, Any]) -> context._Session
     shards = open_shards(spec.get("datasets") or {})  # maps the driver's shared memory
     return context._Session(
         context=ctx,
-        run_dir=run["run_dir"],
-        attempt=run["attempt"],
+        run_dir=run.get("run_dir"),
+        attempt=run.get("attempt", 0),
         checkpoint=Checkpoint(latest) if latest else None,
         dataset_shards=shards,
         devices=spec["devices"],
@@ -153,13 +155,39 @@ def _make_session(spec: dict[str, Any], run: dict[str, Any]) -> context._Session
     )
 
 
-def _execute(ch: channel.WorkerChannel, command: tuple[Any, ...]) -> None:
-    _, call_id, (fn, args, kwargs) = command
+# This worker's spec, the channel to the driver, and the user's function of the current run.
+_state: dict[str, Any] = {}
+
+
+def begin_run(run: dict[str, Any], payload: bytes | None, datasets: dict[int, Any] | None, master_port: int) -> None:
+    """Switch a warm worker to a new run (called by the driver through ``execute``).
+
+    Args:
+        run: What the worker needs to know of the run (``Run.run_info``).
+        payload: The run's pickled training function and config.
+        datasets: Every rank's dataset shard specs; this worker takes its own.
+        master_port: The port of the store the run's process group meets at (a fresh one:
+            torch would find an earlier group's addresses in the old one).
+    """
+
+    spec = dict(_state["spec"])
+    spec["datasets"] = (datasets or {}).get(spec["rank"], {})
+    os.environ["MASTER_PORT"] = str(master_port)
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(run.get("attempt", 0))
+    sys.argv = list(run.get("argv") or sys.argv)
+    logging.getLogger("ddptrain").setLevel(run.get("log_level", "INFO"))
+    _state["user"] = load_user(payload) if payload is not None else None
+    session = _make_session(spec, run)
+    session.channel = _state["channel"]
+    context._set_session(session)
+
+
+def _execute(ch: channel.WorkerChannel, command: protocol.Execute) -> None:
     try:
-        value = fn(*args, **kwargs)
-        ch.send(("result", ch.rank, call_id, True, cloudpickle.dumps(value)))
+        value = command.fn(*command.args, **command.kwargs)
+        ch.send(protocol.CallResult(ch.rank, command.call_id, True, cloudpickle.dumps(value)))
     except Exception as exc:
-        ch.send(("result", ch.rank, call_id, False, failure_record(exc)))
+        ch.send(protocol.CallResult(ch.rank, command.call_id, False, failure_record(exc)))
 
 
 def _train(user: dict[str, Any]) -> Any:
@@ -203,30 +231,30 @@ def run(spec: dict[str, Any], shared: dict[str, Any], status_fd: int) -> int:
         _check_cuda_usable(spec)
         if "user" in shared:
             user = shared["user"]
-        else:
-            from ddptrain._agent import load_user
-
+        elif shared["payload"] is not None:
             user = load_user(shared["payload"])
+        else:
+            user = None  # a group that runs functions until it is given a run
+        _state.update(spec=spec, user=user)
         store = channel.connect(run_info["store_host"], run_info["store_port"], run_info["connect_timeout_s"])
         store.set_timeout(channel._LONG_WAIT)
         keys = channel.Keys(run_info["secret"])
         ch = channel.WorkerChannel(store, keys, run_info["secret"], rank)
         session = _make_session(spec, run_info)
-        session.channel = ch
+        session.channel = _state["channel"] = ch
         context._set_session(session)
-        ch.send(("hello", rank, os.getpid(), socket.gethostname()))
+        ch.send(protocol.Hello(rank, os.getpid(), socket.gethostname()))
         ch.start_heartbeat(run_info["store_host"], run_info["store_port"], HEARTBEAT_S)
     except BaseException as exc:
         _write_status(status_fd, failure_record(exc))
         return 1
     while True:
         command = ch.recv()
-        kind = command[0]
-        if kind == "execute":
+        if isinstance(command, protocol.Execute):
             _execute(ch, command)
-        elif kind == "train":
+        elif isinstance(command, protocol.Train):
             try:
-                value = _train(user)
+                value = _train(_state["user"])
                 _leave_process_group()
             except BaseException as exc:
                 record = failure_record(exc)
@@ -238,6 +266,8 @@ def run(spec: dict[str, Any], shared: dict[str, Any], status_fd: int) -> int:
                 note = None
             except Exception as exc:
                 returned, note = None, f"the return value of rank {rank} could not be pickled: {exc!r}"
-            ch.send(("done", rank, returned, note))
-        elif kind == "exit":
+            ch.send(protocol.Done(rank, returned, note))
+        elif isinstance(command, protocol.Exit):
             return 0
+        else:
+            _logger.warning("ddptrain rank %d: unknown command %r ignored", rank, command)

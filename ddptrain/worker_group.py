@@ -1,17 +1,75 @@
-"""``WorkerGroup``: the driver's handle on the running workers, given to ``Backend`` hooks."""
+"""``WorkerGroup``: worker processes started once, running functions on request.
+
+A group owns what lives as long as its workers: the agents (a :class:`Launcher`), the driver's
+store and its signed channel, the log sink, and one event queue fed by the channel thread
+(worker messages), the launcher threads (agent events) and the log sink (a write error). The
+driver thread drains that queue in :meth:`WorkerGroup.pump_until`; the first worker failure
+raises :class:`GroupFailed`, after which the group is dead and is shut down.
+
+A training run (``fit()``) uses a group for one attempt and, inside
+``ddptrain.reuse_workers()``, hands it on warm to the next ``fit()`` with the same plan.
+Backends get the group in their hooks (``execute``, ``execute_single``, ``get_workers``...),
+and code that drives workers itself (the ``TrainingOperator`` API) starts one with
+:meth:`WorkerGroup.launch`.
+"""
 
 from __future__ import annotations
 
+import logging
+import os
+import pickle
+import queue
+import secrets
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import cloudpickle
+
+from ddptrain import _env, protocol
+from ddptrain._agent import AGENT_RANK
+from ddptrain._agent import versions as agent_versions
+from ddptrain._logs import LogSink
+from ddptrain.channel import DriverChannel, Keys, open_store
+from ddptrain.errors import (
+    LaunchError,
+    WorkerDiedError,
+    WorkerError,
+    WorkerFailure,
+    WorkerGroupError,
+    describe_exitcode,
+    format_failures,
+    is_disk_full,
+)
+from ddptrain.plan import Plan
+from ddptrain.torch.config import TorchConfig
+
 if TYPE_CHECKING:
-    from ddptrain.driver import Attempt
+    import torch.distributed as dist
 
-__all__ = ["WorkerGroup", "WorkerMetadata"]
+    from ddptrain.backend import BackendConfig
+    from ddptrain.config import RunConfig, ScalingConfig
+    from ddptrain.launcher import AgentEvent, Launcher
+    from ddptrain.watch import Watch
 
+__all__ = ["GroupFailed", "WorkerGroup", "WorkerMetadata"]
+
+_logger = logging.getLogger(__name__)
+_PUMP_S = 0.5
+_TICK_S = 0.1
 T = TypeVar("T")
+
+
+class GroupFailed(WorkerGroupError):
+    """The worker group failed; ``failures`` says how (first failure first). The group is dead."""
+
+    def __init__(self, failures: list[WorkerFailure]) -> None:
+        ordered = sorted(failures, key=lambda f: (f.timestamp, f.rank))
+        super().__init__(format_failures(ordered, None), {f.rank: f.exception for f in ordered}, ordered)
+        self.__cause__ = ordered[0].exception
 
 
 @dataclass(frozen=True)
@@ -31,35 +89,419 @@ class WorkerMetadata:
         return self.hostname
 
 
-class WorkerGroup:
-    """Runs functions on the workers of the current attempt.
+def failure_from_record(record: dict[str, Any]) -> BaseException:
+    """The worker's exception from its failure record, or a stand-in with its traceback."""
+    if record.get("exception"):
+        try:
+            exc: BaseException = pickle.loads(record["exception"])
+            return exc
+        except Exception:
+            pass
+    return WorkerError(record.get("type", "Exception"), record.get("message", ""), record.get("traceback", ""))
 
-    ``fn`` is pickled with cloudpickle and run in each worker process; exceptions it raises
-    fail the run with the worker's traceback.
+
+class WorkerGroup:
+    """The workers of one plan, from start to shutdown.
+
+    Args:
+        plan: Where the ranks run.
+        launcher: Agents already started for this group (``None``: started by :meth:`start`).
     """
 
-    def __init__(self, attempt: Attempt) -> None:
-        self._attempt = attempt
+    def __init__(self, plan: Plan, launcher: Launcher | None = None) -> None:
+        self.plan = plan
+        self.launcher = launcher
+        self.world_size = plan.world_size
+        self.events: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self.hosts: dict[int, tuple[int, str]] = {}
+        self.connected: set[int] = set()
+        self.exited: set[int] = set()
+        self.done: dict[int, tuple[bytes | None, str | None]] = {}  # ranks whose function returned
+        self.exit_expected = False
+        self.finishing = False  # every rank returned; failures from here on are not retried
+        self.sink: LogSink | None = None
+        self.channel: DriverChannel | None = None
+        self.handler: Callable[[Any], WorkerFailure | None] | None = None  # a run's messages
+        self.on_failure: Callable[[], None] | None = None  # first failure seen (e.g. start the next group)
+        self.on_tick: Callable[[], None] | None = None  # a run's periodic checks
+        self.watch: Watch | None = None
+        self._store: dist.TCPStore | None = None
+        self._rendezvous: dist.TCPStore | None = None  # a warm run's process-group store
+        self._results: dict[int, dict[int, tuple[bool, Any]]] = {}
+        self._next_call = 0
+        self._next_tick = 0.0
+        self._closed = False
+        self.backend: tuple[Any, BackendConfig] | None = None  # set up by `launch`, torn down by `shutdown`
+
+    # ----------------------------------------------------------------- public entry point
+    @classmethod
+    def launch(
+        cls,
+        scaling_config: ScalingConfig,
+        *,
+        run_config: RunConfig | None = None,
+        backend_config: BackendConfig | None = None,
+        log_dir: str | os.PathLike[str] | None = None,
+    ) -> WorkerGroup:
+        """Start ``scaling_config.num_workers`` workers and set up their backend (default: a
+        torch process group), ready for :meth:`execute`. Shut it down with :meth:`shutdown`,
+        or use it as a context manager.
+
+        Args:
+            log_dir: Folder for one log file per rank; ``None``: worker output goes to the
+                console only (rank-prefixed, as always).
+        """
+        plan = Plan(scaling_config, run_config._env_vars() if run_config is not None else None)
+        plan.check_gpus()
+        group = cls(plan)
+        try:
+            group.start(payload=None, run={}, log_dir=Path(log_dir) if log_dir is not None else None)
+            config = backend_config or TorchConfig()
+            backend = config.backend_cls()
+            backend.on_start(group, config)
+            group.backend = (backend, config)
+        except BaseException:
+            group.shutdown()
+            raise
+        return group
+
+    def __enter__(self) -> WorkerGroup:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    # ----------------------------------------------------------------- start and stop
+    @property
+    def started(self) -> bool:
+        return self.channel is not None
+
+    @property
+    def alive(self) -> bool:
+        """Started, not shut down, and every worker still running."""
+        return self.started and not self._closed and not self.exited
+
+    def start(
+        self,
+        *,
+        payload: bytes | None,
+        run: dict[str, Any],
+        log_dir: Path | None,
+        datasets: dict[int, Any] | None = None,
+        attempt: int = 0,
+    ) -> None:
+        """Start the workers and wait until each has joined the driver's store.
+
+        Args:
+            payload: The pickled user function the workers load before their first command.
+            run: What the workers' first run is (``ddptrain.worker.run_info``); ``{}`` for none.
+            log_dir: Where each rank's output goes (``None``: the console only).
+            datasets: Each rank's dataset shard specs.
+            attempt: The run's attempt number (``TORCHELASTIC_RESTART_COUNT``).
+        """
+        if self.launcher is None:
+            self.launcher = self.plan.new_launcher()
+        self._store = open_store(self.launcher.bind_address())
+        secret = secrets.token_bytes(32)
+        self.channel = DriverChannel(self._store, Keys(secret), secret)
+        self.channel.start(lambda message: self.events.put(("msg", message)))
+        self.sink = LogSink(
+            log_dir,
+            self.plan.rank_labels(),
+            _env.console_ranks(),
+            on_error=lambda error: self.events.put(("sink", error)),
+        )
+        workers = self.plan.worker_specs(attempt, self._store.host, self._store.port)
+        for spec in workers:
+            if datasets is not None:
+                spec["datasets"] = datasets[spec["rank"]]
+        bootstrap = {
+            "payload": payload,
+            "sys_path": list(sys.path),  # '' stands for the working directory, given as "cwd"
+            "cwd": os.getcwd(),
+            "start": _env.worker_start(self.plan.scaling_config.use_gpu),
+            "grace_s": _env.shutdown_grace_s(),
+            "versions": agent_versions(),
+            "workers": workers,
+            "run": {
+                "log_level": "INFO",
+                **run,
+                "store_host": self._store.host,
+                "store_port": self._store.port,
+                "secret": secret,
+                "connect_timeout_s": _env.store_connect_timeout_s(),
+                "argv": list(sys.argv),
+            },
+        }
+        self.launcher.start(bootstrap, self.sink, lambda event: self.events.put(("agent", event)))
+        try:
+            self.pump_until(
+                lambda: len(self.connected) == self.world_size,
+                timeout_s=_env.worker_start_timeout_s(),
+                waiting_for="workers to start and connect to the driver's store",
+            )
+        except TimeoutError as exc:
+            missing = sorted(set(range(self.world_size)) - self.connected)
+            where = f" Their output is in {log_dir}." if log_dir is not None else ""
+            raise LaunchError(
+                f"Rank(s) {missing} did not start: {exc} (DDPTRAIN_WORKER_START_TIMEOUT_S).{where}"
+            ) from None
+
+    def stop_workers(self, timeout_s: float = 10.0) -> None:
+        """Ask every worker to exit and wait for them (problems are logged: the work is done)."""
+        if not self.alive or self.channel is None:
+            return
+        self.exit_expected = True
+        for rank in range(self.world_size):
+            self.channel.send(rank, protocol.Exit())
+        try:
+            self.pump_until(
+                lambda: len(self.exited) == self.world_size, timeout_s=timeout_s, waiting_for="workers to exit"
+            )
+        except (GroupFailed, TimeoutError) as exc:
+            _logger.warning("ddptrain: workers did not exit cleanly after their work finished (ignored): %s", exc)
+
+    def shutdown(self, grace_s: float | None = None) -> None:
+        """Stop every worker and agent: SIGTERM, then SIGKILL after ``grace_s``. Safe to call twice."""
+        if self._closed:
+            return
+        if self.backend is not None and self.alive:
+            backend, config = self.backend
+            self.backend = None
+            try:
+                backend.on_shutdown(self, config)
+            except Exception as exc:
+                _logger.warning("ddptrain: the backend's shutdown failed (ignored): %s", exc)
+            self.stop_workers()
+        self._closed = True
+        self.exit_expected = True
+        if self.launcher is not None:
+            self.launcher.shutdown(_env.shutdown_grace_s() if grace_s is None else grace_s)
+        if self.channel is not None:
+            self.channel.stop()
+        if self.sink is not None:
+            self.sink.close()
+        self._store = self._rendezvous = None
+
+    def ask(self, command: bytes) -> None:
+        """Send the agents a one-byte request (worker states, stacks)."""
+        if self.launcher is not None:
+            self.launcher.ask(command)
+
+    def send(self, rank: int, message: Any) -> None:
+        assert self.channel is not None
+        self.channel.send(rank, message)
+
+    def next_run(self, log_dir: Path | None) -> int:
+        """Ready a warm group for its next run: its output goes to ``log_dir`` from now on.
+
+        Returns the port of a fresh store for the run's process group (``MASTER_PORT``):
+        torch's rendezvous keys (``default_pg/0/...``) are the same for every process group,
+        so a second one built on the same store would read the first one's stale addresses.
+        """
+        assert self.sink is not None and self.launcher is not None
+        self.sink.retarget(log_dir)
+        self.done.clear()
+        self.finishing = False
+        self._rendezvous = open_store(self.launcher.bind_address())
+        return int(self._rendezvous.port)
+
+    # ----------------------------------------------------------------- event pump
+    def pump_until(self, done: Callable[[], bool], timeout_s: float | None = None, waiting_for: str = "") -> None:
+        """Handle events until ``done()``; raises GroupFailed on a failure, TimeoutError after
+        ``timeout_s``."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not done():
+            try:
+                event = self.events.get(timeout=_PUMP_S)
+            except queue.Empty:
+                event = None
+            if event is not None:
+                self._handle(event)
+            now = time.monotonic()
+            if now >= self._next_tick:  # not per event: a fast rank 0 may be far ahead
+                self._next_tick = now + _TICK_S
+                if self.on_tick is not None:
+                    self.on_tick()
+                if self.watch is not None:
+                    self.watch.check(self.sink.last_write if self.sink is not None else 0.0)
+            if deadline is not None and time.monotonic() > deadline and not done():
+                raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {waiting_for}")
+
+    def fail(self, failures: list[WorkerFailure]) -> GroupFailed:
+        """The error that ends this group (``on_failure`` runs first: a restart may start early)."""
+        if self.on_failure is not None and not self.finishing and not any(is_disk_full(f.exception) for f in failures):
+            self.on_failure()
+        return GroupFailed(failures)
+
+    def _handle(self, event: tuple[str, Any]) -> None:
+        failure = self._dispatch(event)
+        if failure is None:
+            return
+        failures = [failure]
+        # Gather the other ranks that failed on their own at about the same time.
+        deadline = time.monotonic() + 0.2
+        while time.monotonic() < deadline:
+            try:
+                more = self._dispatch(self.events.get(timeout=0.05))
+            except queue.Empty:
+                continue
+            if more is not None and more.rank not in {f.rank for f in failures}:
+                failures.append(more)
+        raise self.fail(failures)
+
+    def _dispatch(self, event: tuple[str, Any]) -> WorkerFailure | None:
+        source, item = event
+        if source == "sink":  # a log file could not be written (a full disk): the driver's failure
+            raise item
+        return self._handle_message(item) if source == "msg" else self._handle_agent(item)
+
+    def _handle_message(self, message: Any) -> WorkerFailure | None:
+        if self.watch is not None:
+            self.watch.activity()
+        if isinstance(message, protocol.Hello):
+            self.connected.add(message.rank)
+            self.hosts[message.rank] = (message.pid, message.host)
+        elif isinstance(message, protocol.CallResult):
+            self._results.setdefault(message.call_id, {})[message.rank] = (message.ok, message.value)
+        elif isinstance(message, protocol.Done):
+            self.done[message.rank] = (message.returned, message.note)
+        elif isinstance(message, protocol.Lost):
+            return self.failure(message.rank, None, message.error)
+        elif self.handler is not None:
+            return self.handler(message)
+        else:
+            _logger.warning("ddptrain: a worker sent %r outside a training run; ignored", message)
+        return None
+
+    def _handle_agent(self, event: AgentEvent) -> WorkerFailure | None:
+        kind, rank, payload = event
+        if kind == b"P":
+            if self.watch is not None:
+                self.watch.on_states(pickle.loads(payload))
+            return None
+        if kind == b"S":
+            info = pickle.loads(payload)
+            self.hosts.setdefault(rank, (info["pid"], info["host"]))
+            return None
+        if kind == b"X":
+            info = pickle.loads(payload)
+            self.exited.add(rank)
+            exitcode = info["exitcode"]
+            if self.exit_expected and exitcode == 0 and not info["status"]:
+                return None
+            if info["status"]:
+                record = pickle.loads(info["status"])
+                return self.failure(rank, exitcode, failure_from_record(record), record["traceback"])
+            if self.exit_expected:
+                return None
+            return self.failure(rank, exitcode, WorkerDiedError(rank, exitcode, info.get("memory")))
+        # Agent events name the agent by its first rank (AGENT_RANK: the only agent).
+        agent_ranks = self.plan.ranks_of_agent(None if rank == AGENT_RANK else rank)
+        if kind == b"F":
+            text = payload.decode("utf-8", errors="replace")
+            error = LaunchError(f"The ddptrain agent could not start the workers:\n{text}")
+            return self.failure(agent_ranks[0], None, error, text)
+        missing = sorted(set(agent_ranks) - self.exited)
+        if kind == b"D" and missing and not self.exit_expected:
+            code = payload.decode()
+            how = "connection lost" if code == "None" else describe_exitcode(int(code))
+            hint = " (SIGKILL often means the kernel's out-of-memory killer)" if code == "-9" else ""
+            error = LaunchError(
+                f"The ddptrain agent that runs rank(s) {missing} on {self.plan.host_of(missing[0])} "
+                f"died ({how}){hint}; its workers died with it."
+            )
+            return self.failure(missing[0], None, error)
+        return None
+
+    def _pid_host(self, rank: int) -> tuple[int | None, str]:
+        pid, host = self.hosts.get(rank, (None, self.plan.hostname))
+        if self.plan.placement is not None:
+            host = self.plan.host_of(rank)  # the host list's name for it
+        return pid, host
+
+    def where(self, rank: int) -> str:
+        pid, host = self._pid_host(rank)
+        return f"rank {rank} (host {host}, pid {pid})"
+
+    def failure(self, rank: int, exitcode: int | None, exc: BaseException, traceback_str: str = "") -> WorkerFailure:
+        """What the driver knows of a failure of ``rank``."""
+        pid, host = self._pid_host(rank)
+        returned = sorted(r for r in self.done if r != rank)
+        note = ""
+        if returned and not self.finishing:
+            note = (
+                f"rank(s) {returned} had already returned from the training function; a rank that returns "
+                "early makes its peers' collectives fail"
+            )
+        return WorkerFailure(
+            rank=rank,
+            host=host,
+            pid=pid,
+            exitcode=exitcode,
+            exception=exc,
+            traceback_str=traceback_str,
+            log_path=self.sink.path(rank) if self.sink is not None else None,
+            timestamp=time.time(),
+            log_tail=self.sink.tail(rank) if self.sink is not None else [],
+            note=note,
+        )
+
+    # ----------------------------------------------------------------- running functions
+    def call(
+        self, ranks: list[int], fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on ``ranks``; results in the order of ``ranks``."""
+        if not self.alive:
+            raise WorkerGroupError("The worker group is not running (it was shut down or one of its workers died).", {})
+        call_id = self._next_call
+        self._next_call += 1
+        for rank in ranks:
+            self.send(rank, protocol.Execute(call_id, fn, args, kwargs))
+
+        def answered() -> bool:  # by every rank, or by one that failed: no need to wait for the rest
+            replies = self._results.get(call_id, {})
+            return len(replies) == len(ranks) or any(not ok for ok, _ in replies.values())
+
+        self.pump_until(answered)
+        if len(self._results.get(call_id, {})) < len(ranks):  # one failed: gather others failing with it
+            try:
+                self.pump_until(lambda: len(self._results.get(call_id, {})) == len(ranks), timeout_s=0.5)
+            except TimeoutError:
+                pass
+        replies = self._results.pop(call_id)
+        failed = [
+            self.failure(rank, None, failure_from_record(value), value["traceback"])
+            for rank, (ok, value) in sorted(replies.items())
+            if not ok
+        ]
+        if failed:
+            raise self.fail(failed)
+        return [cloudpickle.loads(replies[rank][1]) for rank in ranks]
 
     def execute(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> list[T]:
-        """Run ``fn(*args, **kwargs)`` on every worker at once; results in rank order."""
-        return self._attempt.execute(list(range(len(self))), fn, args, kwargs)
+        """Run ``fn(*args, **kwargs)`` on every worker at once; results in rank order.
+
+        ``fn`` is pickled with cloudpickle. If it raises on any worker, this raises
+        :class:`GroupFailed` (a :class:`~ddptrain.WorkerGroupError`) with the worker's
+        traceback, and the group must be shut down.
+        """
+        return self.call(list(range(len(self))), fn, args, kwargs)
 
     def execute_single(self, worker_index: int, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run ``fn(*args, **kwargs)`` on the worker of rank ``worker_index``."""
         if not 0 <= worker_index < len(self):
             raise IndexError(f"`worker_index` must be in [0, {len(self)}), got {worker_index}.")
-        return self._attempt.execute([worker_index], fn, args, kwargs)[0]
+        return self.call([worker_index], fn, args, kwargs)[0]
 
     def __len__(self) -> int:
-        return self._attempt.world_size
+        return self.world_size
 
     def get_resources_per_worker(self) -> dict[str, float]:
         """The resources each worker was given (``CPU``, ``GPU``)."""
-        scaling = self._attempt.run.scaling_config
+        scaling = self.plan.scaling_config
         return {"CPU": scaling.num_cpus_per_worker, "GPU": scaling.num_gpus_per_worker}
 
     def get_workers(self) -> list[WorkerMetadata]:
         """Host and pid of every worker, in rank order."""
-        hosts = self._attempt.hosts
-        return [WorkerMetadata(rank, hosts[rank][1], hosts[rank][0]) for rank in range(len(self))]
+        return [WorkerMetadata(rank, self.hosts[rank][1], self.hosts[rank][0]) for rank in range(len(self))]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import ddptrain as train
-from ddptrain import channel
+from ddptrain import channel, protocol
 
 
 def _listen_addresses(port: int) -> list[str]:
@@ -258,7 +258,7 @@ def lose_the_last_message() -> str:
         push = ch._outbox.push
 
         def push_all_but_done(key: str, obj, **kwargs) -> None:
-            if obj[0] == "done":  # pushed, and popped off the store by someone else at once
+            if isinstance(obj, protocol.Done):  # pushed, and popped off the store by someone else at once
                 ch._outbox._numbers[key] += 1
                 ch._outbox._pushed[key] = ch._outbox._numbers[key]
                 return

@@ -12,6 +12,9 @@ import numpy as np
 import torch
 import torch.utils.data
 
+from ddptrain import context
+from ddptrain.torch import get_device
+
 __all__ = [
     "resolve_device",
     "from_numpy",
@@ -31,11 +34,8 @@ def resolve_device(device: Any) -> torch.device:
     """``"auto"``: this worker's device inside a training function (``ddptrain.torch.get_device()``),
     else the CPU. Anything else is given to ``torch.device``."""
     if isinstance(device, str) and device == "auto":
-        from ddptrain import context
-
         if context._session is None:
             return torch.device("cpu")
-        from ddptrain.torch import get_device
 
         return get_device()
     try:

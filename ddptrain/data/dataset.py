@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ddptrain.data._batching import to_pandas
 from ddptrain.data._shm import ColumnRef, ColumnSource, SharedBuffer
 
 if TYPE_CHECKING:
@@ -200,7 +201,6 @@ class Dataset:
 
     def to_pandas(self, limit: int | None = None) -> pandas.DataFrame:
         """The rows as a pandas DataFrame (needs pandas)."""
-        from ddptrain.data._batching import to_pandas
 
         rows = self._num_rows if limit is None else min(limit, self._num_rows)
         return to_pandas({name: c[:rows] for name, c in self._columns.items()})

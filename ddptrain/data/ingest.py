@@ -21,6 +21,7 @@ import cloudpickle
 import numpy as np
 
 from ddptrain.config import DataConfig
+from ddptrain.data import read_api
 from ddptrain.data._shm import ColumnRef, attach_columns
 from ddptrain.data.dataset import Dataset
 from ddptrain.data.iterator import DataIterator
@@ -70,7 +71,6 @@ def _kind(value: Any) -> str | None:
 def as_dataset(value: Any, name: str) -> Dataset:
     """The trainer dataset ``name`` as a :class:`Dataset` (lists, arrays, DataFrames and torch
     datasets are converted with the matching ``from_*`` function)."""
-    from ddptrain.data import read_api
 
     kind = _kind(value)
     if kind == "dataset":

@@ -9,8 +9,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ddptrain import _env
 from ddptrain.backend import Backend, BackendConfig
 from ddptrain.errors import ConfigError, LaunchError
+from ddptrain.torch.train_loop_utils import get_device
 
 if TYPE_CHECKING:
     from ddptrain.worker_group import WorkerGroup
@@ -57,8 +59,6 @@ class TorchConfig(BackendConfig):
 def _set_cuda_device() -> Iterator[None]:
     import torch
 
-    from ddptrain.torch.train_loop_utils import get_device
-
     device = get_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -82,9 +82,6 @@ def _setup_process_group(backend: str, init_method: str, timeout_s: float) -> No
     """
     import torch
     import torch.distributed as dist
-
-    from ddptrain import _env
-    from ddptrain.torch.train_loop_utils import get_device
 
     device = get_device()
     if device.type == "cuda":

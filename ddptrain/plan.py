@@ -1,0 +1,199 @@
+"""The placement plan of a worker group: which host runs which ranks, with what environment.
+
+A plan is built from the scaling config (and the run's worker env vars) before anything
+starts, so a bad host list is an error before any process exists. It starts the agents of one
+group (``new_launcher``) and writes each worker's spec; it knows nothing of run directories,
+reports or checkpoints.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+from typing import Any
+
+from ddptrain import _env
+from ddptrain.config import ScalingConfig
+from ddptrain.errors import ConfigError, LaunchError
+from ddptrain.hosts import HostSpec, Placement, is_local, parse_hosts, place_workers, with_ssh_config
+from ddptrain.launcher import GroupLauncher, Launcher, LocalLauncher
+from ddptrain.ssh import SSHLauncher, gpu_slots
+
+__all__ = ["Plan"]
+
+
+class Plan:
+    """Where the ranks of a group run.
+
+    Args:
+        scaling_config: Number of workers, their resources, and the host list.
+        env_vars: Extra environment of every worker (``RunConfig.worker_runtime_env``).
+    """
+
+    def __init__(self, scaling_config: ScalingConfig, env_vars: dict[str, str] | None = None) -> None:
+        self.scaling_config = scaling_config
+        self.env_vars = dict(env_vars or {})
+        self.hostname = socket.gethostname()
+        self.placement = self._placement()
+
+    @property
+    def world_size(self) -> int:
+        return self.scaling_config.num_workers
+
+    def _placement(self) -> Placement | None:
+        raw = self.scaling_config.hosts if self.scaling_config.hosts is not None else _env.hostfile()
+        if raw is None:
+            return None
+        hosts = [h if is_local(h) else with_ssh_config(h, _env.ssh_config_path()) for h in parse_hosts(raw)]
+        if self.scaling_config.use_gpu:  # a host without `slots` runs one worker per GPU
+            hosts = gpu_slots(hosts, self.scaling_config.num_gpus_per_worker)
+        return place_workers(hosts, self.scaling_config.num_workers, self.scaling_config.placement_strategy)
+
+    def check_gpus(self) -> None:
+        """A local GPU group needs that many GPUs here (each host of a host list was checked
+        against its own GPUs when the plan was made)."""
+        if not self.scaling_config.use_gpu or self.placement is not None:
+            return
+        import torch
+
+        needed = self.scaling_config.num_gpus_per_worker * self.scaling_config.num_workers
+        available = torch.cuda.device_count()
+        if needed > available:
+            raise ConfigError(
+                f"`ScalingConfig` asks for {needed:g} GPU(s) on this machine "
+                f"({self.scaling_config.num_workers} workers x {self.scaling_config.num_gpus_per_worker:g}), "
+                f"but torch sees {available}. Lower `num_workers` or set `use_gpu=False`."
+            )
+
+    def reuse_key(self) -> tuple[Any, ...]:
+        """Two plans with equal keys start identical groups: a warm group of one can serve the other."""
+        return (repr(self.scaling_config), sorted(self.agent_env().items()), tuple(sys.path), os.getcwd())
+
+    # ----------------------------------------------------------------- starting agents
+    def agent_env(self, remote: bool = False) -> dict[str, str]:
+        """Environment of an agent and its workers: the driver's own for a local agent; for a
+        remote one only the variables meant for workers (the driver's PATH or HOME may not
+        exist there)."""
+        env = _env.forwarded_env() if remote else dict(os.environ)
+        env.update(self.env_vars)
+        env.setdefault("OMP_NUM_THREADS", str(self.scaling_config._omp_num_threads()))
+        env[_env.WORKER_MARKER] = "1"
+        if self.scaling_config.use_gpu:
+            env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        return env
+
+    def new_launcher(self) -> Launcher:
+        """Start the agents of one group: one local process, or one per host over SSH."""
+        if self.placement is None:
+            return LocalLauncher(self.agent_env())
+
+        def start(host: HostSpec) -> tuple[Launcher, str]:
+            if is_local(host):
+                return LocalLauncher(self.agent_env()), "127.0.0.1"
+            python = host.python or sys.executable
+            launcher = SSHLauncher(host, self.agent_env(remote=True), python, host.workdir or os.getcwd())
+            return launcher, _env.driver_address() or launcher.local_address
+
+        results: dict[int, tuple[Launcher, str] | BaseException] = {}
+
+        def start_into(node: int, host: HostSpec) -> None:
+            try:
+                results[node] = start(host)
+            except BaseException as exc:  # reported below, with every other host's outcome
+                results[node] = exc
+
+        threads = [
+            threading.Thread(target=start_into, args=(node, host), daemon=True)
+            for node, host in enumerate(self.placement.hosts)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        errors = [r for r in results.values() if isinstance(r, BaseException)]
+        started = [r for r in results.values() if not isinstance(r, BaseException)]
+        if errors:
+            for launcher, _ in started:
+                launcher.shutdown(0)
+            raise LaunchError("\n".join(str(e) for e in errors)) from errors[0]
+        return GroupLauncher([results[node] for node in range(len(self.placement.hosts))])  # type: ignore[misc]
+
+    # ----------------------------------------------------------------- ranks and hosts
+    def worker_specs(self, attempt: int, store_host: str, store_port: int) -> list[dict[str, Any]]:
+        """Each worker's rank, devices and torchrun-style environment (``attempt``: the run's
+        attempt number, torchrun's ``TORCHELASTIC_RESTART_COUNT``)."""
+        world = self.scaling_config.num_workers
+        gpus = self.scaling_config.num_gpus_per_worker
+        nodes = self.placement.ranks if self.placement else [list(range(world))]
+        specs = []
+        for node_rank, ranks in enumerate(nodes):
+            for local_rank, rank in enumerate(ranks):
+                if gpus >= 1:
+                    devices = [local_rank * int(gpus) + i for i in range(int(gpus))]
+                elif gpus > 0:
+                    devices = [int(local_rank * gpus)]
+                else:
+                    devices = []
+                env = {
+                    "RANK": str(rank),
+                    "WORLD_SIZE": str(world),
+                    "LOCAL_RANK": str(local_rank),
+                    "LOCAL_WORLD_SIZE": str(len(ranks)),
+                    "NODE_RANK": str(node_rank),
+                    "GROUP_RANK": str(node_rank),
+                    "GROUP_WORLD_SIZE": str(len(nodes)),
+                    "ROLE_RANK": str(rank),
+                    "ROLE_WORLD_SIZE": str(world),
+                    "MASTER_ADDR": store_host,
+                    "MASTER_PORT": str(store_port),
+                    # torch's env:// and tcp:// rendezvous then join the driver's store as clients.
+                    "TORCHELASTIC_USE_AGENT_STORE": "True",
+                    "TORCHELASTIC_RESTART_COUNT": str(attempt),
+                }
+                specs.append(
+                    {
+                        "rank": rank,
+                        "local_rank": local_rank,
+                        "node_rank": node_rank,
+                        "world_size": world,
+                        "local_world_size": len(ranks),
+                        "devices": devices,
+                        "env": env,
+                    }
+                )
+        return specs
+
+    def remote_ranks(self) -> list[int]:
+        """Ranks that run on other hosts than the driver's (over SSH)."""
+        if self.placement is None:
+            return []
+        return [
+            rank
+            for host, ranks in zip(self.placement.hosts, self.placement.ranks, strict=True)
+            if not is_local(host)
+            for rank in ranks
+        ]
+
+    def ranks_of_agent(self, first_rank: int | None) -> list[int]:
+        """The ranks run by the agent whose first rank is ``first_rank`` (``None``: the only agent)."""
+        if self.placement is None or first_rank is None:
+            return list(range(self.scaling_config.num_workers))
+        node, _ = self.placement.node_of(first_rank)
+        return self.placement.ranks[node]
+
+    def host_of(self, rank: int) -> str:
+        """The name of the host that runs ``rank``."""
+        if self.placement is None:
+            return self.hostname
+        return self.placement.hosts[self.placement.node_of(rank)[0]].name
+
+    def rank_labels(self) -> dict[int, str]:
+        if self.placement is None:
+            return {rank: f"rank{rank}" for rank in range(self.scaling_config.num_workers)}
+        return {
+            rank: f"{host.name}:rank{rank}"
+            for host, ranks in zip(self.placement.hosts, self.placement.ranks, strict=True)
+            for rank in ranks
+        }

@@ -1,0 +1,73 @@
+"""Warm worker groups handed from one ``fit()`` to the next, inside :func:`reuse_workers`."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # this module stays light: `import ddptrain` imports it
+    from ddptrain.plan import Plan
+    from ddptrain.worker_group import WorkerGroup
+
+__all__ = ["keeps_warm", "put_warm", "reuse_workers", "take_warm"]
+
+_warm: list[WorkerGroup] | None = None  # None: fits do not keep their workers
+
+
+@contextlib.contextmanager
+def reuse_workers() -> Iterator[None]:
+    """Let the ``fit()`` calls inside keep their worker processes for the next one.
+
+    A ``fit()`` whose plan (scaling config, worker environment, ``sys.path``, working
+    directory) matches a finished one's starts on its warm workers instead of new processes:
+    no interpreter start, no torch import. What the workers' earlier functions left behind
+    (module globals, threads, environment changes, CUDA caches) stays with them; that is why
+    this is opt-in. A failed ``fit()`` never hands on its workers. Only single-machine groups
+    are kept; every worker is stopped when the block ends. Nested blocks share the outer one.
+
+    Example:
+        >>> with ddptrain.reuse_workers():          # doctest: +SKIP
+        ...     for lr in (0.1, 0.01):
+        ...         TorchTrainer(train_func, train_loop_config={"lr": lr}, ...).fit()
+    """
+    global _warm
+    if _warm is not None:
+        yield
+        return
+    _warm = []
+    try:
+        yield
+    finally:
+        groups, _warm = _warm, None
+        for group in groups:
+            group.stop_workers()
+            group.shutdown()
+
+
+def take_warm(plan: Plan) -> WorkerGroup | None:
+    """A warm group that can run ``plan``, taken out of the pool (``None``: none)."""
+    if _warm is None:
+        return None
+    key = plan.reuse_key()
+    for group in list(_warm):
+        if not group.alive:
+            _warm.remove(group)
+            group.shutdown()
+        elif group.plan.reuse_key() == key:
+            _warm.remove(group)
+            return group
+    return None
+
+
+def keeps_warm(plan: Plan) -> bool:
+    """Whether a group of ``plan`` that finishes its run is kept for the next ``fit()``."""
+    return _warm is not None and plan.placement is None
+
+
+def put_warm(group: WorkerGroup) -> None:
+    """Keep a group whose run finished for the next ``fit()``."""
+    assert _warm is not None
+    group.handler = group.on_tick = group.on_failure = None
+    group.watch = None
+    _warm.append(group)

@@ -1,0 +1,218 @@
+"""The attempt's state machine, without processes: a fake worker group replays scripted worker
+messages into an :class:`~ddptrain.driver.Attempt` and records what the driver sends back."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+import pytest
+
+import ddptrain as train
+from ddptrain import protocol, storage
+from ddptrain.backend import BackendConfig
+from ddptrain.driver import Attempt
+from ddptrain.errors import WorkerFailure
+from ddptrain.result import read_metric_lines
+from ddptrain.run import Run
+from ddptrain.worker_group import GroupFailed
+
+
+class FakeGroup:
+    """A started worker group whose workers' messages come from ``script``.
+
+    A script item is a protocol message from a worker, or a callable run at that point (to
+    look at what the driver has sent so far). The pump fails the test when the attempt waits
+    for more than the script holds: a real group would hang there.
+    """
+
+    def __init__(self, world_size: int, script: list[Any]) -> None:
+        self.world_size = world_size
+        self.script = list(script)
+        self.sent: list[tuple[int, Any]] = []
+        self.done: dict[int, tuple[bytes | None, str | None]] = {}
+        self.started = True
+        self.alive = True
+        self.finishing = False
+        self.launcher = None
+        self.stopped = self.closed = False
+        self.handler: Callable[[Any], WorkerFailure | None] | None = None
+        self.on_tick: Callable[[], None] | None = None
+        self.on_failure: Callable[[], None] | None = None
+        self.watch: Any = None
+
+    # what Attempt uses of a group
+    def ask(self, command: bytes) -> None:
+        pass
+
+    def where(self, rank: int) -> str:
+        return f"rank {rank}"
+
+    def next_run(self, log_dir: Path | None, console: Any = None) -> int:
+        return 0
+
+    def execute(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        return [None] * self.world_size  # begin_run and the backend's hooks
+
+    def send(self, rank: int, message: Any) -> None:
+        self.sent.append((rank, message))
+
+    def pump_until(self, done: Callable[[], bool], timeout_s: float | None = None, waiting_for: str = "") -> None:
+        while not done():
+            if not self.script:
+                raise AssertionError(f"the attempt waits for more than the script holds ({waiting_for or 'events'})")
+            item = self.script.pop(0)
+            if callable(item):
+                item()
+            elif isinstance(item, protocol.Done):
+                self.done[item.rank] = (item.returned, item.note)
+            else:
+                assert self.handler is not None
+                failure = self.handler(item)
+                if failure is not None:
+                    raise self.fail([failure])
+            assert self.on_tick is not None
+            self.on_tick()
+
+    def fail(self, failures: list[WorkerFailure]) -> GroupFailed:
+        return GroupFailed(failures)
+
+    def failure(self, rank: int, exitcode: int | None, exc: BaseException, traceback_str: str = "") -> WorkerFailure:
+        return WorkerFailure(rank=rank, host="fake", pid=None, exitcode=exitcode, exception=exc)
+
+    def stop_workers(self) -> None:
+        self.stopped = True
+
+    def shutdown(self, grace_s: float | None = None) -> None:
+        self.closed = True
+
+    def sent_of(self, kind: type) -> list[tuple[int, Any]]:
+        return [(rank, m) for rank, m in self.sent if isinstance(m, kind)]
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> Run:
+    run = Run(
+        payload=b"",
+        train_loop_config=None,
+        scaling_config=train.ScalingConfig(num_workers=2),
+        run_config=train.RunConfig(storage_path=str(tmp_path), name="fake"),
+        backend_config=BackendConfig(),
+        dataset_config=train.DataConfig(),
+    )
+    Path(run.run_dir).mkdir(parents=True)
+    run._prepare_dir()
+    return run
+
+
+def done(rank: int, value: Any = None) -> protocol.Done:
+    return protocol.Done(rank, cloudpickle.dumps(value), None)
+
+
+def staged(run: Run, tmp_path: Path, index: int, rank: int) -> str:
+    source = tmp_path / f"ckpt_{index}_{rank}"
+    source.mkdir()
+    (source / f"rank{rank}.txt").write_text(f"report {index} of rank {rank}")
+    return storage.stage_files(run.run_dir, str(source), 0, index, rank)
+
+
+def test_a_report_round_commits_one_checkpoint_and_acks_the_ranks_that_sent_files(run: Run, tmp_path: Path) -> None:
+    group = FakeGroup(
+        2,
+        [
+            protocol.Report(0, 1, {"loss": 0.5}, staged(run, tmp_path, 1, 0), None),
+            protocol.Report(1, 1, {"loss": 0.7}, staged(run, tmp_path, 1, 1), None),
+            done(0, "a"),
+            done(1, "b"),
+        ],
+    )
+    values = Attempt(run, 0, group).run_group()
+    assert values == ["a", "b"]
+    acks = group.sent_of(protocol.Ack)
+    path = str(Path(run.run_dir, "checkpoint_000001"))
+    assert acks == [(0, protocol.Ack(1, path, None)), (1, protocol.Ack(1, path, None))]
+    assert sorted(p.name for p in Path(path).iterdir()) == ["rank0.txt", "rank1.txt"]
+    # Rank 0's metrics are persisted as they arrive, before the round is complete.
+    assert [line["metrics"] for line in read_metric_lines(run.run_dir)] == [{"loss": 0.5}]
+    assert group.sent_of(protocol.Train) == [(0, protocol.Train()), (1, protocol.Train())]
+    assert group.stopped  # not kept: the workers were told to exit
+
+
+def test_metrics_only_reports_get_no_ack(run: Run) -> None:
+    group = FakeGroup(2, [protocol.Report(0, 1, {"x": 1}, None, None), protocol.Report(1, 1, {"x": 2}, None, None)])
+    group.script += [done(0), done(1)]
+    Attempt(run, 0, group).run_group()
+    assert group.sent_of(protocol.Ack) == []
+    assert run.metrics_history == [{"x": 1}]
+
+
+def test_a_checkpoint_name_that_escapes_the_run_directory_is_refused_in_the_ack(run: Run, tmp_path: Path) -> None:
+    group = FakeGroup(
+        2,
+        [
+            protocol.Report(0, 1, {}, staged(run, tmp_path, 1, 0), "..escape"),
+            protocol.Report(1, 1, {}, None, "..escape"),
+            done(0),
+            done(1),
+        ],
+    )
+    Attempt(run, 0, group).run_group()
+    [(rank, ack)] = group.sent_of(protocol.Ack)
+    assert rank == 0 and ack.path is None and "plain folder name" in ack.problem
+    assert run.checkpoints.latest is None
+
+
+def test_a_collective_round_sends_rank_zeros_data_to_every_rank(run: Run) -> None:
+    group = FakeGroup(2, [protocol.Collective(1, 1, None), protocol.Collective(0, 1, b"data"), done(0), done(1)])
+    Attempt(run, 0, group).run_group()
+    assert group.sent_of(protocol.CollectiveResult) == [
+        (0, protocol.CollectiveResult(1, b"data")),
+        (1, protocol.CollectiveResult(1, b"data")),
+    ]
+
+
+def test_a_rank_that_returns_while_another_waits_in_a_collective_fails_the_attempt(run: Run) -> None:
+    group = FakeGroup(2, [protocol.Collective(0, 1, b"x"), done(1)])
+    with pytest.raises(GroupFailed, match=r"rank\(s\) \[1\] returned from the training function while rank\(s\) \[0\]"):
+        Attempt(run, 0, group).run_group()
+    assert group.closed
+
+
+def test_get_all_reported_checkpoints_waits_for_the_callers_report_round(run: Run, tmp_path: Path) -> None:
+    def no_reply_yet() -> None:
+        assert group.sent_of(protocol.CheckpointsReply) == []
+
+    group = FakeGroup(
+        2,
+        [
+            protocol.Report(0, 1, {"step": 1}, staged(run, tmp_path, 1, 0), None),
+            protocol.CheckpointsQuery(0, 1, None),
+            no_reply_yet,
+            protocol.Report(1, 1, {"step": 1}, None, None),
+            done(0),
+            done(1),
+        ],
+    )
+    Attempt(run, 0, group).run_group()
+    [(rank, reply)] = group.sent_of(protocol.CheckpointsReply)
+    assert rank == 0
+    assert reply.reported == [(str(Path(run.run_dir, "checkpoint_000001")), {"step": 1})]
+    # The reply came after the round's acks.
+    kinds = [type(m) for _, m in group.sent]
+    assert kinds.index(protocol.CheckpointsReply) > kinds.index(protocol.Ack)
+
+
+def test_a_report_round_left_unfinished_is_named_when_training_ends(run: Run, caplog) -> None:
+    group = FakeGroup(2, [protocol.Report(0, 1, {"x": 1}, None, None), done(0), done(1)])
+    with caplog.at_level(logging.WARNING, logger="ddptrain"):
+        Attempt(run, 0, group).run_group()
+    assert any("never by rank(s) [1]" in r.getMessage() for r in caplog.records)
+
+
+def test_a_kept_attempt_leaves_its_workers_running(run: Run) -> None:
+    group = FakeGroup(2, [done(0), done(1)])
+    Attempt(run, 0, group, keep=True).run_group()
+    assert not group.stopped and not group.closed
