@@ -34,7 +34,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from ddptrain import _memory
+from ddptrain import _memory, ray_compat
 
 __all__ = ["FRAME", "AGENT_RANK", "agent_command", "import_roots", "read_frame", "write_frame", "write_all", "main"]
 
@@ -465,6 +465,8 @@ def main() -> int:
         if bootstrap is None:
             return 0
         _check_versions(bootstrap.get("versions", {}))
+        if os.environ.get(ray_compat.ENV_VAR) == "1":  # under `ddptrain run`: the user's code may import ray.*
+            ray_compat.install()
         sys.path[:0] = [p for p in _user_sys_path(bootstrap) if p not in sys.path]
         if bootstrap.get("cwd"):
             try:

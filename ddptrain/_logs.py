@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO, TextIO
+from typing import Any, BinaryIO, TextIO
 
 from ddptrain.errors import disk_full_error
 
@@ -34,6 +34,8 @@ class LogSink:
         echo_ranks: Ranks whose lines are copied to the driver's stdout/stderr (``None``: all).
         on_error: Called once, from the relaying thread, with the first write error: a
             :class:`~ddptrain.errors.DiskFullError` for a full disk, else the ``OSError``.
+        console: Writes the echoed lines instead (``Progress.console_write``), so that they
+            do not garble a status line.
     """
 
     def __init__(
@@ -42,8 +44,10 @@ class LogSink:
         labels: dict[int, str],
         echo_ranks: set[int] | None = None,
         on_error: Callable[[OSError], None] | None = None,
+        console: Any = None,
     ) -> None:
         self.log_dir = log_dir
+        self.console = console  # writes echoed lines (``Progress.console_write``); None: plain writes
         self._labels = labels
         self._echo_ranks = echo_ranks
         self._files: dict[int, BinaryIO] = {}
@@ -126,8 +130,12 @@ class LogSink:
         self._tails.setdefault(rank, collections.deque(maxlen=_TAIL_LINES)).append(text)
         if self._echo_ranks is None or rank in self._echo_ranks:
             out: TextIO = sys.stdout if stream == b"O" else sys.stderr
+            prefixed = f"[{self._labels.get(rank, f'rank{rank}')}] {text}\n"
+            if self.console is not None:
+                self.console.console_write(out, prefixed)
+                return
             try:
-                out.write(f"[{self._labels.get(rank, f'rank{rank}')}] {text}\n")
+                out.write(prefixed)
                 out.flush()
             except (OSError, ValueError):
                 pass

@@ -1,10 +1,12 @@
-"""The ``ddptrain`` command: ``ddptrain check HOSTFILE`` checks every host before a run."""
+"""The ``ddptrain`` command: ``run`` runs an unmodified Ray Train script, ``check`` checks
+every host before a run, ``stack`` prints a live run's stacks."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import runpy
 import socket
 import subprocess
 import sys
@@ -16,6 +18,7 @@ from ddptrain import _env
 from ddptrain._agent import import_roots
 from ddptrain.errors import DdpTrainError
 from ddptrain.hosts import HostSpec, is_local, parse_hosts, with_ssh_config
+from ddptrain.ray_compat import install as install_ray_compat
 from ddptrain.ssh import connect, run_program
 from ddptrain.watch import stack_command
 
@@ -162,15 +165,54 @@ def _print_table(rows: list[list[str]]) -> None:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
 
 
+def run_script(script: str, args: list[str], hostfile: str | None = None) -> int:
+    """Run ``script`` as ``__main__`` with ``import ray...`` resolving to ddptrain.
+
+    Its exit status is the script's: 0 when it returns, the code of a ``SystemExit``, and
+    1 (with the traceback printed) when it raises.
+    """
+    if not os.path.isfile(script):
+        print(f"ddptrain run: no such script: {script}", file=sys.stderr)
+        return 2
+    if hostfile is not None:
+        if not os.path.isfile(hostfile):
+            print(f"ddptrain run: no such host file: {hostfile}", file=sys.stderr)
+            return 2
+        os.environ["DDPTRAIN_HOSTFILE"] = os.path.abspath(hostfile)
+    install_ray_compat()
+    sys.argv = [script, *args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python script.py` does
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        print(exc.code, file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``ddptrain`` console script."""
     parser = argparse.ArgumentParser(prog="ddptrain", description="ddptrain tools")
+    parser.add_argument("--version", action="version", version=f"ddptrain {ddptrain.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser(
+        "run",
+        help="run a Ray Train script unmodified: `import ray.train` and friends resolve to ddptrain",
+        description="Run SCRIPT as `python SCRIPT ARGS...` would, with `ray`, `ray.train`, `ray.train.torch`, "
+        "`ray.data`, `ray.tune`, `ray.util.sgd`... resolving to ddptrain's modules (in the workers too).",
+    )
+    run.add_argument("--hosts", metavar="FILE", help="host file for the script's trainers (sets DDPTRAIN_HOSTFILE)")
+    run.add_argument("script", help="the Python script")
+    run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     check = sub.add_parser("check", help="check SSH, Python, versions, GPUs, disk and the driver port on every host")
     check.add_argument("hostfile", nargs="?", help="host file (default: $DDPTRAIN_HOSTFILE)")
     stack = sub.add_parser("stack", help="print every rank's Python stack and process state of a live run")
     stack.add_argument("run", help="the run directory, or a run name under $DDPTRAIN_STORAGE_PATH")
     args = parser.parse_args(argv)
+    if args.command == "run":
+        return run_script(args.script, args.args, args.hosts)
     if args.command == "stack":
         return stack_command(args.run)
     source = args.hostfile or _env.hostfile()

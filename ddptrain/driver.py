@@ -71,14 +71,15 @@ class Attempt:
         """
         group = self.group
         group.handler = self._handle_run_message
-        group.on_tick = self._check_rounds
         group.on_failure = self.run.prepare_restart
         group.watch = self.watch
+        progress = self.run.progress
+        group.on_tick = self._tick
         log_dir = self.run.log_dir(self.index)
         datasets = self.run.dataset_shards()
         try:
             if group.started:  # warm from an earlier fit(): the workers switch to this run
-                port = group.next_run(log_dir)
+                port = group.next_run(log_dir, console=progress)
                 run = self.run.run_info(self.index)
                 group.execute(begin_run, run, self.run.payload, datasets, port)
             else:
@@ -88,6 +89,7 @@ class Attempt:
                     log_dir=log_dir,
                     datasets=datasets,
                     attempt=self.index,
+                    console=progress,
                 )
             backend = self.run.backend_config.backend_cls()
             if isinstance(backend, type):  # `backend_cls` written as a method, not a property
@@ -106,6 +108,10 @@ class Attempt:
             raise
         finally:
             self.watch.active = False
+
+    def _tick(self) -> None:
+        self._check_rounds()
+        self.run.progress.tick()
 
     def _finish(self, backend: Any) -> None:
         """Every rank returned: run the backend's teardown and let the workers exit (or wait

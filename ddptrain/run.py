@@ -28,6 +28,7 @@ from ddptrain.errors import (
 )
 from ddptrain.launcher import Launcher
 from ddptrain.plan import Plan
+from ddptrain.progress import Progress
 from ddptrain.result import METRICS_FILE, Result, read_metric_lines
 from ddptrain.warm import keeps_warm, put_warm, take_warm
 from ddptrain.worker_group import GroupFailed, WorkerGroup
@@ -101,6 +102,7 @@ class Run:
         self._lost_reports = 0  # reports the checkpoint index knows of but metrics.jsonl lost
         self._last_attempt = -1  # the highest attempt number in an earlier run's metrics
         self._spare: Launcher | None = None  # the next attempt's agent, started on a failure
+        self.progress = Progress(self.name, self.run_dir)
 
     # ----------------------------------------------------------------- what workers get
     def run_info(self, attempt: int) -> dict[str, Any]:
@@ -170,9 +172,13 @@ class Run:
 
     def commit_checkpoint(self, staged: list[str], name: str, metrics: dict[str, Any], index: int) -> Checkpoint:
         """Commit staged files as checkpoint ``name``, record it, and apply retention."""
-        return self.checkpoints.commit(staged, name, metrics, index)
+        checkpoint = self.checkpoints.commit(staged, name, metrics, index)
+        self.progress.committed(checkpoint.path)
+        return checkpoint
 
     def after_report(self, metrics: list[dict[str, Any]], checkpoint: Checkpoint | None) -> None:
+        """Every rank made its report (and its checkpoint is committed)."""
+        self.progress.reported(metrics[0], len(self.metrics_history) + self._lost_reports)
         for callback in self.run_config.callbacks or []:
             callback.after_report(self.context, metrics, checkpoint)
 
@@ -277,6 +283,11 @@ class Run:
                 "ddptrain: run %r in %s with %d workers", self.name, self.run_dir, self.scaling_config.num_workers
             )
             index = self.first_attempt()
+            hosts = len(self.plan.placement.hosts) if self.plan.placement is not None else 1
+            latest = self.latest_checkpoint.path if self.latest_checkpoint else None
+            self.progress.started(
+                workers=self.scaling_config.num_workers, hosts=hosts, attempt=index, resume_from=latest
+            )
             while True:
                 assert group is not None
                 attempt = Attempt(self, index, group, keep=keeps_warm(self.plan))
@@ -293,6 +304,7 @@ class Run:
                     self._failures_seen = len(root_causes)
                     self._after_exception(failures)
                     if group is None or any(is_disk_full(f.exception) for f in failures):
+                        self.progress.finished(False, self._best(), error=failures[0].headline())
                         raise self._final_error(failures, root_causes, index) from failures[0].exception
                     _logger.warning(
                         "ddptrain: attempt %d failed (%s); restarting from %s (failure %d of %s allowed)",
@@ -303,6 +315,9 @@ class Run:
                         "unlimited" if self._max_failures == -1 else self._max_failures,
                     )
                     index += 1
+                    latest = self.latest_checkpoint.path if self.latest_checkpoint else None
+                    self.progress.restarting(index, failures[0].headline(), latest)
+            self.progress.finished(True, self._best())
             if attempt.keep and group.alive:
                 put_warm(group)
                 kept = True
@@ -328,6 +343,11 @@ class Run:
             return_value=return_values[0] if return_values else None,
             return_values=return_values,
         )
+
+    def _best(self) -> tuple[str, dict[str, Any]] | None:
+        """The best checkpoint by the configured score (the latest without one), for the summary."""
+        ranked = self.checkpoints.best_checkpoints()
+        return (ranked[-1][0].path, ranked[-1][1]) if ranked else None
 
     def _final_error(
         self, failures: list[WorkerFailure], root_causes: list[WorkerFailure], index: int

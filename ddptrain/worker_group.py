@@ -189,6 +189,7 @@ class WorkerGroup:
         log_dir: Path | None,
         datasets: dict[int, Any] | None = None,
         attempt: int = 0,
+        console: Any = None,
     ) -> None:
         """Start the workers and wait until each has joined the driver's store.
 
@@ -198,6 +199,7 @@ class WorkerGroup:
             log_dir: Where each rank's output goes (``None``: the console only).
             datasets: Each rank's dataset shard specs.
             attempt: The run's attempt number (``TORCHELASTIC_RESTART_COUNT``).
+            console: Writes worker lines to the console (``Progress.console_write``).
         """
         if self.launcher is None:
             self.launcher = self.plan.new_launcher()
@@ -210,6 +212,7 @@ class WorkerGroup:
             self.plan.rank_labels(),
             _env.console_ranks(),
             on_error=lambda error: self.events.put(("sink", error)),
+            console=console,
         )
         workers = self.plan.worker_specs(attempt, self._store.host, self._store.port)
         for spec in workers:
@@ -292,7 +295,7 @@ class WorkerGroup:
         assert self.channel is not None
         self.channel.send(rank, message)
 
-    def next_run(self, log_dir: Path | None) -> int:
+    def next_run(self, log_dir: Path | None, console: Any = None) -> int:
         """Ready a warm group for its next run: its output goes to ``log_dir`` from now on.
 
         Returns the port of a fresh store for the run's process group (``MASTER_PORT``):
@@ -301,6 +304,7 @@ class WorkerGroup:
         """
         assert self.sink is not None and self.launcher is not None
         self.sink.retarget(log_dir)
+        self.sink.console = console
         self.done.clear()
         self.finishing = False
         self._rendezvous = open_store(self.launcher.bind_address())

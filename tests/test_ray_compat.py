@@ -1,0 +1,105 @@
+"""`ddptrain run`: Ray Train scripts run unmodified, `import ray...` resolving to ddptrain."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parent / "ray_scripts"
+# The subprocesses import the ddptrain these tests import (cwd is the scripts' folder).
+ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+def python_env(**extra: str) -> dict[str, str]:
+    path = os.pathsep.join(p for p in (extra.pop("PYTHONPATH", ""), ROOT) if p)
+    return {**os.environ, **extra, "PYTHONPATH": path}
+
+
+def ddptrain_run(script: str, storage: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ddptrain", "run", str(SCRIPTS / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=SCRIPTS,
+        env=python_env(DDPTRAIN_STORAGE_PATH=storage, **env),
+    )
+
+
+@pytest.mark.timeout(300)
+def test_the_ray_torch_quickstart_runs_unmodified(storage: str) -> None:
+    proc = ddptrain_run("quickstart_torch.py", storage)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "[rank0] {'loss':" in proc.stdout and "'epoch': 1}" in proc.stdout
+    assert "loaded the trained model from" in proc.stdout
+    [run] = Path(storage).iterdir()
+    assert sorted(p.name for p in run.glob("checkpoint_*")) == ["checkpoint_000001", "checkpoint_000002"]
+
+
+@pytest.mark.timeout(300)
+def test_the_data_parallel_trainer_examples_run_unmodified(storage: str) -> None:
+    proc = ddptrain_run("data_parallel_trainer.py", storage)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    batches = "[[{'item': array([1])}], [{'item': array([2])}], [{'item': array([3])}]]"
+    assert f"each worker's batches: {batches}" in proc.stdout
+    assert "MY_ENV_VAR on the workers: ['default_value', 'default_value'] initialized: True" in proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_workers_resolve_ray_in_the_users_own_modules_and_an_installed_ray_is_not_used(
+    storage: str, tmp_path: Path
+) -> None:
+    fake = tmp_path / "site" / "ray"  # a `ray` package that must never be imported
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('the real ray was imported')\n")
+    (fake / "train.py").write_text("raise ImportError('the real ray.train was imported')\n")
+    proc = ddptrain_run("uses_helper.py", storage, PYTHONPATH=str(tmp_path / "site"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "returned: ['ray', 'ray'] metrics: {'rank': 0}" in proc.stdout
+
+
+def test_ray_core_apis_fail_with_a_clear_error(storage: str) -> None:
+    proc = ddptrain_run("uses_ray_core.py", storage)
+    assert proc.returncode == 1
+    assert "`ray.remote` is not available under ddptrain" in proc.stderr
+    assert "run the work inside the training function" in proc.stderr
+
+
+def test_script_arguments_exit_codes_and_bad_input(storage: str, tmp_path: Path) -> None:
+    script = tmp_path / "args.py"
+    script.write_text("import sys, ray.train\nprint(sys.argv[1:], ray.train.__name__)\nsys.exit(int(sys.argv[1]))\n")
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "ddptrain", *args], capture_output=True, text=True, env=python_env()
+        )
+
+    proc = cli("run", str(script), "3", "--flag")
+    assert proc.returncode == 3 and "['3', '--flag'] ddptrain" in proc.stdout
+    missing = subprocess.run(
+        [sys.executable, "-m", "ddptrain", "run", str(tmp_path / "nope.py")], capture_output=True, text=True
+    )
+    assert missing.returncode == 2 and "no such script" in missing.stderr
+    version = cli("--version")
+    assert version.returncode == 0 and version.stdout.startswith("ddptrain ")
+
+
+def test_the_mapping_aliases_modules_without_renaming_them() -> None:
+    code = (
+        "from ddptrain import ray_compat; ray_compat.install()\n"
+        "import ray, ray.train, ray.train.torch, ray.data, ddptrain, ddptrain.torch\n"
+        "from ray.air.config import ScalingConfig\n"
+        "assert ray.train is ddptrain and ray.train.torch is ddptrain.torch and ray.data is ddptrain.data\n"
+        "assert ddptrain.torch.__spec__.name == 'ddptrain.torch' and ScalingConfig is ddptrain.ScalingConfig\n"
+        "assert ray.cluster_resources()['CPU'] >= 1\n"
+        "try:\n    import ray.serve\nexcept ModuleNotFoundError as e:\n    print('serve:', e)\n"
+        "try:\n    ray.util.state\nexcept AttributeError as e:\n    print('util:', e)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=python_env())
+    assert proc.returncode == 0, proc.stderr
+    assert "serve: No module named 'ray.serve'" in proc.stdout
+    assert "util: `ray.util.state` is not available" in proc.stdout
