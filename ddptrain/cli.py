@@ -14,7 +14,7 @@ import threading
 from typing import Any
 
 import ddptrain
-from ddptrain import _env
+from ddptrain import _env, inspect_runs
 from ddptrain._agent import import_roots
 from ddptrain.errors import DdpTrainError
 from ddptrain.hosts import HostSpec, is_local, parse_hosts, with_ssh_config
@@ -210,7 +210,44 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("hostfile", nargs="?", help="host file (default: $DDPTRAIN_HOSTFILE)")
     stack = sub.add_parser("stack", help="print every rank's Python stack and process state of a live run")
     stack.add_argument("run", help="the run directory, or a run name under $DDPTRAIN_STORAGE_PATH")
+    run_help = "a run directory, or a run name under $DDPTRAIN_STORAGE_PATH"
+    runs = sub.add_parser("runs", help="list the runs in a storage folder with their status")
+    runs.add_argument(
+        "storage", nargs="?", help="storage folder (default: $DDPTRAIN_STORAGE_PATH or ~/ddptrain_results)"
+    )
+    runs.add_argument("--json", action="store_true", help="machine-readable output")
+    show = sub.add_parser("show", help="a run's config, attempts and their errors, metrics and checkpoints")
+    show.add_argument("run", help=run_help)
+    show.add_argument("--json", action="store_true", help="machine-readable output")
+    logs = sub.add_parser("logs", help="print a rank's log (the latest attempt's by default)")
+    logs.add_argument("run", help=run_help)
+    logs.add_argument("--rank", type=int, default=0)
+    logs.add_argument("--attempt", type=int, default=None)
+    logs.add_argument("--follow", "-f", action="store_true", help="keep printing while the run is live")
+    export = sub.add_parser("export", help="every report's metrics as CSV or JSON")
+    export.add_argument("run", help=run_help)
+    export.add_argument("--format", choices=("csv", "json"), default="csv")
+    export.add_argument("-o", "--output", help="write to this file instead of stdout")
+    plot = sub.add_parser("plot", help="plot metrics of one or more runs (needs matplotlib)")
+    plot.add_argument("runs", nargs="+", metavar="RUN", help=run_help)
+    plot.add_argument("--metric", "-m", action="append", default=[], help="a metric to plot (repeatable; default: all)")
+    plot.add_argument("--x", choices=("report", "time"), default="report", help="x axis")
+    plot.add_argument("-o", "--output", default="ddptrain_plot.png", help="output file (.png, .svg, .pdf)")
     args = parser.parse_args(argv)
+    try:
+        if args.command == "runs":
+            return inspect_runs.main_runs(args.storage, args.json)
+        if args.command == "show":
+            return inspect_runs.main_show(args.run, args.json)
+        if args.command == "logs":
+            return inspect_runs.main_logs(args.run, args.rank, args.attempt, args.follow)
+        if args.command == "export":
+            return inspect_runs.main_export(args.run, args.format, args.output)
+        if args.command == "plot":
+            return inspect_runs.main_plot(args.runs, args.metric, args.output, args.x)
+    except inspect_runs.RunNotFound as exc:
+        print(f"ddptrain {args.command}: {exc}", file=sys.stderr)
+        return 2
     if args.command == "run":
         return run_script(args.script, args.args, args.hosts)
     if args.command == "stack":

@@ -105,6 +105,7 @@ class Progress:
         self._last_draw = 0.0
         self._last_line = -1e9
         self._unprinted = False  # a report not shown yet (lines mode)
+        self.scored = False  # checkpoints are ranked by a score (else "best" is the latest)
 
     # ----------------------------------------------------------------- events
     def started(self, *, workers: int, hosts: int, attempt: int, resume_from: str | None) -> None:
@@ -145,7 +146,8 @@ class Progress:
             line = f"ddptrain: run {self.name!r} failed after {took} ({counts}): {error}"
         if best is not None:
             path, metrics = best
-            line += f"; best checkpoint {path} ({format_metrics(metrics)})"
+            which = "best" if self.scored else "latest"
+            line += f"; {which} checkpoint {path} ({format_metrics(metrics)})"
         self._say(line + f"; everything is in {self.run_dir}")
         with self._lock:
             self._clear_status()

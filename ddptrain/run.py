@@ -103,6 +103,10 @@ class Run:
         self._last_attempt = -1  # the highest attempt number in an earlier run's metrics
         self._spare: Launcher | None = None  # the next attempt's agent, started on a failure
         self.progress = Progress(self.name, self.run_dir)
+        self.progress.scored = bool(
+            run_config.checkpoint_config and run_config.checkpoint_config.checkpoint_score_attribute
+        )
+        self._run_json: dict[str, Any] = {}
 
     # ----------------------------------------------------------------- what workers get
     def run_info(self, attempt: int) -> dict[str, Any]:
@@ -222,21 +226,20 @@ class Run:
     def _prepare_dir(self) -> None:
         """Write the run's own files (``_load_previous`` has already cleaned up after a crash)."""
         # run.json (argv) and trainer.pkl (the pickled config) are the user's secrets: 0600.
-        storage.write_json_atomic(
-            os.path.join(self.run_dir, "run.json"),
-            {
-                "name": self.name,
-                "run_id": self.run_id,
-                "started": time.time(),
-                "host": self.plan.hostname,
-                "pid": os.getpid(),
-                "argv": sys.argv,
-                "num_workers": self.scaling_config.num_workers,
-                "use_gpu": self.scaling_config.use_gpu,
-                "backend_config": repr(self.backend_config),
-            },
-            private=True,
-        )
+        self._run_json = {
+            "name": self.name,
+            "run_id": self.run_id,
+            "started": time.time(),
+            "host": self.plan.hostname,
+            "pid": os.getpid(),
+            "argv": sys.argv,
+            "num_workers": self.scaling_config.num_workers,
+            "use_gpu": self.scaling_config.use_gpu,
+            "hosts": [h.name for h in self.plan.placement.hosts] if self.plan.placement else [self.plan.hostname],
+            "backend_config": repr(self.backend_config),
+            "status": "RUNNING",
+        }
+        self._save_status("RUNNING")
         if self.trainer_bytes is not None:
             storage.write_atomic(os.path.join(self.run_dir, "trainer.pkl"), self.trainer_bytes, private=True)
         self._metrics_file = open(os.path.join(self.run_dir, METRICS_FILE), "a+")  # noqa: SIM115
@@ -244,6 +247,14 @@ class Run:
             self._metrics_file.seek(self._metrics_file.tell() - 1)
             if self._metrics_file.read(1) != "\n":
                 self._metrics_file.write("\n")
+
+    def _save_status(self, status: str, **fields: Any) -> None:
+        """Record how the run stands in ``run.json`` (read by ``ddptrain runs`` and ``show``):
+        RUNNING, RESTARTING, FINISHED, ERRORED or ABORTED (Ray Train V2's words)."""
+        self._run_json.update(status=status, **fields)
+        if status in ("FINISHED", "ERRORED", "ABORTED"):
+            self._run_json["ended"] = time.time()
+        storage.write_json_atomic(os.path.join(self.run_dir, "run.json"), self._run_json, private=True)
 
     def prepare_restart(self) -> None:
         """On a failure: if a restart will follow, start its agents now, during the teardown."""
@@ -291,6 +302,7 @@ class Run:
             while True:
                 assert group is not None
                 attempt = Attempt(self, index, group, keep=keeps_warm(self.plan))
+                self._save_status("RUNNING", attempt=index)
                 try:
                     return_values = attempt.run_group()
                     break
@@ -302,9 +314,12 @@ class Run:
                     failures = sorted(failed.failures, key=lambda f: (f.timestamp, f.rank))
                     root_causes.append(failures[0])
                     self._failures_seen = len(root_causes)
+                    errors = self._run_json.setdefault("attempt_errors", [])
+                    errors.append({"attempt": index, "error": failures[0].headline(), "log": failures[0].log_path})
                     self._after_exception(failures)
                     if group is None or any(is_disk_full(f.exception) for f in failures):
                         self.progress.finished(False, self._best(), error=failures[0].headline())
+                        self._save_status("ERRORED", error=failures[0].headline())
                         raise self._final_error(failures, root_causes, index) from failures[0].exception
                     _logger.warning(
                         "ddptrain: attempt %d failed (%s); restarting from %s (failure %d of %s allowed)",
@@ -317,10 +332,19 @@ class Run:
                     index += 1
                     latest = self.latest_checkpoint.path if self.latest_checkpoint else None
                     self.progress.restarting(index, failures[0].headline(), latest)
+                    self._save_status("RESTARTING", attempt=index)
             self.progress.finished(True, self._best())
+            self._save_status("FINISHED")
             if attempt.keep and group.alive:
                 put_warm(group)
                 kept = True
+        except BaseException as exc:
+            if self._run_json.get("status") in ("RUNNING", "RESTARTING"):  # stopped by the driver's side
+                try:
+                    self._save_status("ABORTED", error=f"{type(exc).__name__}: {exc}")
+                except OSError:
+                    pass  # a full disk: the error that got us here says so
+            raise
         finally:
             if group is not None and not kept:
                 group.shutdown()

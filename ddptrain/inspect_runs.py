@@ -1,0 +1,294 @@
+"""Looking at runs from the shell: ``ddptrain runs``, ``show``, ``logs``, ``export``, ``plot``.
+
+Everything here only reads a run directory's files (``run.json``, ``metrics.jsonl``,
+``checkpoints.json``, ``logs/``); a run is RUNNING while a live driver holds its lock, and
+ABORTED when ``run.json`` says RUNNING but no driver holds it any more (the driver was killed).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ddptrain import _env, storage
+from ddptrain.checkpoint_manager import CheckpointManager
+from ddptrain.progress import format_duration, format_metrics
+from ddptrain.result import read_metric_lines
+
+__all__ = ["find_run", "list_runs", "run_summary", "main_runs", "main_show", "main_logs", "main_export", "main_plot"]
+
+
+class RunNotFound(Exception):
+    pass
+
+
+def find_run(run: str) -> Path:
+    """A run directory from a path, or a run name under the default storage path."""
+    path = Path(run).expanduser()
+    if (path / "run.json").is_file():
+        return path.resolve()
+    candidate = Path(_env.default_storage_path(), run).expanduser()
+    if (candidate / "run.json").is_file():
+        return candidate.resolve()
+    raise RunNotFound(f"no run {run!r}: neither {path} nor {candidate} is a ddptrain run directory (no run.json)")
+
+
+def _live(run_dir: Path) -> bool:
+    try:
+        fd = storage.try_lock_dir(str(run_dir), shared=True)
+    except OSError:
+        return False
+    if fd is None:
+        return True
+    os.close(fd)
+    return False
+
+
+def run_summary(run_dir: Path) -> dict[str, Any]:
+    """What ``runs`` and ``show`` print of one run, as plain data."""
+    try:
+        info = json.loads((run_dir / "run.json").read_text())
+    except (OSError, ValueError):
+        info = {}
+    status = info.get("status", "FINISHED" if info.get("ended") else "RUNNING")
+    if status in ("RUNNING", "RESTARTING") and not _live(run_dir):
+        status = "ABORTED"  # its driver died without a word
+    lines = read_metric_lines(str(run_dir))
+    try:
+        manager = CheckpointManager.from_run_dir(str(run_dir))
+        checkpoints = [(c.path, m) for c, m in manager.reported_checkpoints()]
+        best = manager.best_checkpoints()
+        latest = manager.latest.path if manager.latest else None
+        score = manager.config.checkpoint_score_attribute
+    except Exception as exc:  # an unreadable index: say so, show the rest
+        checkpoints, best, latest, score = [], [], None, f"unreadable: {exc}"
+    started = info.get("started")
+    ended = info.get("ended") or (time.time() if status in ("RUNNING", "RESTARTING") else None)
+    if ended is None and lines:
+        ended = lines[-1].get("time")
+    return {
+        "name": info.get("name", run_dir.name),
+        "path": str(run_dir),
+        "status": status,
+        "attempts": int(info.get("attempt", 0)) + 1,
+        "started": started,
+        "duration_s": (ended - started) if started and ended else None,
+        "reports": len(lines),
+        "last_metrics": lines[-1]["metrics"] if lines else None,
+        "best_checkpoint": best[-1][0].path if best else None,
+        "latest_checkpoint": latest,
+        "checkpoints": checkpoints,
+        "score_attribute": score,
+        "error": info.get("error"),
+        "attempt_errors": info.get("attempt_errors", []),
+        "num_workers": info.get("num_workers"),
+        "use_gpu": info.get("use_gpu"),
+        "hosts": info.get("hosts"),
+        "argv": info.get("argv"),
+        "backend_config": info.get("backend_config"),
+    }
+
+
+def list_runs(storage_path: str) -> list[dict[str, Any]]:
+    """Every run under ``storage_path``, oldest first."""
+    root = Path(storage_path).expanduser()
+    if not root.is_dir():
+        return []
+    runs = [run_summary(p.resolve()) for p in root.iterdir() if (p / "run.json").is_file()]
+    return sorted(runs, key=lambda r: r["started"] or 0)
+
+
+def _when(timestamp: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(timestamp)) if timestamp else "-"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in [header, *rows])
+
+
+def _print_json(data: Any) -> None:
+    print(json.dumps(data, indent=1, default=str))
+
+
+# ----------------------------------------------------------------- commands
+def main_runs(storage_path: str | None, as_json: bool) -> int:
+    root = storage_path or _env.default_storage_path()
+    runs = list_runs(root)
+    if as_json:
+        _print_json(runs)
+        return 0
+    if not runs:
+        print(f"no runs in {root}")
+        return 0
+    rows = [
+        [
+            r["name"],
+            r["status"],
+            str(r["attempts"]),
+            _when(r["started"]),
+            format_duration(r["duration_s"]) if r["duration_s"] is not None else "-",
+            format_metrics(r["last_metrics"] or {}, limit=3) or "-",
+            os.path.basename(r["best_checkpoint"]) if r["best_checkpoint"] else "-",
+        ]
+        for r in runs
+    ]
+    print(_table(["NAME", "STATUS", "ATTEMPTS", "STARTED", "DURATION", "LAST METRICS", "BEST CHECKPOINT"], rows))
+    print(f"\n{len(runs)} run(s) in {os.path.abspath(os.path.expanduser(root))}")
+    return 0
+
+
+def main_show(run: str, as_json: bool) -> int:
+    summary = run_summary(find_run(run))
+    if as_json:
+        _print_json(summary)
+        return 0
+    s = summary
+    print(f"run {s['name']!r}: {s['status']}  ({s['path']})")
+    print(
+        f"  started {_when(s['started'])}, duration {format_duration(s['duration_s'] or 0)}, {s['attempts']} attempt(s)"
+    )
+    print(f"  workers: {s['num_workers']}{' (GPU)' if s['use_gpu'] else ''} on {', '.join(s['hosts'] or ['?'])}")
+    print(f"  command: {' '.join(s['argv'] or [])}")
+    print(f"  backend: {s['backend_config']}")
+    for entry in s["attempt_errors"]:
+        print(
+            f"  attempt {entry['attempt']} failed: {entry['error']}"
+            + (f" (log: {entry['log']})" if entry.get("log") else "")
+        )
+    if s["error"] and not s["attempt_errors"]:
+        print(f"  error: {s['error']}")
+    lines = read_metric_lines(s["path"])
+    print(f"  reports: {len(lines)}")
+    numeric: dict[str, list[float]] = {}
+    for line in lines:
+        for key, value in line["metrics"].items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                numeric.setdefault(key, []).append(float(value))
+    for key, values in numeric.items():
+        print(f"    {key}: last {values[-1]:.6g}, min {min(values):.6g}, max {max(values):.6g}")
+    score = s["score_attribute"]
+    print(f"  checkpoints ({len(s['checkpoints'])} kept" + (f", scored by {score!r}" if score else "") + "):")
+    for path, metrics in s["checkpoints"]:
+        marks = [m for m, p in (("latest", s["latest_checkpoint"]), ("best", s["best_checkpoint"])) if p == path]
+        print(f"    {os.path.basename(path)}  {format_metrics(metrics)}" + (f"  [{', '.join(marks)}]" if marks else ""))
+    return 0
+
+
+def main_logs(run: str, rank: int, attempt: int | None, follow: bool) -> int:
+    run_dir = find_run(run)
+    attempts = sorted(
+        int(p.name.removeprefix("attempt_"))
+        for p in (run_dir / "logs").glob("attempt_*")
+        if p.name.removeprefix("attempt_").isdigit()
+    )
+    if not attempts:
+        print(f"ddptrain logs: {run_dir} has no logs", file=sys.stderr)
+        return 1
+    chosen = attempts[-1] if attempt is None else attempt
+    path = run_dir / "logs" / f"attempt_{chosen}" / f"rank_{rank}.log"
+    if not path.is_file():
+        print(f"ddptrain logs: no log {path} (attempts: {attempts})", file=sys.stderr)
+        return 1
+    out = sys.stdout.buffer
+    with open(path, "rb") as f:
+        out.write(f.read())
+        out.flush()
+        while follow:
+            chunk = f.read()
+            if chunk:
+                out.write(chunk)
+                out.flush()
+            elif not _live(run_dir):
+                break
+            else:
+                time.sleep(0.5)
+    return 0
+
+
+def export_rows(run_dir: Path) -> list[dict[str, Any]]:
+    """One row per report: index, time, attempt, then every metric (nested ones as JSON)."""
+    rows = []
+    for index, line in enumerate(read_metric_lines(str(run_dir)), start=1):
+        row: dict[str, Any] = {"report": index, "time": line.get("time"), "attempt": line.get("attempt")}
+        for key, value in line["metrics"].items():
+            row[key] = json.dumps(value) if isinstance(value, (dict, list)) else value
+        rows.append(row)
+    return rows
+
+
+def main_export(run: str, fmt: str, output: str | None) -> int:
+    rows = export_rows(find_run(run))
+    if fmt == "json":
+        text = json.dumps(rows, indent=1)
+    else:
+        columns = list(dict.fromkeys(k for row in rows for k in row))
+        buffer = io.StringIO()
+        writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+        text = buffer.getvalue()
+    if output:
+        storage.write_atomic(output, text.encode())
+        print(f"wrote {len(rows)} report(s) to {output}", file=sys.stderr)
+    else:
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+    return 0
+
+
+def main_plot(runs: list[str], metrics: list[str], output: str, x_axis: str) -> int:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print('ddptrain plot needs matplotlib: pip install "ddptrain[plot]" (or matplotlib)', file=sys.stderr)
+        return 2
+    series: dict[str, list[dict[str, Any]]] = {}
+    for run in runs:
+        run_dir = find_run(run)
+        series[run_dir.name] = export_rows(run_dir)
+    names = metrics or sorted(
+        {
+            k
+            for rows in series.values()
+            for row in rows
+            for k, v in row.items()
+            if k not in ("report", "time", "attempt") and isinstance(v, (int, float))
+        }
+    )
+    if not names:
+        print("ddptrain plot: no numeric metrics to plot", file=sys.stderr)
+        return 1
+    figure, axes = plt.subplots(len(names), 1, figsize=(7, 2.6 * len(names)), squeeze=False)
+    for axis, name in zip(axes[:, 0], names, strict=True):
+        for label, rows in series.items():
+            points = [
+                (row["report"] if x_axis == "report" else row["time"] - rows[0]["time"], row[name])
+                for row in rows
+                if isinstance(row.get(name), (int, float))
+            ]
+            if points:
+                axis.plot(
+                    [p[0] for p in points],
+                    [p[1] for p in points],
+                    label=label,
+                    marker="." if len(points) < 50 else None,
+                )
+        axis.set_ylabel(name)
+        axis.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("report" if x_axis == "report" else "seconds since the first report")
+    if len(series) > 1:
+        axes[0, 0].legend()
+    figure.tight_layout()
+    figure.savefig(output)
+    print(f"wrote {output} ({', '.join(names)})", file=sys.stderr)
+    return 0
