@@ -131,7 +131,18 @@ def driver_address() -> str | None:
     return os.environ.get("DDPTRAIN_DRIVER_ADDRESS") or None
 
 
-_DEFAULT_FORWARD = ("DDPTRAIN_*", "NCCL_*", "GLOO_*", "TORCH_*", "OMP_*", "MKL_*", "PYTHONPATH", "HF_*", "WANDB_*")
+_DEFAULT_FORWARD = (
+    "DDPTRAIN_*",
+    "NCCL_*",
+    "GLOO_*",
+    "TORCH_*",
+    "OMP_*",
+    "MKL_*",
+    "PYTHONPATH",
+    "HF_*",
+    "WANDB_*",
+    "ACCELERATE_*",
+)
 
 
 def forwarded_env_patterns() -> tuple[str, ...]:

@@ -14,7 +14,7 @@ import threading
 from typing import Any
 
 import ddptrain
-from ddptrain import _env, inspect_runs
+from ddptrain import _env, dashboard, inspect_runs
 from ddptrain._agent import import_roots
 from ddptrain.errors import DdpTrainError
 from ddptrain.hosts import HostSpec, is_local, parse_hosts, with_ssh_config
@@ -233,7 +233,13 @@ def main(argv: list[str] | None = None) -> int:
     plot.add_argument("--metric", "-m", action="append", default=[], help="a metric to plot (repeatable; default: all)")
     plot.add_argument("--x", choices=("report", "time"), default="report", help="x axis")
     plot.add_argument("-o", "--output", default="ddptrain_plot.png", help="output file (.png, .svg, .pdf)")
+    dash = sub.add_parser("dashboard", help="serve a read-only web page of the runs in a storage folder")
+    dash.add_argument("storage", nargs="?", help="storage folder (default: $DDPTRAIN_STORAGE_PATH)")
+    dash.add_argument("--port", type=int, default=dashboard.DEFAULT_PORT)
+    dash.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
     args = parser.parse_args(argv)
+    if args.command == "dashboard":
+        return dashboard.serve(args.storage or _env.default_storage_path(), args.host, args.port)
     try:
         if args.command == "runs":
             return inspect_runs.main_runs(args.storage, args.json)

@@ -38,7 +38,23 @@ class ConfigTypeError(ConfigError, TypeError):
 
 
 class LaunchError(DdpTrainError, RuntimeError):
-    """The worker processes could not be started."""
+    """The worker processes could not be started.
+
+    Attributes:
+        hosts: The names of the hosts that could not be reached or started (empty when it
+            was not about particular hosts).
+    """
+
+    def __init__(self, *args: object, hosts: list[str] | None = None) -> None:
+        super().__init__(*args)
+        self.hosts = list(hosts or [])
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_launch_error, (self.args, self.hosts))
+
+
+def _launch_error(args: tuple[object, ...], hosts: list[str]) -> LaunchError:
+    return LaunchError(*args, hosts=hosts)
 
 
 class TrainingFailedError(DdpTrainError, RuntimeError):

@@ -97,11 +97,12 @@ def run_summary(run_dir: Path) -> dict[str, Any]:
 
 
 def list_runs(storage_path: str) -> list[dict[str, Any]]:
-    """Every run under ``storage_path``, oldest first."""
-    root = Path(storage_path).expanduser()
+    """Every run under ``storage_path``, oldest first (a link to a folder elsewhere is not one)."""
+    root = Path(storage_path).expanduser().resolve()
     if not root.is_dir():
         return []
-    runs = [run_summary(p.resolve()) for p in root.iterdir() if (p / "run.json").is_file()]
+    found = [p.resolve() for p in root.iterdir() if (p / "run.json").is_file()]
+    runs = [run_summary(p) for p in found if p.parent == root]
     return sorted(runs, key=lambda r: r["started"] or 0)
 
 

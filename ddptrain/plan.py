@@ -79,6 +79,10 @@ class Plan:
         env = _env.forwarded_env() if remote else dict(os.environ)
         env.update(self.env_vars)
         env.setdefault("OMP_NUM_THREADS", str(self.scaling_config._omp_num_threads()))
+        if not self.scaling_config.use_gpu:
+            # accelerate (and the HF Trainer on it) joins CPU workers into one group only with
+            # this set; otherwise each process trains alone. The user's own value wins.
+            env.setdefault("ACCELERATE_USE_CPU", "1")
         env[_env.WORKER_MARKER] = "1"
         if self.scaling_config.use_gpu:
             env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
@@ -117,7 +121,8 @@ class Plan:
         if errors:
             for launcher, _ in started:
                 launcher.shutdown(0)
-            raise LaunchError("\n".join(str(e) for e in errors)) from errors[0]
+            failed = [self.placement.hosts[n].name for n, r in sorted(results.items()) if isinstance(r, BaseException)]
+            raise LaunchError("\n".join(str(e) for e in errors), hosts=failed) from errors[0]
         return GroupLauncher([results[node] for node in range(len(self.placement.hosts))])  # type: ignore[misc]
 
     # ----------------------------------------------------------------- ranks and hosts

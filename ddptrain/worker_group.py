@@ -33,7 +33,7 @@ from ddptrain import _env, protocol
 from ddptrain._agent import AGENT_RANK
 from ddptrain._agent import versions as agent_versions
 from ddptrain._logs import LogSink
-from ddptrain.channel import DriverChannel, Keys, open_store
+from ddptrain.channel import DriverChannel, Keys, LostMessageError, open_store
 from ddptrain.errors import (
     LaunchError,
     WorkerDiedError,
@@ -70,6 +70,12 @@ class GroupFailed(WorkerGroupError):
         ordered = sorted(failures, key=lambda f: (f.timestamp, f.rank))
         super().__init__(format_failures(ordered, None), {f.rank: f.exception for f in ordered}, ordered)
         self.__cause__ = ordered[0].exception
+
+    @property
+    def lost_ranks(self) -> list[int]:
+        """Ranks whose process died or became unreachable, as opposed to ranks whose code raised."""
+        lost = (WorkerDiedError, LaunchError, LostMessageError)
+        return sorted(f.rank for f in self.failures if isinstance(f.exception, lost))
 
 
 @dataclass(frozen=True)
@@ -131,6 +137,7 @@ class WorkerGroup:
         self._next_call = 0
         self._next_tick = 0.0
         self._closed = False
+        self._failed = False  # a call or a worker failed: the group takes no more work
         self.backend: tuple[Any, BackendConfig] | None = None  # set up by `launch`, torn down by `shutdown`
 
     # ----------------------------------------------------------------- public entry point
@@ -178,8 +185,8 @@ class WorkerGroup:
 
     @property
     def alive(self) -> bool:
-        """Started, not shut down, and every worker still running."""
-        return self.started and not self._closed and not self.exited
+        """Started, not shut down, no failure seen, and every worker still running."""
+        return self.started and not self._closed and not self._failed and not self.exited
 
     def start(
         self,
@@ -333,7 +340,11 @@ class WorkerGroup:
                 raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {waiting_for}")
 
     def fail(self, failures: list[WorkerFailure]) -> GroupFailed:
-        """The error that ends this group (``on_failure`` runs first: a restart may start early)."""
+        """The error that ends this group (``on_failure`` runs first: a restart may start early).
+
+        From here on the group is dead: :meth:`shutdown` kills it without asking its workers
+        anything (a rank may be stuck in a collective with the one that failed)."""
+        self._failed = True
         if self.on_failure is not None and not self.finishing and not any(is_disk_full(f.exception) for f in failures):
             self.on_failure()
         return GroupFailed(failures)
