@@ -274,6 +274,13 @@ class DataParallelTrainer:
             return_values=[value],
         )
 
+    def as_trainable(self) -> Any:
+        """This trainer as a trainable for ``ddptrain.tune`` (``tune.run(trainer.as_trainable(), ...)``);
+        a sweep's ``config`` overrides the trainer's constructor arguments, as with ``Tuner``."""
+        from ddptrain.tune.trainable import as_trainable  # the sweep layer is imported only when used
+
+        return as_trainable(self)
+
     @classmethod
     def can_restore(cls, path: str | os.PathLike[str]) -> bool:
         """Whether ``path`` is a run directory that :meth:`restore` can continue."""

@@ -1,6 +1,7 @@
 """What the driver's console says about a run: where it is, how far it got, how it ended.
 
-Three modes, from ``DDPTRAIN_PROGRESS`` or :func:`set_progress` (the call wins):
+Three modes, from ``DDPTRAIN_PROGRESS`` or :func:`set_progress` (the call wins; inside
+``with quiet():`` a thread's fits say nothing, as a sweep's trials do):
 
 * ``"auto"`` (default): a status line redrawn in place when stderr is a terminal, else
   ``"lines"``;
@@ -15,19 +16,22 @@ whole and draws the status line again, so neither is garbled.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any, TextIO
 
 from ddptrain.errors import ConfigError
 
-__all__ = ["Progress", "progress_mode", "set_progress"]
+__all__ = ["Progress", "progress_mode", "quiet", "set_progress"]
 
 MODES = ("auto", "lines", "off")
 _chosen: str | None = None
+_local = threading.local()  # .quiet: this thread's fits say nothing
 _CLEAR = "\r\x1b[2K"
 _REDRAW_S = 0.25  # at most four redraws a second
 
@@ -41,8 +45,22 @@ def set_progress(mode: str | None) -> None:
     _chosen = mode
 
 
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Within the block, ``fit()`` calls made by this thread print no progress of their own
+    (a sweep that shows its own table runs its trials this way)."""
+    before = getattr(_local, "quiet", False)
+    _local.quiet = True
+    try:
+        yield
+    finally:
+        _local.quiet = before
+
+
 def progress_mode(stream: TextIO | None = None) -> str:
     """The effective mode: ``"live"`` (in place), ``"lines"`` or ``"off"``."""
+    if getattr(_local, "quiet", False):
+        return "off"
     mode = _chosen or os.environ.get("DDPTRAIN_PROGRESS", "auto").strip().lower() or "auto"
     if mode not in MODES:
         raise ConfigError(f"`DDPTRAIN_PROGRESS` must be one of {MODES}, got {mode!r}.")

@@ -336,8 +336,7 @@ class Run:
             self.progress.finished(True, self._best())
             self._save_status("FINISHED")
             if attempt.keep and group.alive:
-                put_warm(group)
-                kept = True
+                kept = put_warm(group)
         except BaseException as exc:
             if self._run_json.get("status") in ("RUNNING", "RESTARTING"):  # stopped by the driver's side
                 try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -12,6 +13,7 @@ if TYPE_CHECKING:  # this module stays light: `import ddptrain` imports it
 
 __all__ = ["keeps_warm", "put_warm", "reuse_workers", "take_warm"]
 
+_lock = threading.Lock()  # fits in several threads (a sweep's trials) share the pool
 _warm: list[WorkerGroup] | None = None  # None: fits do not keep their workers
 
 
@@ -32,14 +34,20 @@ def reuse_workers() -> Iterator[None]:
         ...         TorchTrainer(train_func, train_loop_config={"lr": lr}, ...).fit()
     """
     global _warm
-    if _warm is not None:
+    with _lock:
+        if _warm is not None:
+            outer = True
+        else:
+            outer = False
+            _warm = []
+    if outer:
         yield
         return
-    _warm = []
     try:
         yield
     finally:
-        groups, _warm = _warm, None
+        with _lock:
+            groups, _warm = _warm or [], None
         for group in groups:
             group.stop_workers()
             group.shutdown()
@@ -47,17 +55,21 @@ def reuse_workers() -> Iterator[None]:
 
 def take_warm(plan: Plan) -> WorkerGroup | None:
     """A warm group that can run ``plan``, taken out of the pool (``None``: none)."""
-    if _warm is None:
-        return None
     key = plan.reuse_key()
-    for group in list(_warm):
-        if not group.alive:
-            _warm.remove(group)
-            group.shutdown()
-        elif group.plan.reuse_key() == key:
-            _warm.remove(group)
-            return group
-    return None
+    dead = []
+    found = None
+    with _lock:
+        for group in list(_warm or []):
+            if not group.alive:
+                _warm.remove(group)  # type: ignore[union-attr]
+                dead.append(group)
+            elif group.plan.reuse_key() == key:
+                _warm.remove(group)  # type: ignore[union-attr]
+                found = group
+                break
+    for group in dead:
+        group.shutdown()
+    return found
 
 
 def keeps_warm(plan: Plan) -> bool:
@@ -65,9 +77,13 @@ def keeps_warm(plan: Plan) -> bool:
     return _warm is not None and plan.placement is None
 
 
-def put_warm(group: WorkerGroup) -> None:
-    """Keep a group whose run finished for the next ``fit()``."""
-    assert _warm is not None
+def put_warm(group: WorkerGroup) -> bool:
+    """Keep a group whose run finished for the next ``fit()``; ``False`` when the
+    ``reuse_workers()`` block has ended meanwhile (the caller then shuts it down)."""
     group.handler = group.on_tick = group.on_failure = None
     group.watch = None
-    _warm.append(group)
+    with _lock:
+        if _warm is None:
+            return False
+        _warm.append(group)
+    return True

@@ -35,6 +35,41 @@ def tagged_processes() -> list[int]:
     return found
 
 
+# Whole modules left out of the contributors' quick check (`pytest -m "not slow"`, about a
+# minute on 2 cores): they start many worker groups, kill drivers, fill disks, start sshd
+# servers, frameworks or a browser. Tests elsewhere that take long are marked one by one.
+SLOW_MODULES = {
+    "test_checkpoint_crashes",
+    "test_checkpoints",
+    "test_dashboard",
+    "test_data",
+    "test_disk_full",
+    "test_examples",
+    "test_failures",
+    "test_hangs",
+    "test_inspect_runs",
+    "test_lightning",
+    "test_progress",
+    "test_ray_compat",
+    "test_raysgd",
+    "test_raysgd_examples",
+    "test_ssh",
+    "test_store_security",
+    "test_torch_utils",
+    "test_trainer",
+    "test_transformers",
+    "test_tune_fit",
+    "test_worker_group",
+    "test_worker_start",
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.stem in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True)
 def _no_leftover_processes() -> Iterator[None]:
     yield

@@ -202,14 +202,9 @@ def kill_at_random(script: Path, storage: str, name_format: str, kills: int) -> 
     assert_nothing_left_over(run_dir)
 
 
-@pytest.mark.timeout(180)
-def test_a_driver_killed_at_random_moments_always_resumes(script: Path, storage: str) -> None:
-    kill_at_random(script, storage, "step_{}", kills=5)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("name_format", NAME_FORMATS.values(), ids=NAME_FORMATS.keys())
 def test_many_random_driver_kills_never_make_a_run_unresumable(script: Path, storage: str, name_format: str) -> None:
-    # 10 with each naming scheme in CI (each kill is a new seed); DDPTRAIN_SOAK_KILLS=25 for a soak run.
-    kill_at_random(script, storage, name_format, kills=int(os.environ.get("DDPTRAIN_SOAK_KILLS", "10")))
+    # 8 with each naming scheme in CI (each run draws a new seed); DDPTRAIN_SOAK_KILLS=25 for a soak run.
+    kill_at_random(script, storage, name_format, kills=int(os.environ.get("DDPTRAIN_SOAK_KILLS", "8")))

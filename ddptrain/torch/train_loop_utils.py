@@ -158,7 +158,13 @@ def _with_sampler(loader: DataLoader[Any], world_size: int, rank: int) -> DataLo
             f"prepare_data_loader: the custom sampler {type(sampler).__name__} is replaced by a DistributedSampler.",
             stacklevel=3,
         )
-    shuffle = not isinstance(sampler, SequentialSampler)
+    return with_distributed_sampler(loader, world_size, rank, shuffle=not isinstance(sampler, SequentialSampler))
+
+
+def with_distributed_sampler(loader: DataLoader[Any], num_replicas: int, rank: int, shuffle: bool) -> DataLoader[Any]:
+    """A copy of ``loader`` that reads ``rank``'s part of its dataset through a
+    ``DistributedSampler``, with the loader's other settings (batch size, workers, collate
+    function, pinning...) kept."""
     extra: dict[str, Any] = {}
     for name in ("pin_memory_device", "in_order"):  # DataLoader arguments of newer torch versions
         if hasattr(loader, name):
@@ -170,7 +176,7 @@ def _with_sampler(loader: DataLoader[Any], world_size: int, rank: int) -> DataLo
     return DataLoader(
         loader.dataset,
         batch_size=loader.batch_size,
-        sampler=DistributedSampler(loader.dataset, num_replicas=world_size, rank=rank, shuffle=shuffle),
+        sampler=DistributedSampler(loader.dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle),
         num_workers=loader.num_workers,
         collate_fn=loader.collate_fn,
         pin_memory=loader.pin_memory,

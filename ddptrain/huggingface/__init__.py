@@ -1,0 +1,1 @@
+"""Hugging Face integrations (``ddptrain.huggingface.transformers``); nothing is imported here."""

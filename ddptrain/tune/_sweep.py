@@ -1,0 +1,442 @@
+"""The sweep loop: create trials, run each in its own thread as a real ``fit()``, route reports
+to the scheduler and searcher, bound concurrency by resources (driver side).
+
+Why threads: a trial's "driver" is ddptrain's own driver loop (``fit()``), which spends its
+time waiting on its store and its agent's pipe; its workers are separate processes. Running
+that loop in a thread of the sweep's process costs nothing to start (no second Python, no
+second ``import torch``), lets the sweep see every report at once through a ``UserCallback``,
+and keeps teardown in ddptrain's hands: to stop a trial, the callback raises
+:class:`~ddptrain.tune.session.TrialStopped` from the trainer's driver loop, whose ``finally``
+blocks tear the worker group down (SIGTERM, grace, SIGKILL of the agent's process group) as
+for any failure. If the sweep's process dies, every agent sees its stdin close and takes its
+workers down with it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import cloudpickle
+
+from ddptrain import _env, storage
+from ddptrain.checkpoint import Checkpoint
+from ddptrain.config import CheckpointConfig, FailureConfig, RunConfig
+from ddptrain.progress import quiet
+from ddptrain.result import Result, read_metrics
+from ddptrain.tune.progress import StatusReporter
+from ddptrain.tune.schedulers import TrialScheduler
+from ddptrain.tune.search.basic_variant import BasicVariantGenerator
+from ddptrain.tune.search.searcher import Searcher
+from ddptrain.tune.session import TrialSession, TrialStopped, _set_session
+from ddptrain.tune.stopper import Stopper
+from ddptrain.tune.trainable import FunctionTrainable, PreparedTrial, TrainerTrainable
+from ddptrain.tune.trial import Trial
+
+__all__ = ["Sweep", "STATE_FILE"]
+
+_logger = logging.getLogger(__name__)
+STATE_FILE = "experiment_state.pkl"
+_SAVE_INTERVAL_S = 1.0
+_WAKE_S = 0.5
+
+
+def _gpu_pool(total_gpus: int | None) -> list[int]:
+    """The GPU ids trials may use: ``CUDA_VISIBLE_DEVICES`` of the sweep, else every device."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = [int(d) for d in visible.split(",") if d.strip().isdigit()]
+    elif total_gpus is not None:
+        ids = list(range(total_gpus))
+    else:
+        try:
+            import torch
+
+            ids = list(range(torch.cuda.device_count()))
+        except Exception:
+            ids = []
+    return ids if total_gpus is None else ids[:total_gpus]
+
+
+class Sweep:
+    """One run of a sweep: its trials, their threads and the machine's free resources."""
+
+    def __init__(
+        self,
+        *,
+        trainable: TrainerTrainable | FunctionTrainable,
+        path: str,
+        trials: list[Trial],
+        searcher: Searcher,
+        scheduler: TrialScheduler,
+        stopper: Stopper | None,
+        num_samples: int,
+        max_concurrent: int | None,
+        time_budget_s: float | None,
+        total_cpus: float,
+        total_gpus: int | None,
+        run_config: RunConfig,
+        reporter: StatusReporter,
+        new_trial_id: Callable[[int], str],
+    ) -> None:
+        self.trainable = trainable
+        self.path = path
+        self.name = os.path.basename(path)
+        self.trials = trials
+        self.searcher = searcher
+        self.scheduler = scheduler
+        self.stopper = stopper
+        self.num_samples = num_samples
+        self.max_concurrent = max_concurrent
+        self.time_budget_s = time_budget_s
+        self.free_cpus = total_cpus
+        self.total_cpus = total_cpus
+        self.run_config = run_config
+        self.reporter = reporter
+        self.new_trial_id = new_trial_id
+        self._gpus_total = total_gpus
+        self._free_gpus: list[int] | None = None
+        self._all_gpus: list[int] = []
+        self._cond = threading.Condition()
+        self._running: dict[str, tuple[threading.Thread, TrialSession, float, list[int]]] = {}
+        self._waiting: tuple[Trial, PreparedTrial] | None = None
+        self._searcher_done = False
+        self._stop_all = False
+        self._interrupted = False
+        self._dirty = True
+        self._saved_at = 0.0
+
+    # ----------------------------------------------------------------- main loop
+    def run(self) -> None:
+        started = time.monotonic()
+        try:
+            with self._cond:
+                while True:
+                    if self.time_budget_s is not None and time.monotonic() - started > self.time_budget_s:
+                        if not self._stop_all:
+                            _logger.info("ddptrain.tune: time budget of %.0f s is spent", self.time_budget_s)
+                        self._stop_everything("the sweep's time budget is spent")
+                    if self.stopper is not None and not self._stop_all and self.stopper.stop_all():
+                        self._stop_everything("the stopper stopped the sweep")
+                    if not self._stop_all:
+                        self._launch_what_fits()
+                    if not self._running and (self._stop_all or self._nothing_left()):
+                        break
+                    self._save_if_due()
+                    self.reporter.update(self.trials)
+                    self._cond.wait(_WAKE_S)
+        except BaseException:
+            self._interrupt_trials()
+            raise
+        finally:
+            with self._cond:
+                self._save(force=True)
+            self.reporter.update(self.trials, force=True)
+
+    def _interrupt_trials(self) -> None:
+        """Ctrl-C (or any error) in the sweep's loop: stop every running trial now, as Ctrl-C
+        stops a plain ``fit()``, and wait (bounded) for their teardown.
+
+        The trials' threads never see the KeyboardInterrupt, and a trial may not report again
+        for a long time; so :class:`TrialStopped` is raised in each trial's thread
+        asynchronously (``PyThreadState_SetAsyncExc``), exactly where a KeyboardInterrupt would
+        land in a ``fit()`` of the main thread. ddptrain's driver loop then tears its worker
+        group down in its ``finally`` blocks. The trials stay unfinished (``RUNNING`` in the
+        saved state), so ``Tuner.restore`` resumes them.
+        """
+        with self._cond:
+            self._interrupted = True
+            self._stop_everything("the sweep was interrupted")
+            running = [(thread, session) for thread, session, _, _ in self._running.values()]
+        for thread, session in running:
+            # Only into the trainable: never into the sweep's own bookkeeping after it.
+            if session.in_trainable and thread.ident is not None and thread.is_alive():
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(TrialStopped))
+        deadline = time.monotonic() + _env.shutdown_grace_s() + 5.0
+        for thread, _ in running:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    def _stop_everything(self, reason: str) -> None:
+        self._stop_all = True
+        for _, session, _, _ in self._running.values():
+            session.stop_requested = True
+            trial = session.trial
+            trial.stop_reason = trial.stop_reason or reason
+
+    def _nothing_left(self) -> bool:
+        return self._waiting is None and self._searcher_done and not any(t.status == "PENDING" for t in self.trials)
+
+    def _launch_what_fits(self) -> None:
+        while self.max_concurrent is None or len(self._running) < self.max_concurrent:
+            candidate = self._waiting or self._next_trial()
+            if candidate is None:
+                return
+            trial, prepared = candidate
+            gpus_needed = math.ceil(prepared.gpus)
+            all_gpus = len(self._gpu_ids()) if gpus_needed else 0
+            if prepared.cpus > self.total_cpus + 1e-9 or gpus_needed > all_gpus:
+                self._waiting = None
+                self._fail_unrunnable(trial, prepared, all_gpus)
+                continue
+            if prepared.cpus > self.free_cpus + 1e-9 or (gpus_needed and gpus_needed > len(self._gpu_ids(free=True))):
+                self._waiting = candidate  # it waits for running trials to give resources back
+                return
+            self._waiting = None
+            self._start(trial, prepared, gpus_needed)
+
+    def _gpu_ids(self, free: bool = False) -> list[int]:
+        """All GPU ids of the sweep, or the free ones; looked up when a trial first needs GPUs."""
+        if self._free_gpus is None:
+            self._free_gpus = _gpu_pool(self._gpus_total)
+            self._all_gpus = list(self._free_gpus)
+        return self._free_gpus if free else self._all_gpus
+
+    def _fail_unrunnable(self, trial: Trial, prepared: PreparedTrial, all_gpus: int) -> None:
+        from ddptrain.errors import ConfigError
+
+        trial.error = ConfigError(
+            f"Trial {trial.trial_id} needs {prepared.cpus:g} CPU(s) and {prepared.gpus:g} GPU(s) but the sweep has "
+            f"{self.total_cpus:g} CPU(s) and {all_gpus} GPU(s). Lower `num_workers` or "
+            "`resources_per_worker`, or raise `TuneConfig(total_cpus=...)` to oversubscribe the CPUs."
+        )
+        trial.error_msg = str(trial.error)
+        trial.status = "ERROR"
+        self.reporter.trial_changed(trial)
+        self._dirty = True
+
+    def _next_trial(self) -> tuple[Trial, PreparedTrial] | None:
+        trial = next((t for t in self.trials if t.status == "PENDING"), None)
+        if trial is None and not self._searcher_done:
+            if isinstance(self.searcher, BasicVariantGenerator) or len(self.trials) < self.num_samples:
+                trial_id = self.new_trial_id(len(self.trials))
+                config = self.searcher.suggest(trial_id)
+                if config is None:
+                    return None
+                if config == Searcher.FINISHED:
+                    self._searcher_done = True
+                    return None
+                assert isinstance(config, dict)
+                trial = Trial(trial_id, config, os.path.join(self.path, f"{self.trainable.name}_{trial_id}"))
+                self.trials.append(trial)
+                self._dirty = True
+            else:
+                self._searcher_done = True
+        if trial is None:
+            return None
+        try:
+            prepared = self.trainable.prepare(trial.config)
+        except Exception as exc:
+            trial.status, trial.error, trial.error_msg = "ERROR", exc, f"{type(exc).__name__}: {exc}"
+            self.reporter.trial_changed(trial)
+            return self._next_trial()
+        return trial, prepared
+
+    def add_all_variants(self) -> None:
+        """Create every trial of a grid/random search now (they show as PENDING, and a restore
+        runs exactly the same configs)."""
+        if not isinstance(self.searcher, BasicVariantGenerator):
+            return
+        while True:
+            trial_id = self.new_trial_id(len(self.trials))
+            config = self.searcher.suggest(trial_id)
+            if not isinstance(config, dict):
+                break
+            self.trials.append(Trial(trial_id, config, os.path.join(self.path, f"{self.trainable.name}_{trial_id}")))
+        self._searcher_done = True
+
+    # ----------------------------------------------------------------- one trial
+    def _start(self, trial: Trial, prepared: PreparedTrial, gpus_needed: int) -> None:
+        gpu_ids: list[int] = []
+        if gpus_needed:
+            free = self._gpu_ids(free=True)
+            gpu_ids, self._free_gpus = free[:gpus_needed], free[gpus_needed:]
+        self.free_cpus -= prepared.cpus
+        keep = (self.run_config.checkpoint_config or CheckpointConfig()).num_to_keep
+        resources = {"CPU": prepared.cpus, "GPU": prepared.gpus}
+        session = TrialSession(trial, self._on_report, self.name, resources, gpu_ids, keep)
+        trial.status = "RUNNING"
+        trial.start_time = time.time()
+        trial.stopped_early, trial.stop_reason = False, None
+        self.scheduler.on_trial_add(trial.trial_id)
+        thread = threading.Thread(
+            target=self._run_trial, args=(session, prepared), name=f"ddptrain-trial-{trial.trial_id}", daemon=True
+        )
+        self._running[trial.trial_id] = (thread, session, prepared.cpus, gpu_ids)
+        self.reporter.trial_changed(trial)
+        self._save(force=True)  # a restore must know of every trial that started
+        thread.start()
+
+    def _run_trial(self, session: TrialSession, prepared: PreparedTrial) -> None:
+        trial = session.trial
+        _set_session(session)
+        fitted = False
+        try:
+            session.in_trainable = True
+            trial.write_params()
+            if isinstance(self.trainable, TrainerTrainable):
+                with quiet():  # the sweep's own table says how each trial is doing
+                    self._fit_trainer(session, prepared)
+                fitted = True
+            else:
+                self._call_function(trial)
+            status = "TERMINATED"
+        except TrialStopped:
+            status = "RUNNING" if self._interrupted else "TERMINATED"
+        except BaseException as exc:
+            status = "ERROR"
+            trial.error, trial.error_msg = exc, f"{type(exc).__name__}: {exc}"
+        finally:
+            session.in_trainable = False
+            _set_session(None)
+        if isinstance(self.trainable, TrainerTrainable) and not fitted:
+            self._pick_up_checkpoints(trial)
+        with self._cond:
+            trial.status = status
+            trial.end_time = time.time()
+            _, _, cpus, gpu_ids = self._running.pop(trial.trial_id)
+            self.free_cpus += cpus
+            if gpu_ids and self._free_gpus is not None:
+                self._free_gpus.extend(gpu_ids)
+            result = trial.last_result or None
+            self.scheduler.on_trial_complete(trial.trial_id, result)
+            self.searcher.on_trial_complete(trial.trial_id, result, error=status == "ERROR")
+            self.reporter.trial_changed(trial)
+            self._save(force=True)
+            self._cond.notify_all()
+
+    def _trial_run_config(self, trial: Trial, trainer_callbacks: list[Any], gpu_ids: list[int]) -> RunConfig:
+        from ddptrain.tune.integration.ray_train import TuneReportCallback
+
+        base = self.run_config
+        runtime_env = dict(base.worker_runtime_env or {})
+        if gpu_ids:
+            env_vars = dict(runtime_env.get("env_vars") or {})
+            env_vars["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpu_ids)
+            runtime_env["env_vars"] = env_vars
+        return RunConfig(
+            name=os.path.basename(trial.path),
+            storage_path=self.path,
+            failure_config=base.failure_config,
+            checkpoint_config=base.checkpoint_config,
+            callbacks=[*trainer_callbacks, TuneReportCallback(add_checkpoint_path=False)],
+            worker_runtime_env=runtime_env,
+            logging_config=base.logging_config,
+        )
+
+    def _fit_trainer(self, session: TrialSession, prepared: PreparedTrial) -> None:
+        from ddptrain.tune.integration.ray_train import TuneReportCallback
+
+        assert isinstance(self.trainable, TrainerTrainable) and prepared.trainer is not None
+        trial = session.trial
+        if os.path.exists(os.path.join(trial.path, "run.json")):  # restored: the fit resumes the run
+            trial.iteration = len(read_metrics(trial.path))
+        # The sweep adds its own TuneReportCallback: one the user added would report twice.
+        callbacks = [
+            c for c in self.trainable.trainer.run_config.callbacks or [] if not isinstance(c, TuneReportCallback)
+        ]
+        callbacks += [
+            c
+            for c in self.run_config.callbacks or []
+            if all(c is not o for o in callbacks) and not isinstance(c, TuneReportCallback)
+        ]
+        run_config = self._trial_run_config(trial, callbacks, session.gpu_ids)
+        result = self.trainable.run(prepared, run_config)
+        trial.checkpoint = result.checkpoint
+        trial.best_checkpoints = result.best_checkpoints
+        trial.return_value = result.return_value
+
+    @staticmethod
+    def _pick_up_checkpoints(trial: Trial) -> None:
+        """A stopped or failed trainer trial: its committed checkpoints, from its run directory."""
+        if not os.path.exists(os.path.join(trial.path, "run.json")):
+            return
+        try:
+            result = Result.from_path(trial.path)
+        except Exception as exc:  # a broken index: the trial's own error says more
+            _logger.warning("ddptrain.tune: cannot read the checkpoints of %s: %r", trial.path, exc)
+            return
+        trial.checkpoint = result.checkpoint
+        trial.best_checkpoints = result.best_checkpoints
+
+    def _call_function(self, trial: Trial) -> None:
+        assert isinstance(self.trainable, FunctionTrainable)
+        failure_config = self.run_config.failure_config or FailureConfig()
+        if trial.checkpoint is not None:  # restored: reports go on from the checkpoint's iteration
+            number = os.path.basename(trial.checkpoint.path).removeprefix("checkpoint_")
+            if number.isdigit():
+                trial.iteration = int(number)
+                trial.truncate_results(trial.iteration)
+        while True:
+            try:
+                trial.return_value = self.trainable.run(trial.config)
+                return
+            except Exception as exc:
+                trial.num_failures += 1
+                allowed = failure_config.max_failures
+                if allowed != -1 and trial.num_failures > allowed:
+                    raise
+                _logger.warning(
+                    "ddptrain.tune: trial %s failed (%r); restarting it from %s (failure %d of %s allowed)",
+                    trial.trial_id,
+                    exc,
+                    trial.checkpoint.path if trial.checkpoint else "scratch",
+                    trial.num_failures,
+                    "unlimited" if allowed == -1 else allowed,
+                )
+
+    def _on_report(self, trial: Trial, metrics: dict[str, Any], checkpoint: Checkpoint | None) -> bool:
+        """One report of a trial (in the trial's thread): record it, ask whether to stop."""
+        with self._cond:
+            now = time.time()
+            trial.iteration += 1
+            previous = trial.last_result.get("timestamp", trial.start_time or now)
+            result = dict(metrics)
+            result.update(
+                training_iteration=trial.iteration,
+                trial_id=trial.trial_id,
+                timestamp=now,
+                time_this_iter_s=now - previous,
+                time_total_s=now - (trial.start_time or now),
+            )
+            if checkpoint is not None:
+                trial.checkpoint = checkpoint
+                self._dirty = True
+                self._save(force=True)  # a restore resumes from it
+            trial.last_result = result
+            trial.append_result(result)
+            self.searcher.on_trial_result(trial.trial_id, result)
+            stop = False
+            if self.stopper is not None and self.stopper(trial.trial_id, result):
+                stop, trial.stop_reason = True, "the stop criteria were met"
+            elif self.scheduler.on_trial_result(trial.trial_id, result) == TrialScheduler.STOP:
+                max_t = getattr(self.scheduler, "max_t", None)
+                time_attr = getattr(self.scheduler, "time_attr", "training_iteration")
+                stop, trial.stopped_early = True, max_t is None or result.get(time_attr, 0) < max_t
+                scheduler = type(self.scheduler).__name__
+                trial.stop_reason = f"stopped by {scheduler}" if trial.stopped_early else f"reached {scheduler}'s max_t"
+            self._dirty = True
+            self._cond.notify_all()
+            return stop
+
+    # ----------------------------------------------------------------- state on disk
+    def _save_if_due(self) -> None:
+        if self._dirty and time.monotonic() - self._saved_at > _SAVE_INTERVAL_S:
+            self._save(force=True)
+
+    def _save(self, force: bool = False) -> None:
+        if not (force or self._dirty):
+            return
+        state = {"trials": [t.state() for t in self.trials], "searcher_done": self._searcher_done}
+        try:
+            storage.write_atomic(os.path.join(self.path, STATE_FILE), cloudpickle.dumps(state), private=True)
+        except OSError as exc:
+            _logger.warning("ddptrain.tune: cannot save the sweep's state in %s: %r", self.path, exc)
+            return
+        self._dirty = False
+        self._saved_at = time.monotonic()

@@ -1,0 +1,1 @@
+"""Integrations of the sweep layer with ddptrain's trainers."""

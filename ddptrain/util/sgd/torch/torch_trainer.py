@@ -1,0 +1,460 @@
+"""RaySGD's ``TorchTrainer`` (driver side): workers started once, ``train()``/``validate()``
+called on them as often as the program likes, and restarted from the last state when one dies.
+
+Each worker holds one :class:`TrainingOperator` (``_runner``); the trainer runs functions on
+them through a :class:`~ddptrain.worker_group.WorkerGroup`. After every successful
+``train()`` rank 0's state (models, optimizers, schedulers, scaler, operator state) comes back
+with the metrics and stays on the driver: that is what a restarted group resumes from.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ddptrain.config import ScalingConfig
+from ddptrain.errors import ConfigError, LaunchError, WorkerDiedError, WorkerGroupError
+from ddptrain.hosts import HostSpec, parse_hosts
+from ddptrain.torch.config import TorchConfig
+from ddptrain.util.sgd.torch import _runner
+from ddptrain.util.sgd.torch.training_operator import VALID_SCHEDULER_STEP, TrainingOperator
+from ddptrain.util.sgd.utils import BATCH_SIZE, reduce_worker_stats
+from ddptrain.worker_group import WorkerGroup
+
+__all__ = ["TorchTrainer"]
+
+_logger = logging.getLogger(__name__)
+_LAUNCH_ROUNDS = 3  # attempts (with backoff) to start any workers at all after a failure
+_GROW_INTERVAL_S = 60.0  # at most this often, a shrunken group tries to get back to num_workers
+
+
+class TorchTrainer:
+    """Train a :class:`TrainingOperator` on ``num_workers`` worker processes, epoch by epoch.
+
+    The workers start in the constructor (each runs ``initialization_hook``, then builds the
+    operator, whose ``setup(config)`` runs there) and live until :meth:`shutdown` or the end
+    of a ``with`` block. ``config[BATCH_SIZE]`` (the key ``"*batch_size"``) is a global batch
+    size: each worker gets ``config[BATCH_SIZE] // num_workers`` (rounded down, with a warning
+    when it does not divide evenly); any other key, ``"batch_size"`` included, reaches every
+    worker unchanged.
+
+    Args:
+        training_operator_cls: Your :class:`TrainingOperator` subclass.
+        initialization_hook: Run on each worker before the operator is built (environment
+            variables, logging).
+        config: Passed to ``setup(config)`` on every worker.
+        num_workers: Worker processes (ranks).
+        num_cpus_per_worker: CPUs per worker (sets ``OMP_NUM_THREADS``).
+        use_gpu: One CUDA device per worker; ``"auto"``: if this machine has CUDA.
+        backend: ``"gloo"``, ``"nccl"``, or ``"auto"`` (nccl with GPUs, else gloo).
+        wrap_ddp: Wrap registered models in ``DistributedDataParallel`` (2+ workers).
+        timeout_s: Timeout of the process group's collectives.
+        use_fp16: Mixed precision with ``torch.amp`` (autocast and a ``GradScaler``; bfloat16
+            autocast on CPU). ``"apex"`` is accepted and means the same (Apex is not used).
+        use_tqdm: A progress bar on rank 0 (plain status lines without tqdm).
+        apex_args: Accepted for compatibility and ignored, with a warning.
+        add_dist_sampler: Give registered ``DataLoader``s a ``DistributedSampler``.
+        scheduler_step_freq: ``"batch"``, ``"epoch"``, ``"manual"`` (:meth:`update_scheduler`),
+            or ``None`` (no schedulers may be registered).
+        use_local: Accepted for compatibility: all ``num_workers`` ranks run in worker
+            processes, and :meth:`get_local_operator` works with or without it.
+        hosts: ddptrain's own: an SSH host list (as ``ScalingConfig(hosts=...)`` takes it).
+        log_dir: ddptrain's own: a folder for one log file per rank.
+
+    Example:
+        >>> with TorchTrainer(training_operator_cls=MyOperator, num_workers=2,
+        ...                   config={"lr": 0.01, BATCH_SIZE: 64}) as trainer:   # doctest: +SKIP
+        ...     for _ in range(5):
+        ...         print(trainer.train(), trainer.validate())
+        ...     model = trainer.get_model()
+    """
+
+    def __init__(
+        self,
+        *,
+        training_operator_cls: type[TrainingOperator],
+        initialization_hook: Callable[[], Any] | None = None,
+        config: dict[str, Any] | None = None,
+        num_workers: int = 1,
+        num_cpus_per_worker: float = 1,
+        use_gpu: bool | str = "auto",
+        backend: str = "auto",
+        wrap_ddp: bool = True,
+        timeout_s: int = 1800,
+        use_fp16: bool | str = False,
+        use_tqdm: bool = False,
+        apex_args: dict[str, Any] | None = None,
+        add_dist_sampler: bool = True,
+        scheduler_step_freq: str | None = None,
+        use_local: bool = False,
+        hosts: str | os.PathLike[str] | list[Any] | None = None,
+        log_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
+        if not (isinstance(training_operator_cls, type) and issubclass(training_operator_cls, TrainingOperator)):
+            raise ConfigError(
+                f"`training_operator_cls` must be a subclass of TrainingOperator, got {training_operator_cls!r}. "
+                "For creator functions use `TrainingOperator.from_creators(...)`."
+            )
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+            raise ConfigError(f"`num_workers` must be an integer >= 1, got {num_workers!r}.")
+        if scheduler_step_freq not in VALID_SCHEDULER_STEP:
+            raise ConfigError(
+                f"`scheduler_step_freq` must be one of {VALID_SCHEDULER_STEP}, got {scheduler_step_freq!r}."
+            )
+        if use_gpu == "auto":
+            use_gpu = torch.cuda.is_available()
+        if not isinstance(use_gpu, bool):
+            raise ConfigError(f"`use_gpu` must be True, False or 'auto', got {use_gpu!r}.")
+        if use_fp16 == "apex" or apex_args:
+            warnings.warn("Apex is not used: ddptrain's `use_fp16` is torch.amp; `apex_args` is ignored.", stacklevel=2)
+        if config is not None and not isinstance(config, dict):
+            raise ConfigError(f"`config` must be a dict, got {type(config).__name__}.")
+        self.training_operator_cls = training_operator_cls
+        self.initialization_hook = initialization_hook
+        self.config: dict[str, Any] = dict(config or {})
+        self.num_workers = num_workers
+        self.use_gpu = use_gpu
+        self.use_local = use_local
+        self._num_cpus_per_worker = num_cpus_per_worker
+        self._backend_config = TorchConfig(backend=None if backend == "auto" else backend, timeout_s=timeout_s)
+        self._options = {
+            "use_fp16": bool(use_fp16),
+            "use_tqdm": use_tqdm,
+            "wrap_ddp": wrap_ddp,
+            "add_dist_sampler": add_dist_sampler,
+            "scheduler_step_freq": scheduler_step_freq,
+        }
+        self._hosts: list[HostSpec] | None = parse_hosts(hosts) if hosts is not None else None
+        self._log_dir = log_dir
+        self._group: WorkerGroup | None = None
+        # Rank 0's state after the last successful call (pickled by rank 0 after a train()).
+        self._state: dict[str, Any] | bytes | None = None
+        self._local: _runner.Runner | None = None
+        self._num_failures = 0
+        self._next_grow = 0.0
+        self._group = self._start(num_workers, self._hosts, None)
+
+    # ----------------------------------------------------------------- workers
+    @property
+    def worker_count(self) -> int:
+        """Workers running now (fewer than ``num_workers`` after a failure that shrank the group)."""
+        return len(self._group) if self._group is not None else 0
+
+    def _worker_config(self, workers: int) -> dict[str, Any]:
+        config = dict(self.config)
+        if BATCH_SIZE in config:
+            total = config[BATCH_SIZE]
+            if total % workers:
+                _logger.warning(
+                    "ddptrain: changing the global batch size from %d to %d to divide it evenly among %d workers",
+                    total,
+                    total // workers * workers,
+                    workers,
+                )
+            config[BATCH_SIZE] = max(1, total // workers)
+        return config
+
+    def _start(self, workers: int, hosts: list[HostSpec] | None, state: dict[str, Any] | bytes | None) -> WorkerGroup:
+        scaling = ScalingConfig(
+            num_workers=workers,
+            use_gpu=self.use_gpu,
+            resources_per_worker={"CPU": self._num_cpus_per_worker},
+            hosts=list(hosts) if hosts is not None else None,
+        )
+        group = WorkerGroup.launch(scaling, backend_config=self._backend_config, log_dir=self._log_dir)
+        try:
+            group.execute(
+                _runner.setup,
+                self.training_operator_cls,
+                self._worker_config(workers),
+                self._options,
+                self.initialization_hook,
+                state,
+            )
+        except BaseException:
+            _discard(group)
+            raise
+        return group
+
+    def _restart(self) -> None:
+        """Replace a failed group: as many workers as will start (``num_workers`` at most),
+        resuming from the last state kept on the driver."""
+        if self._group is not None:
+            _discard(self._group)
+            self._group = None
+        self._local = None
+        last: BaseException | None = None
+        for round_ in range(_LAUNCH_ROUNDS):
+            if round_:
+                time.sleep(2.0**round_)
+            excluded: set[str] = set()
+            for workers in range(self.num_workers, 0, -1):
+                hosts = None
+                if self._hosts is not None:
+                    hosts = [h for h in self._hosts if h.name not in excluded]
+                    if sum(h.slots or 1 for h in hosts) < workers:
+                        continue  # the hosts left cannot hold this many
+                try:
+                    group = self._start(workers, hosts, self._state)
+                except (LaunchError, WorkerGroupError) as exc:
+                    if isinstance(exc, WorkerGroupError) and not _lost_worker(exc):
+                        raise  # the operator's own error: a retry would fail the same way
+                    last = exc
+                    excluded |= _failed_hosts(exc, self._hosts)
+                    _logger.info("ddptrain: %d worker(s) did not start: %s", workers, exc)
+                    continue
+                if workers < self.num_workers:
+                    message = (
+                        f"ddptrain: only {workers} of {self.num_workers} workers could be started; training "
+                        f"goes on with {workers} (it tries to grow back before later train() calls)."
+                    )
+                    _logger.warning(message)
+                    warnings.warn(message, RuntimeWarning, stacklevel=3)
+                    self._next_grow = time.monotonic() + _GROW_INTERVAL_S
+                self._group = group
+                return
+        raise WorkerGroupError(f"No worker could be started after a failure: {last}", {}) from last
+
+    def _maybe_grow(self) -> None:
+        """Back to ``num_workers`` when they can start again (tried every ``_GROW_INTERVAL_S``)."""
+        if self._group is None or len(self._group) >= self.num_workers or time.monotonic() < self._next_grow:
+            return
+        self._next_grow = time.monotonic() + _GROW_INTERVAL_S
+        try:
+            state = self.state_dict()
+            group = self._start(self.num_workers, self._hosts, state)
+        except (LaunchError, WorkerGroupError) as exc:
+            _logger.info("ddptrain: still fewer workers than num_workers: %s", exc)
+            return
+        _logger.warning("ddptrain: back to %d workers", self.num_workers)
+        self._group.shutdown()
+        self._group, self._state, self._local = group, state, None
+
+    def _live_group(self) -> WorkerGroup:
+        if self._group is None:
+            raise RuntimeError("This TorchTrainer was shut down.")
+        return self._group
+
+    def _call(self, fn: Callable[..., Any], *args: Any, rank: int | None = None) -> Any:
+        """``fn(*args)`` on every worker (or on ``rank``); a failure ends the group (the next
+        call starts a new one)."""
+        group = self._live_group()
+        if not group.alive:
+            self._restart()
+            group = self._live_group()
+        try:
+            return group.execute(fn, *args) if rank is None else group.execute_single(rank, fn, *args)
+        except WorkerGroupError:
+            _discard(group)
+            raise
+
+    # ----------------------------------------------------------------- training
+    def train(
+        self,
+        num_steps: int | None = None,
+        profile: bool = False,
+        reduce_results: bool = True,
+        max_retries: int = 3,
+        info: dict[str, Any] | None = None,
+    ) -> Any:
+        """One epoch (or ``num_steps`` batches) of ``train_epoch`` on every worker.
+
+        If a worker dies meanwhile, the group is replaced (as many workers as will start,
+        up to ``num_workers``), restored from the state after the last successful call, and
+        the epoch runs again, up to ``max_retries`` times. An exception raised by your
+        operator is not retried.
+
+        Returns:
+            With ``reduce_results``: ``num_samples`` summed over workers, ``epoch``,
+            ``batch_count``, ``train_loss``, ``last_train_loss`` and any other number your
+            ``train_batch``/``train_epoch`` returns averaged over workers (weighted by their
+            ``num_samples``), anything else from worker 0; ``profile=True`` adds a
+            ``profile`` dict (``mean_fwd_s``, ``mean_grad_s``, ``mean_apply_s``,
+            ``mean_train_epoch_s``). Without ``reduce_results``: one dict per worker.
+
+        Raises:
+            WorkerGroupError: Your operator raised (the worker's traceback is in it), or the
+                workers kept dying after ``max_retries`` restarts.
+        """
+        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+            raise ConfigError(f"`max_retries` must be an integer >= 0, got {max_retries!r}.")
+        self._live_group()
+        if not self._group.alive:  # type: ignore[union-attr]
+            self._restart()
+        self._maybe_grow()
+        for attempt in range(max_retries + 1):
+            group = self._live_group()
+            try:
+                results = group.execute(_runner.train, num_steps, profile, info, True)
+                break
+            except WorkerGroupError as exc:
+                lost = _lost_worker(exc, group)
+                _discard(group)
+                if not lost:
+                    raise
+                self._num_failures += 1
+                if attempt == max_retries:
+                    raise
+                _logger.warning(
+                    "ddptrain: a worker was lost during train() (%s); restarting the workers from the last "
+                    "state (retry %d of %d)",
+                    _first_line(exc),
+                    attempt + 1,
+                    max_retries,
+                )
+                self._restart()
+        stats = [worker_stats for worker_stats, _ in results]
+        self._state = results[0][1]
+        return reduce_worker_stats(stats) if reduce_results else stats
+
+    def validate(
+        self,
+        num_steps: int | None = None,
+        profile: bool = False,
+        reduce_results: bool = True,
+        info: dict[str, Any] | None = None,
+    ) -> Any:
+        """``validate`` on every worker: ``num_samples``, ``batch_count``, ``val_loss``,
+        ``last_val_loss``, ``val_accuracy``, ``last_val_accuracy`` (reduced as in :meth:`train`).
+
+        Not retried: if a worker dies, this raises ``WorkerGroupError`` (never hangs), and the
+        next call on this trainer first restarts the workers from the last state.
+        """
+        stats = self._call(_runner.validate, num_steps, profile, info)
+        return reduce_worker_stats(stats) if reduce_results else stats
+
+    def update_scheduler(self, metric: Any) -> None:
+        """``scheduler.step(metric)`` for every registered scheduler on every worker (for
+        ``scheduler_step_freq="manual"``, e.g. ``ReduceLROnPlateau``)."""
+        self._call(_runner.update_scheduler, metric)
+        self._state = self.state_dict()
+
+    def apply_all_workers(self, fn: Callable[[], Any]) -> list[Any]:
+        """Run ``fn()`` on every worker; results in rank order."""
+        return self._call(fn)
+
+    def apply_all_operators(self, fn: Callable[[TrainingOperator], Any]) -> list[Any]:
+        """Run ``fn(operator)`` on every worker's operator; results in rank order. Changes it
+        makes are not in the driver's saved state until the next ``train()``."""
+        return self._call(_runner.apply_operator, fn)
+
+    # ----------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """Rank 0's state: ``epoch``, ``models``, ``optimizers``, ``schedulers``, ``amp``,
+        ``operator`` (your ``TrainingOperator.state_dict()``), tensors on the CPU."""
+        return self._call(_runner.state_dict, rank=0)
+
+    def load_state_dict(self, state_dict: dict[str, Any], blocking: bool = False) -> None:
+        """Load ``state_dict`` into every worker. Always blocking (``blocking`` is accepted
+        for compatibility)."""
+        self._call(_runner.load_state_dict, state_dict)
+        self._state = state_dict
+        self._local = None
+
+    def save(self, checkpoint: str | os.PathLike[str]) -> str:
+        """Write :meth:`state_dict` to the file ``checkpoint`` with ``torch.save``; returns its path."""
+        torch.save(self.state_dict(), checkpoint)
+        return os.fspath(checkpoint)
+
+    def load(self, checkpoint: str | os.PathLike[str]) -> None:
+        """Load a file written by :meth:`save` (trusted: it is unpickled in full)."""
+        self.load_state_dict(torch.load(checkpoint, map_location="cpu", weights_only=False))
+
+    def get_model(self, to_cpu: bool = False) -> Any:
+        """The trained model(s) of rank 0, unwrapped (no DDP), in this process: the model, or
+        a list when several were registered."""
+        models = self._call(_runner.get_models, to_cpu, rank=0)
+        return models[0] if len(models) == 1 else models
+
+    def get_local_operator(self) -> TrainingOperator:
+        """A ``TrainingOperator`` in this process (not distributed, built by your ``setup``)
+        holding rank 0's current state. Each call refreshes it; changing it does not change
+        the workers."""
+        state = self.state_dict()
+        if self._local is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if self.use_gpu else torch.device("cpu")
+            options = {**self._options, "wrap_ddp": False, "add_dist_sampler": False, "use_tqdm": False}
+            self._local = _runner.Runner(
+                self.training_operator_cls, self._worker_config(self.worker_count), options, 0, 0, 1, device
+            )
+        self._local.load_state_dict(state)
+        return self._local.operator
+
+    # ----------------------------------------------------------------- shutdown
+    def shutdown(self, force: bool = False) -> None:
+        """Stop every worker (``force``: at once, without letting operators clean up). Safe
+        to call twice."""
+        group, self._group = self._group, None
+        self._local = None
+        if group is None:
+            return
+        if force or not group.alive:
+            _discard(group)
+            return
+        try:
+            group.execute(_runner.teardown)
+        except WorkerGroupError as exc:
+            _logger.warning("ddptrain: a worker failed while shutting down (ignored): %s", _first_line(exc))
+            _discard(group)
+            return
+        group.shutdown()
+
+    def __enter__(self) -> TorchTrainer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    @classmethod
+    def as_trainable(cls, *args: Any, **kwargs: Any) -> Any:
+        """A function trainable for ``ddptrain.tune`` that builds this trainer from the given
+        arguments, with the trial's config merged into ``config``; see ``_tune``."""
+        from ddptrain.util.sgd.torch._tune import as_trainable
+
+        return as_trainable(cls, *args, **kwargs)
+
+
+def _lost_worker(exc: WorkerGroupError, group: WorkerGroup | None = None) -> bool:
+    """Whether a failure means a worker (or its host) was lost, rather than an error of the
+    user's code: only the first can be fixed by a restart."""
+    if not exc.worker_failures and not exc.failures:
+        return True  # "the worker group is not running"
+    if any(isinstance(e, (WorkerDiedError, LaunchError)) for e in exc.worker_failures.values()):
+        return True
+    if group is not None:
+        # A peer's collective may fail before the driver hears that a worker died: listen a moment.
+        try:
+            group.pump_until(lambda: bool(group.exited), timeout_s=1.0)
+        except WorkerGroupError as more:
+            return any(isinstance(e, (WorkerDiedError, LaunchError)) for e in more.worker_failures.values())
+        except TimeoutError:
+            return False
+        return True
+    return False
+
+
+def _discard(group: WorkerGroup) -> None:
+    """Kill a group that failed at once. Its backend's orderly shutdown (destroying the process
+    group) would wait for a rank that may be stuck in a collective for good, so it is skipped."""
+    group.backend = None
+    group.shutdown(grace_s=0)
+
+
+def _failed_hosts(exc: BaseException, hosts: list[HostSpec] | None) -> set[str]:
+    """Names of the hosts of a host list that a failure names (a host that could not be reached)."""
+    if hosts is None:
+        return set()
+    names = {f.host for f in getattr(exc, "failures", []) if isinstance(f.exception, (WorkerDiedError, LaunchError))}
+    text = str(exc)
+    names |= {h.name for h in hosts if f"host {h.name!r}" in text}
+    return names & {h.name for h in hosts}
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]

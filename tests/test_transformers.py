@@ -1,0 +1,201 @@
+"""ddptrain.huggingface.transformers and accelerate: real libraries in real worker processes over gloo."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import ddptrain as train  # noqa: E402
+from ddptrain.huggingface.transformers import RayTrainReportCallback, prepare_trainer  # noqa: E402
+from ddptrain.torch import TorchTrainer  # noqa: E402
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def _tiny_bert() -> Any:
+    config = transformers.BertConfig(
+        vocab_size=128,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+        num_labels=2,
+    )
+    torch.manual_seed(train.get_context().get_world_rank())  # DDP must make the ranks agree
+    return transformers.BertForSequenceClassification(config)
+
+
+def _dataset() -> train.data.Dataset:
+    """64 rows of 16 token ids; the first token is the row's index, to see who read which row."""
+    ids = np.random.default_rng(0).integers(5, 128, size=(64, 16))
+    ids[:, 0] = np.arange(64)
+    return train.data.from_numpy({"input_ids": ids, "labels": (ids[:, 1] > 64).astype(np.int64)})
+
+
+def _train_func(config: dict[str, Any]) -> dict[str, Any]:
+    """Two epochs of 4 steps per worker: 32 rows of the shard in batches of 8."""
+    seen: dict[str, Any] = {"rows": []}
+    first_attempt = train.get_checkpoint() is None
+
+    class Recording(transformers.Trainer):
+        def training_step(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            seen["rows"].append(inputs["input_ids"][:, 0].tolist())
+            return super().training_step(model, inputs, *args, **kwargs)
+
+    class Probe(transformers.TrainerCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            seen["start_step"] = state.global_step
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if first_attempt and state.global_step == config.get("crash_at_step") and args.process_index == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    args = transformers.TrainingArguments(
+        output_dir=config["output_dir"],
+        per_device_train_batch_size=8,
+        max_steps=8,
+        save_strategy="epoch",
+        logging_strategy="epoch",
+        learning_rate=1e-3,
+        report_to=[],
+        disable_tqdm=True,
+    )
+    trainer = Recording(
+        model=_tiny_bert(), args=args, train_dataset=train.get_dataset_shard("train"), callbacks=[Probe()]
+    )
+    trainer.add_callback(RayTrainReportCallback())
+    trainer = prepare_trainer(trainer)
+    checkpoint = train.get_checkpoint()
+    resume = os.path.join(checkpoint.path, RayTrainReportCallback.CHECKPOINT_NAME) if checkpoint else None
+    trainer.train(resume_from_checkpoint=resume)
+    seen["world_size"] = args.world_size
+    seen["global_step"] = trainer.state.global_step
+    seen["weights"] = [p.detach().clone() for p in trainer.model.parameters()]
+    return seen
+
+
+def _fit(storage: str, tmp_path: Path, **config: Any) -> train.Result:
+    return TorchTrainer(
+        _train_func,
+        train_loop_config={"output_dir": str(tmp_path / "hf_output"), **config},
+        datasets={"train": _dataset()},
+        scaling_config=train.ScalingConfig(num_workers=2),
+        run_config=train.RunConfig(storage_path=storage, failure_config=train.FailureConfig(max_failures=1)),
+    ).fit()
+
+
+@pytest.fixture
+def accelerate_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    # What ddptrain will set for use_gpu=False workers (see test_accelerate_multi_cpu_without_settings).
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("accelerate_on_cpu")
+def test_steps_sharding_restart_resumes_step_count_and_checkpoint_loads(storage: str, tmp_path: Path) -> None:
+    result = _fit(storage, tmp_path, crash_at_step=5)  # rank 1 dies in the second epoch
+    rank0, rank1 = result.return_values
+    assert rank0["world_size"] == rank1["world_size"] == 2
+    # 4 steps per epoch: 32 rows per worker in batches of 8. Resumed from the step-4 checkpoint.
+    assert [(m["step"], m["epoch"]) for m in result.metrics_history] == [(4, 1.0), (8, 2.0)]
+    assert rank0["start_step"] == rank1["start_step"] == 4
+    assert rank0["global_step"] == rank1["global_step"] == 8
+    # Only the second epoch ran again; each rank read its own half of the rows, not split again.
+    assert len(rank0["rows"]) == len(rank1["rows"]) == 4
+    rows0 = [r for batch in rank0["rows"] for r in batch]
+    rows1 = [r for batch in rank1["rows"] for r in batch]
+    assert sorted(rows0 + rows1) == list(range(64))
+    assert all(torch.equal(a, b) for a, b in zip(rank0["weights"], rank1["weights"]))
+    assert isinstance(result.metrics["loss"], float)
+    with result.checkpoint.as_directory() as d:
+        loaded = transformers.BertForSequenceClassification.from_pretrained(
+            os.path.join(d, RayTrainReportCallback.CHECKPOINT_NAME)
+        )
+    assert all(torch.equal(a, b) for a, b in zip(loaded.parameters(), rank0["weights"]))
+
+
+def _accelerate_func() -> dict[str, Any]:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator()
+    model, optimizer = accelerator.prepare(torch.nn.Linear(2, 1), torch.optim.SGD([torch.nn.Parameter(torch.ones(1))]))
+    return {"num_processes": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type)}
+
+
+def test_accelerate_multi_cpu_without_settings(storage: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("accelerate")
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    result = TorchTrainer(
+        _accelerate_func,
+        scaling_config=train.ScalingConfig(num_workers=2),
+        run_config=train.RunConfig(storage_path=storage),
+    ).fit()
+    assert [v["num_processes"] for v in result.return_values] == [2, 2]
+    assert "MULTI_CPU" in result.return_values[0]["distributed_type"]
+
+
+def _hf_alone_func() -> list[str]:
+    import warnings
+
+    args = transformers.TrainingArguments(output_dir="unused", report_to=[], max_steps=1)
+    trainer = transformers.Trainer(model=torch.nn.Linear(2, 2), args=args)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prepare_trainer(trainer)
+    return [str(w.message) for w in caught]
+
+
+def test_prepare_trainer_warns_when_each_cpu_worker_would_train_alone(
+    storage: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "0")  # the user's choice wins over ddptrain's default
+    result = TorchTrainer(
+        _hf_alone_func,
+        scaling_config=train.ScalingConfig(num_workers=2),
+        run_config=train.RunConfig(storage_path=storage),
+    ).fit()
+    for caught in result.return_values:
+        assert any(
+            "sees 1 process(es) but ddptrain runs 2 workers" in m and "ACCELERATE_USE_CPU=1" in m for m in caught
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.usefixtures("accelerate_on_cpu")
+def test_example_transformers_tiny_bert(storage: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "transformers_tiny_bert.py"), "--epochs", "1", "--storage-path", storage],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "steps reported: [8]" in proc.stdout  # 256 rows / 2 workers / batch 16
+    assert "loaded BertForSequenceClassification from" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_example_accelerate_merges_every_rank_state(storage: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "transformers_accelerate.py"), "--epochs", "1", "--storage-path", storage],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "[rank0] 2 processes (DistributedType.MULTI_CPU)" in proc.stdout
+    assert "'random_states_0.pkl', 'random_states_1.pkl'" in proc.stdout  # both ranks' files, one checkpoint
+    assert "'model.safetensors'" in proc.stdout
