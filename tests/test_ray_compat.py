@@ -62,6 +62,14 @@ def test_workers_resolve_ray_in_the_users_own_modules_and_an_installed_ray_is_no
     assert "returned: ['ray', 'ray'] metrics: {'rank': 0}" in proc.stdout
 
 
+@pytest.mark.timeout(300)
+def test_a_ray_tune_sweep_of_a_trainer_runs_unmodified(storage: str) -> None:
+    proc = ddptrain_run("tune_trainer.py", storage)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "trials: 2 errors: 0" in proc.stdout
+    assert "best lr: 0.01 loss: 0.01" in proc.stdout
+
+
 def test_ray_core_apis_fail_with_a_clear_error(storage: str) -> None:
     proc = ddptrain_run("uses_ray_core.py", storage)
     assert proc.returncode == 1
