@@ -148,7 +148,7 @@ LIVE = textwrap.dedent(
     from ddptrain.torch import TorchTrainer
 
     def slow():
-        for step in range(40):
+        for step in range(24):
             train.report({"step": step, "loss": 1.0 / (step + 1)})
             time.sleep(0.25)
 
