@@ -21,6 +21,7 @@ from ddptrain import _env, storage
 from ddptrain.checkpoint_manager import CheckpointManager
 from ddptrain.progress import format_duration, format_metrics
 from ddptrain.result import read_metric_lines
+from ddptrain.watch import driver_is_alive
 
 __all__ = ["find_run", "list_runs", "run_summary", "main_runs", "main_show", "main_logs", "main_export", "main_plot"]
 
@@ -40,17 +41,6 @@ def find_run(run: str) -> Path:
     raise RunNotFound(f"no run {run!r}: neither {path} nor {candidate} is a ddptrain run directory (no run.json)")
 
 
-def _live(run_dir: Path) -> bool:
-    try:
-        fd = storage.try_lock_dir(str(run_dir), shared=True)
-    except OSError:
-        return False
-    if fd is None:
-        return True
-    os.close(fd)
-    return False
-
-
 def run_summary(run_dir: Path) -> dict[str, Any]:
     """What ``runs`` and ``show`` print of one run, as plain data."""
     try:
@@ -58,7 +48,7 @@ def run_summary(run_dir: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         info = {}
     status = info.get("status", "FINISHED" if info.get("ended") else "RUNNING")
-    if status in ("RUNNING", "RESTARTING") and not _live(run_dir):
+    if status in ("RUNNING", "RESTARTING") and not driver_is_alive(run_dir):
         status = "ABORTED"  # its driver died without a word
     lines = read_metric_lines(str(run_dir))
     try:
@@ -207,7 +197,7 @@ def main_logs(run: str, rank: int, attempt: int | None, follow: bool) -> int:
             if chunk:
                 out.write(chunk)
                 out.flush()
-            elif not _live(run_dir):
+            elif not driver_is_alive(run_dir):
                 break
             else:
                 time.sleep(0.5)

@@ -149,8 +149,12 @@ def _find_run_dir(run: str) -> Path:
     raise FileNotFoundError(f"no run directory {run!r} (nor {candidate})")
 
 
-def _driver_is_alive(run_dir: Path) -> bool:
-    fd = storage.try_lock_dir(str(run_dir), shared=True)
+def driver_is_alive(run_dir: Path) -> bool:
+    """Whether a live driver holds ``run_dir``'s lock (a folder that cannot be opened: no)."""
+    try:
+        fd = storage.try_lock_dir(str(run_dir), shared=True)
+    except OSError:
+        return False
     if fd is None:
         return True
     os.close(fd)
@@ -164,7 +168,7 @@ def stack_command(run: str, timeout_s: float = 10.0) -> int:
     except FileNotFoundError as exc:
         print(f"ddptrain stack: {exc}", file=sys.stderr)
         return 2
-    if not _driver_is_alive(run_dir):
+    if not driver_is_alive(run_dir):
         print(f"ddptrain stack: no live driver holds {run_dir} (the run is not running)", file=sys.stderr)
         return 1
     attempts = sorted(
