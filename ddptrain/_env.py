@@ -141,6 +141,7 @@ _DEFAULT_FORWARD = (
     "PYTHONPATH",
     "HF_*",
     "WANDB_*",
+    "MLFLOW_*",
     "ACCELERATE_*",
 )
 
