@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import sys
+import time
 import traceback
 from typing import Any
 
@@ -106,6 +107,9 @@ def user_traceback(exc: BaseException) -> str:
 def failure_record(exc: BaseException) -> dict[str, Any]:
     """What the driver needs to explain an exception raised in this worker."""
     return {
+        # When it was raised: a peer failing a moment later because of it must not be named
+        # the root cause just because its report reached the driver first.
+        "time": time.time(),
         "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
         "message": str(exc),
         "traceback": user_traceback(exc),
