@@ -197,10 +197,15 @@ def _execute(ch: channel.WorkerChannel, command: protocol.Execute) -> None:
 def _train(user: dict[str, Any]) -> Any:
     fn = user["train_fn"]
     backend_config = user["backend_config"]
-    with backend_config.train_func_context():
-        if user["takes_config"]:
-            return fn(user["train_loop_config"])
-        return fn()
+    failed = True
+    try:
+        with backend_config.train_func_context():
+            value = fn(user["train_loop_config"]) if user["takes_config"] else fn()
+        failed = False
+        return value
+    finally:
+        if context._session is not None:
+            context.run_end_hooks(context._session, failed)
 
 
 # Seconds between a worker's heartbeats (see ``WorkerChannel.start_heartbeat``).

@@ -50,7 +50,10 @@ def _mlflow_func(config: dict[str, Any]) -> str:
     attempt = 0 if config.get("crash_file") is None or not os.path.exists(config["crash_file"]) else 1
     mlflow.log_metric("attempt", attempt)
     _steps(config, lambda step, loss: mlflow.log_metric("loss", loss, step=step))
-    mlflow.end_run()
+    if config.get("raise_at_end"):
+        raise RuntimeError("the function failed after logging")
+    if config.get("end_run", True):
+        mlflow.end_run()
     return type(mlflow).__name__
 
 
@@ -79,7 +82,8 @@ def test_mlflow_one_run_from_rank_zero_with_params_and_metrics(storage: str, tmp
     from mlflow.tracking import MlflowClient
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    config = {"uri": uri, "lr": 0.05, "model": {"width": 4}}
+    # No end_run() in the function: ddptrain ends the run when the function returns.
+    config = {"uri": uri, "lr": 0.05, "model": {"width": 4}, "end_run": False}
     result = _fit(_mlflow_func, storage, config, "mlrun")
 
     assert result.return_values == ["module", "NoOp"]  # rank 1 got the no-op
@@ -89,7 +93,7 @@ def test_mlflow_one_run_from_rank_zero_with_params_and_metrics(storage: str, tmp
     assert run.info.run_name == "mlrun"
     assert run.info.status == "FINISHED"
     assert run.data.tags["team"] == "ddptrain"
-    assert run.data.params == {"uri": uri, "lr": "0.05", "model/width": "4"}
+    assert run.data.params == {"uri": uri, "lr": "0.05", "model/width": "4", "end_run": "False"}
     history = MlflowClient(tracking_uri=uri).get_metric_history(run.info.run_id, "loss")
     assert [m.step for m in history] == [0, 1, 2]  # logged once per step: rank 1 logged nothing
     reported = [m["loss"] for m in result.metrics_history]
@@ -110,6 +114,15 @@ def test_mlflow_restart_logs_on_into_the_same_run(storage: str, tmp_path: Path) 
     attempts = MlflowClient(tracking_uri=uri).get_metric_history(runs[0].info.run_id, "attempt")
     assert sorted(m.value for m in attempts) == [0.0, 1.0]
     assert runs[0].info.status == "FINISHED"
+
+
+def test_mlflow_run_of_a_failed_function_ends_failed(storage: str, tmp_path: Path) -> None:
+    pytest.importorskip("mlflow")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    with pytest.raises(train.TrainingFailedError, match="the function failed after logging"):
+        _fit(_mlflow_func, storage, {"uri": uri, "lr": 0.05, "raise_at_end": True}, "failing")
+    runs = _mlflow_runs(uri, "failing")
+    assert [r.info.status for r in runs] == ["FAILED"]
 
 
 def test_mlflow_named_experiment_must_exist_unless_created(tmp_path: Path) -> None:
@@ -136,8 +149,7 @@ def _wandb_func(config: dict[str, Any]) -> str:
 
     run = setup_wandb(config, project="ddptrain-tests")
     _steps(config, lambda step, loss: run.log({"loss": loss, "step": step}))
-    run.finish()
-    return type(run).__name__
+    return type(run).__name__  # no run.finish(): ddptrain finishes it when the function returns
 
 
 def _wandb_records(path: Path) -> Iterator[Any]:
@@ -190,7 +202,7 @@ def test_wandb_offline_one_run_from_rank_zero_with_history(
     ]
     assert [h["step"] for h in history] == [0, 1, 2]
     assert [h["loss"] for h in history] == pytest.approx([m["loss"] for m in result.metrics_history])
-    assert any(r.WhichOneof("record_type") == "exit" for r in records)  # run.finish() got through
+    assert any(r.WhichOneof("record_type") == "exit" for r in records)  # the run was finished
 
 
 def test_noop_accepts_anything() -> None:

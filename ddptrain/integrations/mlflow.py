@@ -11,6 +11,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from ddptrain import context
 from ddptrain.errors import ConfigError
 from ddptrain.integrations import _tracking
 
@@ -109,6 +110,14 @@ def setup_mlflow(
     params = {key: value for key, value in _tracking.flatten(config).items() if key not in resumed}
     if params:
         mlflow.log_params(params)
+    run_id = run.info.run_id
+
+    def end_run(failed: bool) -> None:  # worker processes skip mlflow's atexit handler
+        active = mlflow.active_run()
+        if active is not None and active.info.run_id == run_id:
+            mlflow.end_run(status="FAILED" if failed else "FINISHED")
+
+    context.on_training_end(end_run)
     return mlflow
 
 

@@ -14,6 +14,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from ddptrain import context
 from ddptrain.errors import ConfigError
 from ddptrain.integrations import _tracking
 
@@ -125,6 +126,9 @@ def setup_wandb(
     run = wandb.init(**{key: value for key, value in init.items() if value is not None})
     if remembered:
         _tracking.save_id(where, "wandb", {"id": run.id})
+    # Worker processes skip wandb's atexit handler: finish the run when the function ends
+    # (a no-op if the user already called run.finish()).
+    context.on_training_end(lambda failed: run.finish(exit_code=1 if failed else 0))
     return run
 
 
