@@ -1,5 +1,6 @@
 """The sweep loop: create trials, run each in its own thread as a real ``fit()``, route reports
-to the scheduler and searcher, bound concurrency by resources (driver side).
+to the scheduler and searcher, bound concurrency by resources (driver side; what a trial
+reserves, here or on a host list, is counted in ``ddptrain.tune._resources``).
 
 Why threads: a trial's "driver" is ddptrain's own driver loop (``fit()``), which spends its
 time waiting on its store and its agent's pipe; its workers are separate processes. Running
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import math
 import os
 import threading
 import time
@@ -30,6 +30,7 @@ from ddptrain.checkpoint import Checkpoint
 from ddptrain.config import CheckpointConfig, FailureConfig, RunConfig
 from ddptrain.progress import quiet
 from ddptrain.result import Result, read_metrics
+from ddptrain.tune._resources import Grant, Resources
 from ddptrain.tune.progress import StatusReporter
 from ddptrain.tune.schedulers import TrialScheduler
 from ddptrain.tune.search.basic_variant import BasicVariantGenerator
@@ -45,23 +46,6 @@ _logger = logging.getLogger(__name__)
 STATE_FILE = "experiment_state.pkl"
 _SAVE_INTERVAL_S = 1.0
 _WAKE_S = 0.5
-
-
-def _gpu_pool(total_gpus: int | None) -> list[int]:
-    """The GPU ids trials may use: ``CUDA_VISIBLE_DEVICES`` of the sweep, else every device."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        ids = [int(d) for d in visible.split(",") if d.strip().isdigit()]
-    elif total_gpus is not None:
-        ids = list(range(total_gpus))
-    else:
-        try:
-            import torch
-
-            ids = list(range(torch.cuda.device_count()))
-        except Exception:
-            ids = []
-    return ids if total_gpus is None else ids[:total_gpus]
 
 
 class Sweep:
@@ -95,16 +79,12 @@ class Sweep:
         self.num_samples = num_samples
         self.max_concurrent = max_concurrent
         self.time_budget_s = time_budget_s
-        self.free_cpus = total_cpus
-        self.total_cpus = total_cpus
+        self.resources = Resources(total_cpus, total_gpus)
         self.run_config = run_config
         self.reporter = reporter
         self.new_trial_id = new_trial_id
-        self._gpus_total = total_gpus
-        self._free_gpus: list[int] | None = None
-        self._all_gpus: list[int] = []
         self._cond = threading.Condition()
-        self._running: dict[str, tuple[threading.Thread, TrialSession, float, list[int]]] = {}
+        self._running: dict[str, tuple[threading.Thread, TrialSession, Grant]] = {}
         self._waiting: tuple[Trial, PreparedTrial] | None = None
         self._searcher_done = False
         self._stop_all = False
@@ -153,7 +133,7 @@ class Sweep:
         with self._cond:
             self._interrupted = True
             self._stop_everything("the sweep was interrupted")
-            running = [(thread, session) for thread, session, _, _ in self._running.values()]
+            running = [(thread, session) for thread, session, _ in self._running.values()]
         for thread, session in running:
             # Only into the trainable: never into the sweep's own bookkeeping after it.
             if session.in_trainable and thread.ident is not None and thread.is_alive():
@@ -164,7 +144,7 @@ class Sweep:
 
     def _stop_everything(self, reason: str) -> None:
         self._stop_all = True
-        for _, session, _, _ in self._running.values():
+        for _, session, _ in self._running.values():
             session.stop_requested = True
             trial = session.trial
             trial.stop_reason = trial.stop_reason or reason
@@ -178,37 +158,19 @@ class Sweep:
             if candidate is None:
                 return
             trial, prepared = candidate
-            gpus_needed = math.ceil(prepared.gpus)
-            all_gpus = len(self._gpu_ids()) if gpus_needed else 0
-            if prepared.cpus > self.total_cpus + 1e-9 or gpus_needed > all_gpus:
+            error = self.resources.never_fits(trial.trial_id, prepared)
+            if error is not None:
                 self._waiting = None
-                self._fail_unrunnable(trial, prepared, all_gpus)
+                trial.error, trial.error_msg, trial.status = error, str(error), "ERROR"
+                self.reporter.trial_changed(trial)
+                self._dirty = True
                 continue
-            if prepared.cpus > self.free_cpus + 1e-9 or (gpus_needed and gpus_needed > len(self._gpu_ids(free=True))):
+            grant = self.resources.acquire(prepared)
+            if grant is None:
                 self._waiting = candidate  # it waits for running trials to give resources back
                 return
             self._waiting = None
-            self._start(trial, prepared, gpus_needed)
-
-    def _gpu_ids(self, free: bool = False) -> list[int]:
-        """All GPU ids of the sweep, or the free ones; looked up when a trial first needs GPUs."""
-        if self._free_gpus is None:
-            self._free_gpus = _gpu_pool(self._gpus_total)
-            self._all_gpus = list(self._free_gpus)
-        return self._free_gpus if free else self._all_gpus
-
-    def _fail_unrunnable(self, trial: Trial, prepared: PreparedTrial, all_gpus: int) -> None:
-        from ddptrain.errors import ConfigError
-
-        trial.error = ConfigError(
-            f"Trial {trial.trial_id} needs {prepared.cpus:g} CPU(s) and {prepared.gpus:g} GPU(s) but the sweep has "
-            f"{self.total_cpus:g} CPU(s) and {all_gpus} GPU(s). Lower `num_workers` or "
-            "`resources_per_worker`, or raise `TuneConfig(total_cpus=...)` to oversubscribe the CPUs."
-        )
-        trial.error_msg = str(trial.error)
-        trial.status = "ERROR"
-        self.reporter.trial_changed(trial)
-        self._dirty = True
+            self._start(trial, prepared, grant)
 
     def _next_trial(self) -> tuple[Trial, PreparedTrial] | None:
         trial = next((t for t in self.trials if t.status == "PENDING"), None)
@@ -251,28 +213,26 @@ class Sweep:
         self._searcher_done = True
 
     # ----------------------------------------------------------------- one trial
-    def _start(self, trial: Trial, prepared: PreparedTrial, gpus_needed: int) -> None:
-        gpu_ids: list[int] = []
-        if gpus_needed:
-            free = self._gpu_ids(free=True)
-            gpu_ids, self._free_gpus = free[:gpus_needed], free[gpus_needed:]
-        self.free_cpus -= prepared.cpus
+    def _start(self, trial: Trial, prepared: PreparedTrial, grant: Grant) -> None:
         keep = (self.run_config.checkpoint_config or CheckpointConfig()).num_to_keep
         resources = {"CPU": prepared.cpus, "GPU": prepared.gpus}
-        session = TrialSession(trial, self._on_report, self.name, resources, gpu_ids, keep)
+        session = TrialSession(trial, self._on_report, self.name, resources, grant.gpu_ids, keep)
         trial.status = "RUNNING"
         trial.start_time = time.time()
         trial.stopped_early, trial.stop_reason = False, None
         self.scheduler.on_trial_add(trial.trial_id)
         thread = threading.Thread(
-            target=self._run_trial, args=(session, prepared), name=f"ddptrain-trial-{trial.trial_id}", daemon=True
+            target=self._run_trial,
+            args=(session, prepared, grant),
+            name=f"ddptrain-trial-{trial.trial_id}",
+            daemon=True,
         )
-        self._running[trial.trial_id] = (thread, session, prepared.cpus, gpu_ids)
+        self._running[trial.trial_id] = (thread, session, grant)
         self.reporter.trial_changed(trial)
         self._save(force=True)  # a restore must know of every trial that started
         thread.start()
 
-    def _run_trial(self, session: TrialSession, prepared: PreparedTrial) -> None:
+    def _run_trial(self, session: TrialSession, prepared: PreparedTrial, grant: Grant) -> None:
         trial = session.trial
         _set_session(session)
         fitted = False
@@ -281,7 +241,7 @@ class Sweep:
             trial.write_params()
             if isinstance(self.trainable, TrainerTrainable):
                 with quiet():  # the sweep's own table says how each trial is doing
-                    self._fit_trainer(session, prepared)
+                    self._fit_trainer(session, prepared, grant)
                 fitted = True
             else:
                 self._call_function(trial)
@@ -299,10 +259,7 @@ class Sweep:
         with self._cond:
             trial.status = status
             trial.end_time = time.time()
-            _, _, cpus, gpu_ids = self._running.pop(trial.trial_id)
-            self.free_cpus += cpus
-            if gpu_ids and self._free_gpus is not None:
-                self._free_gpus.extend(gpu_ids)
+            self.resources.release(self._running.pop(trial.trial_id)[2])
             result = trial.last_result or None
             self.scheduler.on_trial_complete(trial.trial_id, result)
             self.searcher.on_trial_complete(trial.trial_id, result, error=status == "ERROR")
@@ -329,7 +286,7 @@ class Sweep:
             logging_config=base.logging_config,
         )
 
-    def _fit_trainer(self, session: TrialSession, prepared: PreparedTrial) -> None:
+    def _fit_trainer(self, session: TrialSession, prepared: PreparedTrial, grant: Grant) -> None:
         from ddptrain.tune.integration.ray_train import TuneReportCallback
 
         assert isinstance(self.trainable, TrainerTrainable) and prepared.trainer is not None
@@ -346,7 +303,7 @@ class Sweep:
             if all(c is not o for o in callbacks) and not isinstance(c, TuneReportCallback)
         ]
         run_config = self._trial_run_config(trial, callbacks, session.gpu_ids)
-        result = self.trainable.run(prepared, run_config)
+        result = self.trainable.run(prepared, run_config, grant.hosts)
         trial.checkpoint = result.checkpoint
         trial.best_checkpoints = result.best_checkpoints
         trial.return_value = result.return_value

@@ -20,9 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ddptrain import _env
 from ddptrain.config import RunConfig, ScalingConfig
 from ddptrain.data_parallel_trainer import DataParallelTrainer
 from ddptrain.errors import ConfigError
+from ddptrain.hosts import HostSpec, parse_hosts
 from ddptrain.result import Result
 
 __all__ = ["TrainerTrainable", "FunctionTrainable", "as_trainable", "with_resources", "wrap_trainable"]
@@ -32,11 +34,13 @@ _TRAINER_ARGS = ("datasets", "dataset_config", "backend_config", "resume_from_ch
 
 @dataclass
 class PreparedTrial:
-    """A trial's trainable, ready to run, and what it needs from the machine."""
+    """A trial's trainable, ready to run, and what it needs: ``cpus`` and ``gpus`` of this
+    machine, and the host list its workers run on (``None``: they run here)."""
 
     cpus: float
     gpus: float
     trainer: DataParallelTrainer | None = None
+    hosts: list[HostSpec] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -99,14 +103,21 @@ class TrainerTrainable:
         trainer.train_loop_config = loop_config
         trainer.datasets = dict(trainer.datasets)
         scaling = trainer.scaling_config
-        cpus = scaling.num_workers * scaling.num_cpus_per_worker + self.driver_resources.get("CPU", 0)
+        driver_cpus = self.driver_resources.get("CPU", 0)
+        raw_hosts = scaling.hosts if scaling.hosts is not None else _env.hostfile()
+        if raw_hosts is not None and scaling.num_workers > 0:  # the workers run there: only the driver here
+            return PreparedTrial(cpus=driver_cpus, gpus=0.0, trainer=trainer, hosts=parse_hosts(raw_hosts))
+        cpus = scaling.num_workers * scaling.num_cpus_per_worker + driver_cpus
         gpus = scaling.num_workers * scaling.num_gpus_per_worker
         return PreparedTrial(cpus=cpus, gpus=gpus, trainer=trainer)
 
-    def run(self, prepared: PreparedTrial, run_config: RunConfig) -> Result:
-        """Fit the prepared trainer with the trial's run config."""
+    def run(self, prepared: PreparedTrial, run_config: RunConfig, hosts: list[HostSpec] | None = None) -> Result:
+        """Fit the prepared trainer with the trial's run config, on ``hosts`` if given (its
+        share of the host list, each host with ``slots`` = its workers there)."""
         assert prepared.trainer is not None
         prepared.trainer.run_config = run_config
+        if hosts is not None:
+            prepared.trainer.scaling_config = dataclasses.replace(prepared.trainer.scaling_config, hosts=hosts)
         return prepared.trainer.fit()
 
 

@@ -54,7 +54,8 @@ class TuneConfig:
         num_samples: Grid/random search: how many times the grid is repeated (each time with
             new random values). Other searchers: the number of trials.
         max_concurrent_trials: At most this many trials at once (default: as many as the CPUs
-            and GPUs allow).
+            and GPUs allow, or the slots of the hosts for trainers that run on a host list:
+            see ``ddptrain.tune._resources``).
         time_budget_s: After this many seconds no trial starts and running ones stop at their
             next report.
         total_cpus: ddptrain's own: the CPUs trials may reserve together (default: the CPUs this

@@ -1,0 +1,237 @@
+"""What running trials hold: this machine's CPUs and GPU ids, and the slots of host lists (driver side).
+
+A trial that runs here reserves ``num_workers * resources_per_worker["CPU"]`` CPUs (fractions
+allowed) and whole GPU ids, as before. A trainer trial whose workers run on a host list
+(``ScalingConfig(hosts=...)`` or ``$DDPTRAIN_HOSTFILE``) reserves slots instead, the unit
+:func:`ddptrain.hosts.place_workers` places workers by: one slot is one worker, whatever its
+``resources_per_worker``. The slots of a host are shared by every trial of the sweep that
+lists it (a host is known by its name and port), so trials running at once never put more
+workers on a host than its ``slots``. A trial is placed, with its own ``placement_strategy``,
+on the slots the running trials left; it waits if they are too few, and fails at once if its
+whole host list has fewer slots than it has workers. It then runs on exactly what it was
+given: its ``ScalingConfig.hosts`` becomes those hosts, each with ``slots=`` its workers there.
+
+Host lists have no GPU count: with ``use_gpu`` a host without ``slots`` gets one slot per
+``gpus_per_worker`` of its GPUs (probed once, as a plain ``fit()`` does). A worker uses the
+devices of its local rank on its host, so two GPU trials never share a host; a GPU trial may
+share one with CPU trials. The trial's driver runs here and reserves only the CPUs asked for
+with ``with_resources(trainer, {"CPU": n})``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+
+from ddptrain import _env
+from ddptrain.errors import ConfigError
+from ddptrain.hosts import HostSpec, is_local, place_workers, with_ssh_config
+from ddptrain.tune.trainable import PreparedTrial
+
+__all__ = ["Grant", "HostPool", "Resources"]
+
+_HostKey = tuple[str, int | None]
+
+
+def _key(host: HostSpec) -> _HostKey:
+    return (host.name, host.port)
+
+
+def _gpu_pool(total_gpus: int | None) -> list[int]:
+    """The GPU ids trials may use: ``CUDA_VISIBLE_DEVICES`` of the sweep, else every device."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = [int(d) for d in visible.split(",") if d.strip().isdigit()]
+    elif total_gpus is not None:
+        ids = list(range(total_gpus))
+    else:
+        try:
+            import torch
+
+            ids = list(range(torch.cuda.device_count()))
+        except Exception:
+            ids = []
+    return ids if total_gpus is None else ids[:total_gpus]
+
+
+@dataclass
+class Grant:
+    """What one running trial holds.
+
+    Attributes:
+        cpus: CPUs of this machine.
+        gpu_ids: GPU ids of this machine.
+        hosts: Its share of a host list, each host with ``slots`` = its workers there
+            (``None``: the trial runs here).
+        use_gpu: Its workers on ``hosts`` use GPUs (the hosts are its own until it ends).
+    """
+
+    cpus: float = 0.0
+    gpu_ids: list[int] = field(default_factory=list)
+    hosts: list[HostSpec] | None = None
+    use_gpu: bool = False
+
+
+class HostPool:
+    """The slots of every host the sweep's trials list, and what running trials hold of them.
+
+    Example:
+        >>> pool = HostPool()
+        >>> hosts = [HostSpec("h0", slots=2), HostSpec("h1", slots=2)]
+        >>> [(h.name, h.slots) for h in pool.take(hosts, 2, "PACK", use_gpu=False)]
+        [('h0', 2)]
+        >>> [(h.name, h.slots) for h in pool.take(hosts, 2, "PACK", use_gpu=False)]
+        [('h1', 2)]
+        >>> pool.take(hosts, 2, "PACK", use_gpu=False) is None  # waits for a trial to end
+        True
+    """
+
+    def __init__(self) -> None:
+        self._used: dict[_HostKey, int] = {}
+        self._gpu_holders: set[_HostKey] = set()
+
+    @staticmethod
+    def total_slots(hosts: list[HostSpec]) -> int:
+        """Slots of the whole list (a host without ``slots`` has 1, as ``place_workers`` counts)."""
+        return sum(h.slots if h.slots is not None else 1 for h in hosts)
+
+    def free_slots(self, host: HostSpec, use_gpu: bool = False) -> int:
+        """Slots of ``host`` no running trial holds (0 for a GPU trial if a GPU trial holds it)."""
+        if use_gpu and _key(host) in self._gpu_holders:
+            return 0
+        slots = host.slots if host.slots is not None else 1
+        return max(0, slots - self._used.get(_key(host), 0))
+
+    def take(self, hosts: list[HostSpec], num_workers: int, strategy: str, use_gpu: bool) -> list[HostSpec] | None:
+        """Place ``num_workers`` on the free slots of ``hosts``; ``None`` if they are too few now.
+
+        Returns the hosts given, in list order, each with ``slots`` = its workers there.
+        """
+        free = [dataclasses.replace(h, slots=self.free_slots(h, use_gpu)) for h in hosts]
+        free = [h for h in free if h.slots]
+        if self.total_slots(free) < num_workers:
+            return None
+        placement = place_workers(free, num_workers, strategy)
+        given = [
+            dataclasses.replace(host, slots=len(ranks))
+            for host, ranks in zip(placement.hosts, placement.ranks, strict=True)
+        ]
+        for host in given:
+            self._used[_key(host)] = self._used.get(_key(host), 0) + (host.slots or 0)
+            if use_gpu:
+                self._gpu_holders.add(_key(host))
+        return given
+
+    def give_back(self, given: list[HostSpec], use_gpu: bool) -> None:
+        """Return what :meth:`take` gave."""
+        for host in given:
+            left = self._used.get(_key(host), 0) - (host.slots or 0)
+            if left > 0:
+                self._used[_key(host)] = left
+            else:
+                self._used.pop(_key(host), None)
+            if use_gpu:
+                self._gpu_holders.discard(_key(host))
+
+
+class Resources:
+    """This machine's CPUs and GPU ids, and the host pool, for one sweep.
+
+    Args:
+        total_cpus: CPUs trials may reserve together here.
+        total_gpus: GPUs trials may use here (default: every visible GPU, looked up when a
+            trial first needs one).
+    """
+
+    def __init__(self, total_cpus: float, total_gpus: int | None) -> None:
+        self.total_cpus = total_cpus
+        self.free_cpus = total_cpus
+        self._gpus_total = total_gpus
+        self._all_gpus: list[int] | None = None
+        self._free_gpus: list[int] = []
+        self.hosts = HostPool()
+        self._probed: dict[_HostKey, int] = {}
+
+    def _gpu_ids(self) -> list[int]:
+        if self._all_gpus is None:
+            self._all_gpus = _gpu_pool(self._gpus_total)
+            self._free_gpus = list(self._all_gpus)
+        return self._all_gpus
+
+    def host_list(self, prepared: PreparedTrial) -> list[HostSpec] | None:
+        """The trial's host list with every ``slots`` known (``None``: it runs here).
+
+        With ``use_gpu``, a host without ``slots`` is probed for its GPUs once per sweep.
+        """
+        if prepared.hosts is None or prepared.trainer is None:
+            return None
+        scaling = prepared.trainer.scaling_config
+        if not scaling.use_gpu or all(h.slots is not None for h in prepared.hosts):
+            return prepared.hosts
+        from ddptrain.ssh import gpu_slots
+
+        hosts = []
+        for host in prepared.hosts:
+            if host.slots is None and _key(host) not in self._probed:
+                probe = host if is_local(host) else with_ssh_config(host, _env.ssh_config_path())
+                self._probed[_key(host)] = gpu_slots([probe], scaling.num_gpus_per_worker)[0].slots or 0
+            slots = host.slots if host.slots is not None else self._probed[_key(host)]
+            hosts.append(dataclasses.replace(host, slots=slots))
+        return hosts
+
+    def never_fits(self, trial_id: str, prepared: PreparedTrial) -> Exception | None:
+        """Why the trial can never start, even alone (``None``: it can, now or later)."""
+        try:
+            hosts = self.host_list(prepared)
+        except Exception as exc:  # a host without GPUs, or one that cannot be reached to count them
+            return exc
+        if hosts is not None:
+            assert prepared.trainer is not None
+            workers = prepared.trainer.scaling_config.num_workers
+            total = HostPool.total_slots(hosts)
+            if workers > total:
+                listing = ", ".join(f"{h.name}={h.slots if h.slots is not None else 1}" for h in hosts)
+                return ConfigError(
+                    f"Trial {trial_id} needs {workers} worker slots but its host list has {total} ({listing}). "
+                    "Add hosts or `slots=`, or lower `num_workers`."
+                )
+        gpus_needed = math.ceil(prepared.gpus)
+        all_gpus = len(self._gpu_ids()) if gpus_needed else 0
+        if prepared.cpus > self.total_cpus + 1e-9 or gpus_needed > all_gpus:
+            return ConfigError(
+                f"Trial {trial_id} needs {prepared.cpus:g} CPU(s) and {prepared.gpus:g} GPU(s) but the sweep has "
+                f"{self.total_cpus:g} CPU(s) and {all_gpus} GPU(s). Lower `num_workers` or "
+                "`resources_per_worker`, or raise `TuneConfig(total_cpus=...)` to oversubscribe the CPUs."
+            )
+        return None
+
+    def acquire(self, prepared: PreparedTrial) -> Grant | None:
+        """Reserve what the trial needs, or ``None`` if it must wait for running trials to end."""
+        gpus_needed = math.ceil(prepared.gpus)
+        if gpus_needed:
+            self._gpu_ids()
+        if prepared.cpus > self.free_cpus + 1e-9 or (gpus_needed and gpus_needed > len(self._free_gpus)):
+            return None
+        grant = Grant()
+        hosts = self.host_list(prepared)
+        if hosts is not None:
+            assert prepared.trainer is not None
+            scaling = prepared.trainer.scaling_config
+            given = self.hosts.take(hosts, scaling.num_workers, scaling.placement_strategy, scaling.use_gpu)
+            if given is None:
+                return None
+            grant.hosts, grant.use_gpu = given, scaling.use_gpu
+        if gpus_needed:
+            grant.gpu_ids, self._free_gpus = self._free_gpus[:gpus_needed], self._free_gpus[gpus_needed:]
+        grant.cpus = prepared.cpus
+        self.free_cpus -= prepared.cpus
+        return grant
+
+    def release(self, grant: Grant) -> None:
+        """Give back what :meth:`acquire` reserved."""
+        self.free_cpus += grant.cpus
+        self._free_gpus.extend(grant.gpu_ids)
+        if grant.hosts is not None:
+            self.hosts.give_back(grant.hosts, grant.use_gpu)
