@@ -347,9 +347,7 @@ class Run:
                     group.shutdown(0)
                     group = WorkerGroup(self.plan, self._spare) if self._spare is not None else None
                     self._spare = None
-                    self.checkpoints.clean_leftovers()
-                    if self.remote is not None:
-                        self.mirror.push_logs()
+                    self._clean_after_failure()
                     failures = sorted(failed.failures, key=lambda f: (f.timestamp, f.rank))
                     root_causes.append(failures[0])
                     self._failures_seen = len(root_causes)
@@ -408,6 +406,24 @@ class Run:
             return_values=return_values,
             _storage_filesystem=self.remote.fs if self.remote else None,
         )
+
+    def _clean_after_failure(self) -> None:
+        """Remove what the failed attempt left half-done, upload its logs. On remote storage a
+        failure here is logged: the store may be what failed, and the next attempt (or the
+        next resume) cleans up again."""
+        if self.remote is None:
+            self.checkpoints.clean_leftovers()
+            return
+        try:
+            self.checkpoints.clean_leftovers()
+            self.mirror.push_logs()
+        except Exception as exc:  # each fsspec backend raises its own errors
+            _logger.warning(
+                "ddptrain: could not clean up after the failed attempt in %s: %s: %s",
+                self.location,
+                type(exc).__name__,
+                exc,
+            )
 
     def _best(self) -> tuple[str, dict[str, Any]] | None:
         """The best checkpoint by the configured score (the latest without one), for the summary."""
