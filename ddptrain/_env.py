@@ -149,6 +149,7 @@ _DEFAULT_FORWARD = (
     "PYTHONPATH",
     "HF_*",
     "WANDB_*",
+    "MLFLOW_*",
     "ACCELERATE_*",
 )
 

@@ -10,7 +10,7 @@ import enum
 import logging
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -185,6 +185,7 @@ class _Session:
     report_index: int = 0
     collective_index: int = 0
     local_reports: list[tuple[dict[str, Any], Checkpoint | None]] = field(default_factory=list)
+    end_hooks: list[Callable[[bool], None]] = field(default_factory=list)  # see on_training_end
 
     def checkpoint_at(self, path: str) -> Checkpoint:
         """The run's checkpoint at ``path`` (a path the driver sent)."""
@@ -369,6 +370,25 @@ def _stage_checkpoint(session: _Session, checkpoint: Checkpoint, name: str) -> s
         session.report_index,
         session.context.get_world_rank(),
     )
+
+
+def on_training_end(hook: Callable[[bool], None]) -> None:
+    """Call ``hook(failed)`` in this worker once the training function returned or raised
+    (``failed`` says which): for integrations that must close what they opened, such as a
+    tracking run, since worker processes end without running ``atexit`` handlers. Hooks run
+    newest first; one that raises is logged. Outside a training function this does nothing."""
+    if _session is not None:
+        _session.end_hooks.append(hook)
+
+
+def run_end_hooks(session: _Session, failed: bool) -> None:
+    """Run and clear ``session``'s end hooks (see :func:`on_training_end`)."""
+    hooks, session.end_hooks = session.end_hooks, []
+    for hook in reversed(hooks):
+        try:
+            hook(failed)
+        except Exception as exc:
+            _logger.warning("ddptrain: a training-end hook (%r) failed: %r", hook, exc)
 
 
 def get_context() -> TrainContext:

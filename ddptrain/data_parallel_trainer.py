@@ -242,10 +242,12 @@ class DataParallelTrainer:
         )
         previous = context._session
         context._set_session(session)
+        failed = True
         try:
             with self.backend_config.train_func_context():
                 fn = self.train_loop_per_worker
                 value = fn(self.train_loop_config or {}) if self._takes_config else fn()
+            failed = False
         except Exception as exc:
             import socket
             import traceback
@@ -260,6 +262,7 @@ class DataParallelTrainer:
             )
             raise WorkerGroupError.from_failures([failure], None) from exc
         finally:
+            context.run_end_hooks(session, failed)
             context._set_session(previous)
             datasets.release()
         history = [metrics for metrics, _ in session.local_reports]

@@ -244,7 +244,8 @@ class WorkerFailure:
         exception: The worker's own exception, or a stand-in when it could not be unpickled.
         traceback_str: The worker's formatted traceback, empty when it died without one.
         log_path: The file that holds this rank's output.
-        timestamp: ``time.time()`` when the driver learned of the failure.
+        timestamp: ``time.time()`` when the worker raised (as it reported), else when the driver
+            learned of the failure.
         note: What else the driver knew when it happened (e.g. ranks that had returned).
     """
 

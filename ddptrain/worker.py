@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import sys
+import time
 import traceback
 from typing import Any
 
@@ -106,6 +107,9 @@ def user_traceback(exc: BaseException) -> str:
 def failure_record(exc: BaseException) -> dict[str, Any]:
     """What the driver needs to explain an exception raised in this worker."""
     return {
+        # When it was raised: a peer failing a moment later because of it must not be named
+        # the root cause just because its report reached the driver first.
+        "time": time.time(),
         "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
         "message": str(exc),
         "traceback": user_traceback(exc),
@@ -200,10 +204,15 @@ def _execute(ch: channel.WorkerChannel, command: protocol.Execute) -> None:
 def _train(user: dict[str, Any]) -> Any:
     fn = user["train_fn"]
     backend_config = user["backend_config"]
-    with backend_config.train_func_context():
-        if user["takes_config"]:
-            return fn(user["train_loop_config"])
-        return fn()
+    failed = True
+    try:
+        with backend_config.train_func_context():
+            value = fn(user["train_loop_config"]) if user["takes_config"] else fn()
+        failed = False
+        return value
+    finally:
+        if context._session is not None:
+            context.run_end_hooks(context._session, failed)
 
 
 # Seconds between a worker's heartbeats (see ``WorkerChannel.start_heartbeat``).

@@ -407,7 +407,9 @@ class WorkerGroup:
                 return None
             if info["status"]:
                 record = pickle.loads(info["status"])
-                return self.failure(rank, exitcode, failure_from_record(record), record["traceback"])
+                return self.failure(
+                    rank, exitcode, failure_from_record(record), record["traceback"], record.get("time")
+                )
             if self.exit_expected:
                 return None
             return self.failure(rank, exitcode, WorkerDiedError(rank, exitcode, info.get("memory")))
@@ -439,8 +441,11 @@ class WorkerGroup:
         pid, host = self._pid_host(rank)
         return f"rank {rank} (host {host}, pid {pid})"
 
-    def failure(self, rank: int, exitcode: int | None, exc: BaseException, traceback_str: str = "") -> WorkerFailure:
-        """What the driver knows of a failure of ``rank``."""
+    def failure(
+        self, rank: int, exitcode: int | None, exc: BaseException, traceback_str: str = "", at: float | None = None
+    ) -> WorkerFailure:
+        """What the driver knows of a failure of ``rank`` (``at``: when the worker saw it, if it
+        said; else now)."""
         pid, host = self._pid_host(rank)
         returned = sorted(r for r in self.done if r != rank)
         note = ""
@@ -457,7 +462,7 @@ class WorkerGroup:
             exception=exc,
             traceback_str=traceback_str,
             log_path=self.sink.path(rank) if self.sink is not None else None,
-            timestamp=time.time(),
+            timestamp=at if at is not None else time.time(),
             log_tail=self.sink.tail(rank) if self.sink is not None else [],
             note=note,
         )
@@ -486,7 +491,7 @@ class WorkerGroup:
                 pass
         replies = self._results.pop(call_id)
         failed = [
-            self.failure(rank, None, failure_from_record(value), value["traceback"])
+            self.failure(rank, None, failure_from_record(value), value["traceback"], value.get("time"))
             for rank, (ok, value) in sorted(replies.items())
             if not ok
         ]

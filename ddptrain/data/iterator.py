@@ -378,6 +378,115 @@ class DataIterator:
         """Not supported: ddptrain trains with PyTorch."""
         raise NotImplementedError("`iter_tf_batches` is not supported by ddptrain; use `iter_batches()`.")
 
-    def to_tf(self, *args: Any, **kwargs: Any) -> Any:
-        """Not supported: ddptrain trains with PyTorch."""
-        raise NotImplementedError("`to_tf` is not supported by ddptrain; use `iter_batches()`.")
+    def to_tf(
+        self,
+        feature_columns: str | list[str],
+        label_columns: str | list[str],
+        *,
+        additional_columns: str | list[str] | None = None,
+        prefetch_batches: int = 1,
+        batch_size: int = 1,
+        drop_last: bool = False,
+        local_shuffle_buffer_size: int | None = None,
+        local_shuffle_seed: int | None = None,
+        feature_type_spec: Any = None,
+        label_type_spec: Any = None,
+        additional_type_spec: Any = None,
+    ) -> Any:
+        """A ``tf.data.Dataset`` of ``(features, labels)`` batches, to pass to Keras ``fit``
+        (Ray's ``to_tf``).
+
+        A column name gives one tensor of shape ``(batch, *row_shape)`` with the column's dtype;
+        a list of names gives a dict ``{name: tensor}`` (for a model with named inputs). String
+        columns become ``tf.string``. With ``additional_columns`` the elements are
+        ``(features, labels, additional)``. Each pass over the returned dataset (each Keras
+        epoch) is a new pass over the shard. TensorFlow's auto-sharding is off: the rows are
+        already this worker's shard.
+
+        Args:
+            feature_columns: The feature column, or a list of them.
+            label_columns: The label column, or a list of them.
+            additional_columns: More columns to yield third (e.g. sample weights).
+            prefetch_batches: As in :meth:`iter_batches`.
+            batch_size: Rows per batch.
+            drop_last: Leave out a last batch smaller than ``batch_size``.
+            local_shuffle_buffer_size: As in :meth:`iter_batches`.
+            local_shuffle_seed: As in :meth:`iter_batches`.
+            feature_type_spec: A ``tf.TypeSpec`` (a dict of them for a list of columns) to use
+                instead of the one read from the schema; likewise ``label_type_spec`` and
+                ``additional_type_spec``.
+
+        Raises:
+            ValueError: A column does not exist, or holds Python objects other than strings
+                and no type spec was given for it.
+            ImportError: TensorFlow is not installed.
+
+        Example:
+            >>> data = ddptrain.get_dataset_shard("train").to_tf("x", "y", batch_size=32)
+            >>> model.fit(data, epochs=3)
+        """
+        try:
+            import tensorflow as tf
+        except ImportError:
+            raise ImportError("`to_tf` needs TensorFlow: `pip install ddptrain[tensorflow]`.") from None
+        check_positive_int("batch_size", batch_size)
+        schema = self.schema()
+        kinds = {
+            name: (dtype, shape) for name, dtype, shape in zip(schema.names, schema.types, schema.shapes, strict=True)
+        }
+        columns = self._dataset._columns
+
+        def spec_of(name: str) -> Any:
+            if name not in kinds:
+                raise ValueError(
+                    f"`to_tf` was given the column {name!r}, which the dataset does not have; "
+                    f"its columns are {schema.names}."
+                )
+            dtype, shape = kinds[name]
+            if dtype.kind in "OSU":
+                values = columns[name][:1]
+                if dtype.kind == "O" and not all(isinstance(v, (str, bytes)) for v in values):
+                    raise ValueError(
+                        f"`to_tf`: column {name!r} holds {type(values[0]).__name__} objects, which have "
+                        "no TensorFlow dtype; pass a `tf.TypeSpec` for it (e.g. `feature_type_spec=`)."
+                    )
+                return tf.TensorSpec(shape=(None, *shape), dtype=tf.string)
+            return tf.TensorSpec(shape=(None, *shape), dtype=tf.as_dtype(dtype))
+
+        def specs(names: str | list[str], given: Any) -> Any:
+            for name in [names] if isinstance(names, str) else names:
+                spec_of(name)  # every column must exist, even with a given spec
+            if given is not None:
+                return given
+            return spec_of(names) if isinstance(names, str) else {name: spec_of(name) for name in names}
+
+        groups = [(feature_columns, specs(feature_columns, feature_type_spec))]
+        groups.append((label_columns, specs(label_columns, label_type_spec)))
+        if additional_columns is not None:
+            groups.append((additional_columns, specs(additional_columns, additional_type_spec)))
+        batches = self.iter_batches(
+            prefetch_batches=prefetch_batches,
+            batch_size=batch_size,
+            drop_last=drop_last,
+            local_shuffle_buffer_size=local_shuffle_buffer_size,
+            local_shuffle_seed=local_shuffle_seed,
+        )
+
+        def values(batch: dict[str, np.ndarray], name: str) -> np.ndarray:
+            column = batch[name]
+            if column.dtype.kind in "OU":  # str to UTF-8 bytes, which tf.string holds
+                encoded = [v.encode() if isinstance(v, str) else v for v in column.ravel().tolist()]
+                return np.array(encoded, dtype=object).reshape(column.shape)
+            return column
+
+        def generate() -> Iterator[tuple[Any, ...]]:
+            for batch in batches:
+                yield tuple(
+                    values(batch, names) if isinstance(names, str) else {n: values(batch, n) for n in names}
+                    for names, _ in groups
+                )
+
+        dataset = tf.data.Dataset.from_generator(generate, output_signature=tuple(spec for _, spec in groups))
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+        return dataset.with_options(options)

@@ -195,8 +195,9 @@ def state_dict() -> dict[str, Any]:
     return _current().state_dict()
 
 
-def load_state_dict(state: dict[str, Any]) -> None:
-    _current().load_state_dict(state)
+def load_state_dict(state: dict[str, Any] | bytes) -> None:
+    """Load a state dict, or one pickled by the driver (``TorchTrainer.load_state_dict``)."""
+    _current().load_state_dict(cloudpickle.loads(state) if isinstance(state, bytes) else state)
 
 
 def get_models(to_cpu: bool) -> list[torch.nn.Module]:

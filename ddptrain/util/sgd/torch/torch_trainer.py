@@ -16,13 +16,15 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import cloudpickle
 import torch
 
 from ddptrain.config import ScalingConfig
-from ddptrain.errors import ConfigError, LaunchError, WorkerDiedError, WorkerGroupError
+from ddptrain.errors import ConfigError, LaunchError, WorkerGroupError
 from ddptrain.hosts import HostSpec, parse_hosts
 from ddptrain.torch.config import TorchConfig
 from ddptrain.util.sgd.torch import _runner
+from ddptrain.util.sgd.torch._recovery import PendingCall, discard, first_line, lost_worker, start_what_starts
 from ddptrain.util.sgd.torch.training_operator import VALID_SCHEDULER_STEP, TrainingOperator
 from ddptrain.util.sgd.utils import BATCH_SIZE, reduce_worker_stats
 from ddptrain.worker_group import WorkerGroup
@@ -30,8 +32,7 @@ from ddptrain.worker_group import WorkerGroup
 __all__ = ["TorchTrainer"]
 
 _logger = logging.getLogger(__name__)
-_LAUNCH_ROUNDS = 3  # attempts (with backoff) to start any workers at all after a failure
-_GROW_INTERVAL_S = 60.0  # at most this often, a shrunken group tries to get back to num_workers
+_GROW_INTERVAL_S = 60.0  # a shrunken group tries to get back to num_workers at most this often
 
 
 class TorchTrainer:
@@ -137,7 +138,8 @@ class TorchTrainer:
         self._state: dict[str, Any] | bytes | None = None
         self._local: _runner.Runner | None = None
         self._num_failures = 0
-        self._next_grow = 0.0
+        self._last_resize = time.monotonic()  # when the group last shrank or tried to grow
+        self._pending: PendingCall | None = None  # a load_state_dict(blocking=False) under way
         self._group = self._start(num_workers, self._hosts, None)
 
     # ----------------------------------------------------------------- workers
@@ -178,7 +180,7 @@ class TorchTrainer:
                 state,
             )
         except BaseException:
-            _discard(group)
+            discard(group)
             raise
         return group
 
@@ -186,46 +188,30 @@ class TorchTrainer:
         """Replace a failed group: as many workers as will start (``num_workers`` at most),
         resuming from the last state kept on the driver."""
         if self._group is not None:
-            _discard(self._group)
+            discard(self._group)
             self._group = None
         self._local = None
-        last: BaseException | None = None
-        for round_ in range(_LAUNCH_ROUNDS):
-            if round_:
-                time.sleep(2.0**round_)
-            excluded: set[str] = set()
-            for workers in range(self.num_workers, 0, -1):
-                hosts = None
-                if self._hosts is not None:
-                    hosts = [h for h in self._hosts if h.name not in excluded]
-                    if sum(h.slots or 1 for h in hosts) < workers:
-                        continue  # the hosts left cannot hold this many
-                try:
-                    group = self._start(workers, hosts, self._state)
-                except (LaunchError, WorkerGroupError) as exc:
-                    if isinstance(exc, WorkerGroupError) and not _lost_worker(exc):
-                        raise  # the operator's own error: a retry would fail the same way
-                    last = exc
-                    excluded |= _failed_hosts(exc, self._hosts)
-                    _logger.info("ddptrain: %d worker(s) did not start: %s", workers, exc)
-                    continue
-                if workers < self.num_workers:
-                    message = (
-                        f"ddptrain: only {workers} of {self.num_workers} workers could be started; training "
-                        f"goes on with {workers} (it tries to grow back before later train() calls)."
-                    )
-                    _logger.warning(message)
-                    warnings.warn(message, RuntimeWarning, stacklevel=3)
-                    self._next_grow = time.monotonic() + _GROW_INTERVAL_S
-                self._group = group
-                return
-        raise WorkerGroupError(f"No worker could be started after a failure: {last}", {}) from last
+        group = start_what_starts(
+            lambda workers, hosts: self._start(workers, hosts, self._state), self.num_workers, self._hosts
+        )
+        if len(group) < self.num_workers:
+            message = (
+                f"ddptrain: only {len(group)} of {self.num_workers} workers could be started; training "
+                f"goes on with {len(group)} (it tries to grow back before later train() calls)."
+            )
+            _logger.warning(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+            self._last_resize = time.monotonic()
+        self._group = group
 
     def _maybe_grow(self) -> None:
-        """Back to ``num_workers`` when they can start again (tried every ``_GROW_INTERVAL_S``)."""
-        if self._group is None or len(self._group) >= self.num_workers or time.monotonic() < self._next_grow:
+        """Back to ``num_workers`` when they can start again (tried at most every ``_GROW_INTERVAL_S``:
+        each try starts a whole group)."""
+        if self._group is None or len(self._group) >= self.num_workers:
             return
-        self._next_grow = time.monotonic() + _GROW_INTERVAL_S
+        if time.monotonic() - self._last_resize < _GROW_INTERVAL_S:
+            return
+        self._last_resize = time.monotonic()
         try:
             state = self.state_dict()
             group = self._start(self.num_workers, self._hosts, state)
@@ -241,17 +227,37 @@ class TorchTrainer:
             raise RuntimeError("This TorchTrainer was shut down.")
         return self._group
 
+    def _settle(self) -> None:
+        """Wait for a ``load_state_dict(blocking=False)`` still under way; its failure ends the
+        group and is raised here. Once it succeeded, its state is what a restart resumes from."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            pending.wait()
+        except WorkerGroupError as exc:
+            discard(pending.group)
+            if lost_worker(exc):  # the state was fine: a restart loads it
+                self._state = pending.state
+            raise
+        self._state = pending.state
+
+    def _ready_group(self) -> WorkerGroup:
+        """The group, once a pending call is done, restarted first if it failed."""
+        self._live_group()
+        self._settle()
+        if not self._live_group().alive:
+            self._restart()
+        return self._live_group()
+
     def _call(self, fn: Callable[..., Any], *args: Any, rank: int | None = None) -> Any:
         """``fn(*args)`` on every worker (or on ``rank``); a failure ends the group (the next
         call starts a new one)."""
-        group = self._live_group()
-        if not group.alive:
-            self._restart()
-            group = self._live_group()
+        group = self._ready_group()
         try:
             return group.execute(fn, *args) if rank is None else group.execute_single(rank, fn, *args)
         except WorkerGroupError:
-            _discard(group)
+            discard(group)
             raise
 
     # ----------------------------------------------------------------- training
@@ -284,9 +290,13 @@ class TorchTrainer:
         """
         if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
             raise ConfigError(f"`max_retries` must be an integer >= 0, got {max_retries!r}.")
-        self._live_group()
-        if not self._group.alive:  # type: ignore[union-attr]
-            self._restart()
+        try:
+            self._settle()
+        except WorkerGroupError as exc:  # a load_state_dict(blocking=False) failed
+            if not lost_worker(exc):
+                raise
+            self._num_failures += 1  # a worker was lost meanwhile: restarted below
+        self._ready_group()
         self._maybe_grow()
         for attempt in range(max_retries + 1):
             group = self._live_group()
@@ -294,8 +304,8 @@ class TorchTrainer:
                 results = group.execute(_runner.train, num_steps, profile, info, True)
                 break
             except WorkerGroupError as exc:
-                lost = _lost_worker(exc, group)
-                _discard(group)
+                lost = lost_worker(exc, group)
+                discard(group)
                 if not lost:
                     raise
                 self._num_failures += 1
@@ -304,7 +314,7 @@ class TorchTrainer:
                 _logger.warning(
                     "ddptrain: a worker was lost during train() (%s); restarting the workers from the last "
                     "state (retry %d of %d)",
-                    _first_line(exc),
+                    first_line(exc),
                     attempt + 1,
                     max_retries,
                 )
@@ -351,11 +361,25 @@ class TorchTrainer:
         return self._call(_runner.state_dict, rank=0)
 
     def load_state_dict(self, state_dict: dict[str, Any], blocking: bool = False) -> None:
-        """Load ``state_dict`` into every worker. Always blocking (``blocking`` is accepted
-        for compatibility)."""
-        self._call(_runner.load_state_dict, state_dict)
-        self._state = state_dict
+        """Load ``state_dict`` (from :meth:`state_dict` or :meth:`save`) into every worker.
+
+        As in Ray, ``blocking=False`` returns once the state is serialized and on its way,
+        before the workers have loaded it (changing ``state_dict`` afterwards changes nothing);
+        the next call on this trainer waits for them, and raises ``WorkerGroupError`` if
+        loading failed. ``blocking=True`` returns when every worker has loaded it.
+        """
+        data = cloudpickle.dumps(state_dict)
+        group = self._ready_group()
         self._local = None
+        if not blocking:
+            self._pending = PendingCall(group, data, _runner.load_state_dict, data)
+            return
+        try:
+            group.execute(_runner.load_state_dict, data)
+        except WorkerGroupError:
+            discard(group)
+            raise
+        self._state = data
 
     def save(self, checkpoint: str | os.PathLike[str]) -> str:
         """Write :meth:`state_dict` to the file ``checkpoint`` with ``torch.save``; returns its path."""
@@ -388,20 +412,24 @@ class TorchTrainer:
 
     # ----------------------------------------------------------------- shutdown
     def shutdown(self, force: bool = False) -> None:
-        """Stop every worker (``force``: at once, without letting operators clean up). Safe
-        to call twice."""
+        """Stop every worker (``force``: without letting operators clean up). A
+        ``load_state_dict(blocking=False)`` under way is waited for first. Safe to call twice."""
         group, self._group = self._group, None
         self._local = None
         if group is None:
             return
+        try:  # a load_state_dict(blocking=False) under way first (its thread owns the group until then)
+            self._settle()
+        except WorkerGroupError as exc:
+            _logger.warning("ddptrain: loading a state failed before the shutdown (ignored): %s", first_line(exc))
         if force or not group.alive:
-            _discard(group)
+            discard(group)
             return
         try:
             group.execute(_runner.teardown)
         except WorkerGroupError as exc:
-            _logger.warning("ddptrain: a worker failed while shutting down (ignored): %s", _first_line(exc))
-            _discard(group)
+            _logger.warning("ddptrain: a worker failed while shutting down (ignored): %s", first_line(exc))
+            discard(group)
             return
         group.shutdown()
 
@@ -418,43 +446,3 @@ class TorchTrainer:
         from ddptrain.util.sgd.torch._tune import as_trainable
 
         return as_trainable(cls, *args, **kwargs)
-
-
-def _lost_worker(exc: WorkerGroupError, group: WorkerGroup | None = None) -> bool:
-    """Whether a failure means a worker (or its host) was lost, rather than an error of the
-    user's code: only the first can be fixed by a restart."""
-    if not exc.worker_failures and not exc.failures:
-        return True  # "the worker group is not running"
-    if any(isinstance(e, (WorkerDiedError, LaunchError)) for e in exc.worker_failures.values()):
-        return True
-    if group is not None:
-        # A peer's collective may fail before the driver hears that a worker died: listen a moment.
-        try:
-            group.pump_until(lambda: bool(group.exited), timeout_s=1.0)
-        except WorkerGroupError as more:
-            return any(isinstance(e, (WorkerDiedError, LaunchError)) for e in more.worker_failures.values())
-        except TimeoutError:
-            return False
-        return True
-    return False
-
-
-def _discard(group: WorkerGroup) -> None:
-    """Kill a group that failed at once. Its backend's orderly shutdown (destroying the process
-    group) would wait for a rank that may be stuck in a collective for good, so it is skipped."""
-    group.backend = None
-    group.shutdown(grace_s=0)
-
-
-def _failed_hosts(exc: BaseException, hosts: list[HostSpec] | None) -> set[str]:
-    """Names of the hosts of a host list that a failure names (a host that could not be reached)."""
-    if hosts is None:
-        return set()
-    names = {f.host for f in getattr(exc, "failures", []) if isinstance(f.exception, (WorkerDiedError, LaunchError))}
-    text = str(exc)
-    names |= {h.name for h in hosts if f"host {h.name!r}" in text}
-    return names & {h.name for h in hosts}
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
