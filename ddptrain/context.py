@@ -186,6 +186,7 @@ class _Session:
     collective_index: int = 0
     local_reports: list[tuple[dict[str, Any], Checkpoint | None]] = field(default_factory=list)
     end_hooks: list[Callable[[bool], None]] = field(default_factory=list)  # see on_training_end
+    local_sink: Any = None  # local mode: persists reports in this process (ddptrain.local_run)
 
     def checkpoint_at(self, path: str) -> Checkpoint:
         """The run's checkpoint at ``path`` (a path the driver sent)."""
@@ -303,7 +304,12 @@ def report(
     if checkpoint_upload_fn is not None or validation:
         raise NotImplementedError("`checkpoint_upload_fn` and `validation` are not supported by ddptrain.")
     session.report_index += 1
-    if session.channel is None:  # local mode
+    if session.local_sink is not None:  # local mode: persisted here, at once
+        committed = session.local_sink.report(metrics, checkpoint, checkpoint_dir_name, session.report_index)
+        if committed is not None:
+            session.checkpoint = committed
+        return
+    if session.channel is None:  # a session without a run (e.g. a sweep's function trainable)
         session.local_reports.append((metrics, checkpoint))
         if checkpoint is not None:
             session.checkpoint = checkpoint
@@ -434,9 +440,12 @@ def get_all_reported_checkpoints(
             by then (``None``: wait as long as it takes).
 
     Returns:
-        An empty list in local mode (``num_workers=0``).
+        The run's kept checkpoints (in local mode, ``num_workers=0``, too).
     """
     session = _get_session("get_all_reported_checkpoints")
+    if session.local_sink is not None:
+        reported = session.local_sink.run.checkpoints.reported_checkpoints()
+        return [ReportedCheckpoint(c, metrics) for c, metrics in reported]
     if session.channel is None:
         return []
     if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))):
