@@ -40,6 +40,14 @@ def default_storage_path() -> str:
     return os.path.expanduser(os.environ.get("DDPTRAIN_STORAGE_PATH") or "~/ddptrain_results")
 
 
+def cache_dir() -> str:
+    """Where the driver keeps local working copies of runs on remote storage."""
+    raw = os.environ.get("DDPTRAIN_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ddptrain"
+    )
+    return os.path.abspath(os.path.expanduser(raw))
+
+
 def report_warn_interval_s() -> float:
     """Seconds a rank may lag behind the others at a ``report()`` before it is named in a warning."""
     return _float("DDPTRAIN_REPORT_WARN_INTERVAL_S", 5.0)

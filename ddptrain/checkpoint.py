@@ -12,22 +12,26 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ddptrain import remote
+
 __all__ = ["Checkpoint"]
 
 _METADATA_FILE = ".metadata.json"
 
 
 class Checkpoint:
-    """A directory of checkpoint files, on a local or shared file system.
+    """A directory of checkpoint files, on a local or shared file system or on remote storage.
 
     Build one from a directory your training function wrote, and pass it to
     :func:`ddptrain.report`; ddptrain copies it into the run directory. The checkpoint you
-    get back (``Result.checkpoint``, ``get_checkpoint()``) points at the persisted copy.
+    get back (``Result.checkpoint``, ``get_checkpoint()``) points at the persisted copy: on
+    remote storage (``s3://...``) ``to_directory()`` and ``as_directory()`` download it.
 
     Args:
-        path: The checkpoint directory.
-        filesystem: Accepted for Ray compatibility; only ``None`` (the local file system) is
-            supported.
+        path: The checkpoint directory: a local path, a URI (``s3://bucket/run/checkpoint_000001``),
+            or with ``filesystem`` a path on that file system.
+        filesystem: An fsspec or ``pyarrow.fs`` file system the path is on (``None``: local, or
+            the URI's).
 
     Example:
         >>> with tempfile.TemporaryDirectory() as d:
@@ -36,13 +40,45 @@ class Checkpoint:
     """
 
     def __init__(self, path: str | os.PathLike[str], filesystem: Any = None) -> None:
-        if filesystem is not None:
-            raise ValueError("`filesystem` is not supported: ddptrain checkpoints live on a local path.")
         text = os.fspath(path)
-        if "://" in text:
-            raise ValueError(f"Checkpoint paths must be local paths, got the URI {text!r}.")
-        self.path: str = os.path.abspath(os.path.expanduser(text))
-        self.filesystem = None
+        if text.startswith("file://"):
+            text = text[len("file://") :]
+        self._fs: Any = None
+        if filesystem is not None or "://" in text:
+            if filesystem is not None:
+                if "://" in text:
+                    raise ValueError(
+                        f"With `filesystem`, `path` is a path on that file system, not a URI: got {text!r}."
+                    )
+                self._fs = remote.to_fsspec(filesystem)
+            else:
+                self._fs = remote.resolve_uri(text)
+            protocols = (self._fs.protocol,) if isinstance(self._fs.protocol, str) else tuple(self._fs.protocol)
+            if "file" in protocols or "local" in protocols:
+                self._fs = None
+        self.path: str = text.rstrip("/") if self._fs is not None else os.path.abspath(os.path.expanduser(text))
+
+    @classmethod
+    def _at(cls, path: str, fs: Any) -> Checkpoint:
+        """A checkpoint at ``path`` (a URI or a path on ``fs``) on the fsspec file system ``fs``."""
+        checkpoint = cls.__new__(cls)
+        checkpoint._fs = fs
+        checkpoint.path = path.rstrip("/")
+        return checkpoint
+
+    @property
+    def filesystem(self) -> Any:
+        """The file system the checkpoint is on: ``None`` for a local path; for remote storage a
+        ``pyarrow.fs.FileSystem`` when pyarrow is installed (what Ray code expects; fsspec file
+        systems are wrapped), else the fsspec file system."""
+        if self._fs is None:
+            return None
+        return remote.to_pyarrow(self._fs)
+
+    @property
+    def is_remote(self) -> bool:
+        """Whether the files are on a remote file system (reading them downloads them)."""
+        return self._fs is not None
 
     @classmethod
     def from_directory(cls, path: str | os.PathLike[str]) -> Checkpoint:
@@ -71,20 +107,40 @@ class Checkpoint:
         done_marker = target.parent / f".{target.name}.complete"
         with FileLock(str(target.parent / f".{target.name}.lock")):
             if not (done_marker.exists() and target.is_dir() and done_marker.read_text() == self.path):
-                shutil.copytree(self.path, target, dirs_exist_ok=True)
+                if self._fs is not None:
+                    self._download(str(target))
+                else:
+                    shutil.copytree(self.path, target, dirs_exist_ok=True)
                 done_marker.write_text(self.path)
         return str(target)
 
     @contextlib.contextmanager
     def as_directory(self) -> Iterator[str]:
-        """Yield a local directory with the checkpoint files (the checkpoint itself, no copy).
+        """Yield a local directory with the checkpoint files: the checkpoint itself (no copy),
+        or for a remote checkpoint a temporary download, deleted afterwards.
 
         Treat it as read-only.
         """
-        yield self.path
+        if self._fs is None:
+            yield self.path
+            return
+        with tempfile.TemporaryDirectory(prefix="ddptrain_checkpoint_") as tmp:
+            self._download(tmp)
+            yield tmp
+
+    def _download(self, target: str) -> None:
+        """Download a remote checkpoint's files into ``target``."""
+        bare = self._fs._strip_protocol(self.path)
+        remote.RemoteRoot(self._fs, bare, None).download_dir(bare, target)
 
     def get_metadata(self) -> dict[str, Any]:
         """The metadata dict stored with the checkpoint (``{}`` when there is none)."""
+        if self._fs is not None:
+            try:
+                data_: dict[str, Any] = json.loads(self._fs.cat_file(f"{self.path}/{_METADATA_FILE}"))
+            except FileNotFoundError:
+                return {}
+            return data_
         file = Path(self.path, _METADATA_FILE)
         if not file.exists():
             return {}
@@ -94,6 +150,9 @@ class Checkpoint:
     def set_metadata(self, metadata: dict[str, Any]) -> None:
         """Replace the metadata. It must be JSON-serializable."""
         text = json.dumps(metadata)
+        if self._fs is not None:
+            self._fs.pipe_file(f"{self.path}/{_METADATA_FILE}", text.encode())
+            return
         file = Path(self.path, _METADATA_FILE)
         tmp = file.with_name(f"{_METADATA_FILE}.{uuid.uuid4().hex}.tmp")
         tmp.write_text(text)
@@ -112,10 +171,19 @@ class Checkpoint:
         )
 
     def __repr__(self) -> str:
-        return f"Checkpoint(filesystem=local, path={self.path})"
+        where = "local" if self._fs is None else type(self._fs).__name__
+        return f"Checkpoint(filesystem={where}, path={self.path})"
+
+    def _fs_key(self) -> Any:
+        return None if self._fs is None else self._fs.protocol
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Checkpoint) and other.path == self.path
+        return isinstance(other, Checkpoint) and other.path == self.path and other._fs_key() == self._fs_key()
 
     def __hash__(self) -> int:
         return hash(self.path)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state.setdefault("_fs", None)  # pickled by an older ddptrain
+        state.pop("filesystem", None)
+        self.__dict__.update(state)

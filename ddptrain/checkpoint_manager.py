@@ -176,7 +176,23 @@ class CheckpointManager:
         self._report_index = max(self._report_index, entry.report_index)
         self._write()
         for name in sorted(doomed):
-            shutil.rmtree(os.path.join(self.run_dir, name), ignore_errors=True)
+            self._delete(name)
+
+    def _delete(self, name: str) -> None:
+        """Delete checkpoint folder ``name`` (retention)."""
+        shutil.rmtree(os.path.join(self.run_dir, name), ignore_errors=True)
+
+    def _present(self, entries: list[_Entry]) -> list[_Entry]:
+        """Those of ``entries`` whose folders exist."""
+        return [e for e in entries if os.path.isdir(os.path.join(self.run_dir, e.dir_name))]
+
+    def _where(self, name: str) -> str:
+        """Checkpoint ``name``'s location, for messages."""
+        return os.path.join(self.run_dir, name)
+
+    def clean_leftovers(self) -> None:
+        """Remove what a failed attempt left half-done (staged files, half-built folders)."""
+        storage.clean_leftovers(self.run_dir)
 
     def _write(self) -> None:
         storage.write_json_atomic(
@@ -260,19 +276,7 @@ class CheckpointManager:
     @classmethod
     def from_run_dir(cls, run_dir: str) -> CheckpointManager:
         """The manager of an existing run, with the score settings that run used."""
-        config = CheckpointConfig()
-        path = Path(run_dir, INDEX_FILE)
-        if path.exists():
-            try:
-                data = json.loads(path.read_text())
-                config = CheckpointConfig(
-                    num_to_keep=data.get("num_to_keep"),
-                    checkpoint_score_attribute=data.get("checkpoint_score_attribute"),
-                    checkpoint_score_order=data.get("checkpoint_score_order") or "max",
-                )
-            except (OSError, ValueError, AttributeError):
-                pass  # load() reports it
-        manager = cls(run_dir, config)
+        manager = cls(run_dir, read_config(run_dir))
         manager.load()
         return manager
 
@@ -307,12 +311,12 @@ class CheckpointManager:
             )
         for entry in entries:
             storage.safe_child(self.run_dir, entry.dir_name)  # refuse names escaping the run dir
-        present = [e for e in entries if os.path.isdir(os.path.join(self.run_dir, e.dir_name))]
+        present = self._present(entries)
         latest = next((e for e in present if e.dir_name == latest_name), None)
         if latest_name and latest is None:
             raise RunDirectoryError(
                 f"The checkpoint index {path} names {latest_name!r} as the latest checkpoint, "
-                f"but {os.path.join(self.run_dir, latest_name)} is missing. {hint}"
+                f"but {self._where(latest_name)} is missing. {hint}"
             )
         if len(present) < len(entries):
             missing = sorted({e.dir_name for e in entries} - {e.dir_name for e in present})
@@ -320,3 +324,20 @@ class CheckpointManager:
         self._entries = present
         self._latest = latest
         self._report_index = report_index
+
+
+def read_config(run_dir: str) -> CheckpointConfig:
+    """The retention settings recorded in ``run_dir``'s index (defaults when unreadable:
+    :meth:`CheckpointManager.load` reports that)."""
+    path = Path(run_dir, INDEX_FILE)
+    if path.exists():
+        try:
+            data = json.loads(path.read_text())
+            return CheckpointConfig(
+                num_to_keep=data.get("num_to_keep"),
+                checkpoint_score_attribute=data.get("checkpoint_score_attribute"),
+                checkpoint_score_order=data.get("checkpoint_score_order") or "max",
+            )
+        except (OSError, ValueError, AttributeError):
+            pass
+    return CheckpointConfig()

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from ddptrain import _env
+from ddptrain import _env, remote
 from ddptrain.callbacks import UserCallback
 from ddptrain.errors import ConfigError, ConfigTypeError
 from ddptrain.hosts import parse_hosts
@@ -254,8 +254,11 @@ class RunConfig:
 
     Args:
         name: Run name, the folder under ``storage_path``. Default: ``ddptrain_run-<timestamp>``.
-        storage_path: Folder for runs (``~`` expanded, ``Path`` accepted). Default:
-            ``~/ddptrain_results`` (or ``$DDPTRAIN_STORAGE_PATH``).
+        storage_path: Folder for runs (``~`` expanded, ``Path`` accepted), or a URI such as
+            ``s3://bucket/prefix`` (any scheme fsspec resolves; needs e.g. ``ddptrain[s3]``).
+            Default: ``~/ddptrain_results`` (or ``$DDPTRAIN_STORAGE_PATH``).
+        storage_filesystem: An fsspec or ``pyarrow.fs`` file system; ``storage_path`` is then a
+            path on it (``bucket/prefix``, no scheme), and so are the paths ddptrain returns.
         failure_config: Restart policy, see :class:`FailureConfig`.
         checkpoint_config: Retention policy, see :class:`CheckpointConfig`.
         callbacks: :class:`~ddptrain.UserCallback` objects run in the driver.
@@ -290,17 +293,12 @@ class RunConfig:
                     f"`name` must be a plain folder name without '/', got {self.name!r}. "
                     "Put the parent folders in `storage_path`."
                 )
-        if self.storage_path is not None:
-            if not isinstance(self.storage_path, (str, os.PathLike)):
-                raise ConfigError(f"`storage_path` must be a path, got {self.storage_path!r}.")
-            text = os.fspath(self.storage_path)
-            if "://" in text:
-                raise ConfigError(
-                    f"`storage_path` must be a local or shared-filesystem path, got the URI {text!r}. "
-                    "Mount the bucket (e.g. with s3fs) and pass the mount point."
-                )
-        if self.storage_filesystem is not None:
-            raise ConfigError("`storage_filesystem` is not supported; pass a mounted `storage_path`.")
+        if self.storage_path is not None and not isinstance(self.storage_path, (str, os.PathLike)):
+            raise ConfigError(f"`storage_path` must be a path or a URI, got {self.storage_path!r}.")
+        if self.storage_filesystem is not None and self.storage_path is None:
+            raise ConfigError(
+                "`storage_filesystem` needs a `storage_path`: the path on that file system (e.g. 'bucket/prefix')."
+            )
         self.failure_config = self.failure_config or FailureConfig()
         self.checkpoint_config = self.checkpoint_config or CheckpointConfig()
         self.logging_config = self.logging_config or LoggingConfig()
@@ -308,14 +306,30 @@ class RunConfig:
         self.worker_runtime_env = dict(self.worker_runtime_env or {})
         _check_types(self)
 
+    def _remote(self) -> Any:
+        """The run's :class:`~ddptrain.remote.RemoteRoot`, or ``None`` for local storage.
+
+        Raises:
+            ConfigError: The URI's file system is not installed or cannot hold a run.
+        """
+        raw = os.fspath(self.storage_path) if self.storage_path is not None else None
+        return remote.resolve(raw, self.storage_filesystem)
+
     def _storage_root(self) -> Path:
 
         raw = os.fspath(self.storage_path) if self.storage_path is not None else None
+        if raw is not None and raw.startswith("file://"):
+            raw = raw[len("file://") :]
         return Path(os.path.expanduser(raw or _env.default_storage_path())).absolute()
 
     def _check_storage(self) -> None:
         """Raise ConfigError, naming the path, if the run's folder cannot be created or written
-        (called by ``fit()`` before any process starts)."""
+        (called by ``fit()`` before any process starts). Remote storage is probed with a small
+        object (a missing bucket fails here)."""
+        remote_root = self._remote()
+        if remote_root is not None:
+            remote_root.check_writable()
+            return
         root = self._storage_root()
         existing = root / self.name if self.name else root
         while not os.path.lexists(existing) and existing.parent != existing:

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from ddptrain import protocol, storage
 from ddptrain.checkpoint import Checkpoint
-from ddptrain.errors import DdpTrainError
+from ddptrain.errors import DdpTrainError, StorageError
+from ddptrain.remote_checkpoints import upload_checkpoint
 
 if TYPE_CHECKING:
     from ddptrain.channel import WorkerChannel
@@ -179,10 +180,19 @@ class _Session:
     dataset_shards: dict[str, Any] = field(default_factory=dict)
     devices: list[Any] = field(default_factory=list)
     local_cache: str | None = None  # set on hosts that cannot see the run directory
+    remote: Any = None  # the run's RemoteRoot, on remote storage
+    run_path: str | None = None  # the run's folder on remote storage
     report_index: int = 0
     collective_index: int = 0
     local_reports: list[tuple[dict[str, Any], Checkpoint | None]] = field(default_factory=list)
     end_hooks: list[Callable[[bool], None]] = field(default_factory=list)  # see on_training_end
+    local_sink: Any = None  # local mode: persists reports in this process (ddptrain.local_run)
+
+    def checkpoint_at(self, path: str) -> Checkpoint:
+        """The run's checkpoint at ``path`` (a path the driver sent)."""
+        if self.remote is None:
+            return Checkpoint(path)
+        return Checkpoint._at(path, self.remote.fs)
 
     def call_driver(self, message: Any) -> Any:
         """Send a message and wait for the driver's reply to it."""
@@ -294,7 +304,12 @@ def report(
     if checkpoint_upload_fn is not None or validation:
         raise NotImplementedError("`checkpoint_upload_fn` and `validation` are not supported by ddptrain.")
     session.report_index += 1
-    if session.channel is None:  # local mode
+    if session.local_sink is not None:  # local mode: persisted here, at once
+        committed = session.local_sink.report(metrics, checkpoint, checkpoint_dir_name, session.report_index)
+        if committed is not None:
+            session.checkpoint = committed
+        return
+    if session.channel is None:  # a session without a run (e.g. a sweep's function trainable)
         session.local_reports.append((metrics, checkpoint))
         if checkpoint is not None:
             session.checkpoint = checkpoint
@@ -309,7 +324,8 @@ def report(
                 f"inside the run directory {session.run_dir} or contains it."
             )
     rank = session.context.get_world_rank()
-    staged = _stage_checkpoint(session, checkpoint) if checkpoint is not None else None
+    name = checkpoint_dir_name or f"checkpoint_{session.report_index:06d}"
+    staged = _stage_checkpoint(session, checkpoint, name) if checkpoint is not None else None
     message = protocol.Report(rank, session.report_index, metrics, staged, checkpoint_dir_name)
     # On a host that cannot see the run directory the staged files wait in a local cache,
     # and the driver copies them back over SSH before it commits the checkpoint.
@@ -320,14 +336,38 @@ def report(
     assert isinstance(reply, protocol.Ack), reply
     if reply.problem or reply.path is None:  # the driver refused to commit it
         raise ValueError(reply.problem)
-    session.checkpoint = Checkpoint(reply.path)
+    session.checkpoint = session.checkpoint_at(reply.path)
     if delete_local_checkpoint_after_upload and checkpoint is not None:
         shutil.rmtree(checkpoint.path, ignore_errors=True)
 
 
-def _stage_checkpoint(session: _Session, checkpoint: Checkpoint) -> str:
-    """Copy this rank's checkpoint files next to the run directory; the driver commits them."""
+def _upload_checkpoint(session: _Session, checkpoint: Checkpoint, name: str) -> str:
+    assert session.run_path is not None
+    try:
+        return upload_checkpoint(
+            session.remote,
+            session.run_path,
+            name,
+            checkpoint.path,
+            session.attempt,
+            session.report_index,
+            session.context.get_world_rank(),
+        )
+    except FileNotFoundError:
+        raise
+    except Exception as exc:  # each fsspec backend raises its own errors
+        raise StorageError(
+            f"Uploading checkpoint {name!r} of report #{session.report_index} to "
+            f"{session.remote.shown(session.run_path)} failed: {type(exc).__name__}: {exc}"
+        ) from exc
 
+
+def _stage_checkpoint(session: _Session, checkpoint: Checkpoint, name: str) -> str:
+    """Copy this rank's checkpoint files next to the run directory, or upload them to the run's
+    remote storage; the driver commits them."""
+
+    if session.remote is not None:
+        return _upload_checkpoint(session, checkpoint, name)
     assert session.run_dir is not None
     return storage.stage_files(
         session.run_dir if session.local_cache is None else session.local_cache,
@@ -400,9 +440,12 @@ def get_all_reported_checkpoints(
             by then (``None``: wait as long as it takes).
 
     Returns:
-        An empty list in local mode (``num_workers=0``).
+        The run's kept checkpoints (in local mode, ``num_workers=0``, too).
     """
     session = _get_session("get_all_reported_checkpoints")
+    if session.local_sink is not None:
+        reported = session.local_sink.run.checkpoints.reported_checkpoints()
+        return [ReportedCheckpoint(c, metrics) for c, metrics in reported]
     if session.channel is None:
         return []
     if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))):
@@ -410,7 +453,7 @@ def get_all_reported_checkpoints(
     rank = session.context.get_world_rank()
     reply = session.call_driver(protocol.CheckpointsQuery(rank, session.report_index, timeout_s))
     assert isinstance(reply, protocol.CheckpointsReply), reply
-    return [ReportedCheckpoint(Checkpoint(path), metrics) for path, metrics in reply.reported]
+    return [ReportedCheckpoint(session.checkpoint_at(path), metrics) for path, metrics in reply.reported]
 
 
 def get_dataset_shard(dataset_name: str | None = None) -> Any:

@@ -12,13 +12,13 @@ from typing import Any
 
 import cloudpickle
 
-from ddptrain import _env, context
+from ddptrain import _env
 from ddptrain.backend import BackendConfig
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.checkpoint_manager import RunDirectoryError
 from ddptrain.config import DataConfig, RunConfig, ScalingConfig
 from ddptrain.data.ingest import DatasetIngest, check_datasets
-from ddptrain.errors import ConfigError, WorkerFailure, WorkerGroupError
+from ddptrain.errors import ConfigError
 from ddptrain.result import Result
 
 __all__ = ["DataParallelTrainer"]
@@ -224,58 +224,33 @@ class DataParallelTrainer:
             )
 
     def _fit_local(self) -> Result:
-        """Local mode: run the function in this process, as rank 0 of 1."""
-        ctx = context.TrainContext(
-            experiment_name=self.run_config.name or "local",
-            world_size=1,
-            world_rank=0,
-            local_rank=0,
-            local_world_size=1,
-            node_rank=0,
-            storage=None,
+        """Local mode: run the function in this process, as rank 0 of 1, with the run's
+        storage (metrics, checkpoints, retention, resume) as for a worker group."""
+        from ddptrain.local_run import fit_local
+        from ddptrain.run import Run
+
+        self._check_before_start()
+        run = Run(
+            payload=b"",
+            trainer_bytes=self._trainer_bytes(),
+            train_loop_config=self.train_loop_config,
+            scaling_config=self.scaling_config,
+            run_config=self.run_config,
+            backend_config=self.backend_config,
+            dataset_config=self.dataset_config,
         )
+        run.start_checkpoint = self.resume_from_checkpoint
         datasets = DatasetIngest(self.datasets, self.dataset_config, 1)
-        session = context._Session(
-            context=ctx,
-            checkpoint=self.resume_from_checkpoint,
-            dataset_shards=datasets.local_iterators(),
-        )
-        previous = context._session
-        context._set_session(session)
-        failed = True
-        try:
+
+        def call() -> Any:
             with self.backend_config.train_func_context():
                 fn = self.train_loop_per_worker
-                value = fn(self.train_loop_config or {}) if self._takes_config else fn()
-            failed = False
-        except Exception as exc:
-            import socket
-            import traceback
+                return fn(self.train_loop_config or {}) if self._takes_config else fn()
 
-            failure = WorkerFailure(
-                rank=0,
-                host=socket.gethostname(),
-                pid=None,
-                exitcode=None,
-                exception=exc,
-                traceback_str="".join(traceback.format_exception(exc)),
-            )
-            raise WorkerGroupError.from_failures([failure], None) from exc
+        try:
+            return fit_local(run, call, datasets.local_iterators(), self.run_config.name or run.name)
         finally:
-            context.run_end_hooks(session, failed)
-            context._set_session(previous)
             datasets.release()
-        history = [metrics for metrics, _ in session.local_reports]
-        checkpoints = [(c, m) for m, c in session.local_reports if c is not None]
-        return Result(
-            metrics=history[-1] if history else None,
-            checkpoint=session.checkpoint,
-            path=None,
-            metrics_history=history,
-            best_checkpoints=checkpoints,
-            return_value=value,
-            return_values=[value],
-        )
 
     def as_trainable(self) -> Any:
         """This trainer as a trainable for ``ddptrain.tune`` (``tune.run(trainer.as_trainable(), ...)``);

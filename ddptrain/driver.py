@@ -196,7 +196,7 @@ class Attempt:
         cannot see the run directory."""
         launcher = self.group.launcher
         unshared = getattr(launcher, "unshared_ranks", ())
-        if rank not in unshared:
+        if rank not in unshared or self.run.remote is not None:  # on remote storage: uploaded there
             return staged
         local = os.path.join(self.run.run_dir, storage.STAGING, f"fetched_a{self.index}_r{index}", f"rank_{rank}")
         with storage.naming_full_disk(local):

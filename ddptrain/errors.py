@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "StorageError",
     "DdpTrainError",
     "ConfigError",
     "ConfigTypeError",
@@ -63,6 +64,11 @@ class TrainingFailedError(DdpTrainError, RuntimeError):
 
 class ControllerError(TrainingFailedError):
     """Training failed because of the driver itself (Ray Train's name), not a worker."""
+
+
+class StorageError(DdpTrainError, OSError):
+    """Remote storage failed (unreachable, refused, or out of space); the message names the
+    file system path and the underlying error."""
 
 
 class DiskFullError(DdpTrainError, OSError):

@@ -32,7 +32,12 @@ class RunNotFound(Exception):
 
 def find_run(run: str) -> Path:
     """A run directory from a path, or a run name under the default storage path."""
-    path = Path(run).expanduser()
+    if "://" in run and not run.startswith("file://"):
+        raise RunNotFound(
+            f"{run} is on remote storage, and these commands read local run folders. The driver that ran it "
+            f"keeps a working copy under {_env.cache_dir()}/runs/; or use `ddptrain.Result.from_path({run!r})`."
+        )
+    path = Path(run.removeprefix("file://")).expanduser()
     if (path / "run.json").is_file():
         return path.resolve()
     candidate = Path(_env.default_storage_path(), run).expanduser()

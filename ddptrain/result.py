@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
+from ddptrain import remote
 from ddptrain.checkpoint import Checkpoint
-from ddptrain.checkpoint_manager import CheckpointManager
+from ddptrain.checkpoint_manager import INDEX_FILE, CheckpointManager, read_config
+from ddptrain.remote_checkpoints import RemoteCheckpointManager
 
 __all__ = ["Result", "read_metrics", "read_metric_lines"]
 
@@ -54,6 +58,7 @@ class Result:
     best_checkpoints: list[tuple[Checkpoint, dict[str, Any]]] = field(default_factory=list)
     return_value: Any = None
     return_values: list[Any] = field(default_factory=list)
+    _storage_filesystem: Any = field(default=None, repr=False)
 
     @property
     def metrics_dataframe(self) -> Any:
@@ -68,9 +73,10 @@ class Result:
         return pd.DataFrame(self.metrics_history)
 
     @property
-    def filesystem(self) -> None:
-        """Always ``None``: results live on the local file system."""
-        return None
+    def filesystem(self) -> Any:
+        """The file system ``path`` is on: ``None`` for a local run; for remote storage a
+        ``pyarrow.fs.FileSystem`` when pyarrow is installed, else the fsspec file system."""
+        return None if self._storage_filesystem is None else remote.to_pyarrow(self._storage_filesystem)
 
     def get_best_checkpoint(self, metric: str, mode: str) -> Checkpoint | None:
         """The kept checkpoint with the best ``metric`` (``"a/b"`` reaches nested dicts).
@@ -99,15 +105,23 @@ class Result:
         return pick(scored, key=lambda item: item[0])[1]
 
     @classmethod
-    def from_path(cls, path: str | os.PathLike[str]) -> Result:
+    def from_path(cls, path: str | os.PathLike[str], storage_filesystem: Any = None) -> Result:
         """Rebuild the result of a finished, failed or interrupted run from its directory.
+
+        Args:
+            path: The run directory: a local path, a URI (``s3://bucket/prefix/name``), or a
+                path on ``storage_filesystem``.
+            storage_filesystem: An fsspec or ``pyarrow.fs`` file system ``path`` is on.
 
         Raises:
             RuntimeError: ``path`` is not a ddptrain run directory, or its checkpoint index
                 cannot be read.
         """
-
-        run_dir = os.path.abspath(os.path.expanduser(os.fspath(path)))
+        text = os.fspath(path)
+        root = remote.resolve(text, storage_filesystem)
+        if root is not None:
+            return cls._from_remote(root)
+        run_dir = os.path.abspath(os.path.expanduser(text.removeprefix("file://")))
         if not os.path.exists(os.path.join(run_dir, "run.json")):
             raise RuntimeError(f"{run_dir} is not a ddptrain run directory (it has no run.json).")
         history = read_metrics(run_dir)
@@ -118,6 +132,30 @@ class Result:
             path=run_dir,
             metrics_history=history,
             best_checkpoints=manager.best_checkpoints(),
+        )
+
+    @classmethod
+    def _from_remote(cls, root: remote.RemoteRoot) -> Result:
+        with tempfile.TemporaryDirectory(prefix="ddptrain_result_") as local:
+            found = False
+            for name in ("run.json", METRICS_FILE, INDEX_FILE):
+                data = root.read_bytes(posixpath.join(root.root, name))
+                if data is not None:
+                    found = found or name == "run.json"
+                    with open(os.path.join(local, name), "wb") as f:
+                        f.write(data)
+            if not found:
+                raise RuntimeError(f"{root.display()} is not a ddptrain run directory (it has no run.json).")
+            history = read_metrics(local)
+            manager = RemoteCheckpointManager(local, read_config(local), root, root.root)
+            manager.load()
+        return cls(
+            metrics=history[-1] if history else None,
+            checkpoint=manager.latest,
+            path=root.display(),
+            metrics_history=history,
+            best_checkpoints=manager.best_checkpoints(),
+            _storage_filesystem=root.fs,
         )
 
 

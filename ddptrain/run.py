@@ -9,8 +9,11 @@ import os
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import cloudpickle
 
 from ddptrain import _env, storage
 from ddptrain.callbacks import TrainRunContext
@@ -29,7 +32,10 @@ from ddptrain.errors import (
 from ddptrain.launcher import Launcher
 from ddptrain.plan import Plan
 from ddptrain.progress import Progress
+from ddptrain.remote import RemoteRoot
+from ddptrain.remote_checkpoints import RemoteCheckpointManager
 from ddptrain.result import METRICS_FILE, Result, read_metric_lines
+from ddptrain.run_mirror import RunMirror
 from ddptrain.warm import keeps_warm, put_warm, take_warm
 from ddptrain.worker_group import GroupFailed, WorkerGroup
 
@@ -43,11 +49,12 @@ __all__ = ["Run"]
 _logger = logging.getLogger(__name__)
 
 
-def _fresh_name(storage_path: str) -> str:
+def _fresh_name(storage_path: str, remote: RemoteRoot | None = None) -> str:
     """A generated run name that no earlier run used (only an explicit name resumes a run)."""
     base = datetime.datetime.now().strftime("ddptrain_run-%Y-%m-%d_%H-%M-%S")
     name, n = base, 1
-    while os.path.exists(os.path.join(storage_path, name)):
+    taken = set(remote.list_names(remote.root)) if remote is not None else None
+    while (name in taken) if taken is not None else os.path.exists(os.path.join(storage_path, name)):
         n += 1
         name = f"{base}_{n}"
     return name
@@ -80,9 +87,19 @@ class Run:
         self.run_config = run_config
         self.backend_config = backend_config
         self.run_id = uuid.uuid4().hex
-        self.storage_path = str(run_config._storage_root())
-        self.name = run_config.name or _fresh_name(self.storage_path)
-        self.run_dir = os.path.join(self.storage_path, self.name)
+        # On remote storage, run_dir is the driver's local working copy of the run's small
+        # files; `location` is where the run is, as the user named it.
+        self.remote: RemoteRoot | None = run_config._remote()
+        if self.remote is None:
+            self.storage_path = str(run_config._storage_root())
+            self.name = run_config.name or _fresh_name(self.storage_path)
+            self.run_dir = self.location = os.path.join(self.storage_path, self.name)
+        else:
+            self.storage_path = self.remote.display()
+            self.name = run_config.name or _fresh_name(self.storage_path, self.remote)
+            self.run_dir = self.remote.cache_dir(self.name)
+            self.location = self.remote.shown(self.remote.path(self.name))
+            self.mirror = RunMirror(self.remote, self.run_dir, self.remote.path(self.name))
         self.context = TrainRunContext(
             run_id=self.run_id,
             run_config=run_config,
@@ -92,17 +109,24 @@ class Run:
             dataset_config=dataset_config,
         )
         self.metrics_history: list[dict[str, Any]] = []
-        self.checkpoints = CheckpointManager(self.run_dir, run_config.checkpoint_config or CheckpointConfig())
+        checkpoint_config = run_config.checkpoint_config or CheckpointConfig()
+        self.checkpoints = (
+            CheckpointManager(self.run_dir, checkpoint_config)
+            if self.remote is None
+            else RemoteCheckpointManager(self.run_dir, checkpoint_config, self.remote, self.remote.path(self.name))
+        )
         self.start_checkpoint: Checkpoint | None = None  # resume_from_checkpoint
         self._metrics_file: Any = None
         failure_config = run_config.failure_config
         self._max_failures = failure_config.max_failures if failure_config else 0
-        self.plan = Plan(scaling_config, run_config._env_vars())  # a bad host list fails here
+        # Workers on other hosts get the storage's credentials and endpoint from the driver.
+        env_vars = {**(self.remote.credential_env() if self.remote else {}), **run_config._env_vars()}
+        self.plan = Plan(scaling_config, env_vars)  # a bad host list fails here
         self._failures_seen = 0
         self._lost_reports = 0  # reports the checkpoint index knows of but metrics.jsonl lost
         self._last_attempt = -1  # the highest attempt number in an earlier run's metrics
         self._spare: Launcher | None = None  # the next attempt's agent, started on a failure
-        self.progress = Progress(self.name, self.run_dir)
+        self.progress = Progress(self.name, self.location)
         self.progress.scored = bool(
             run_config.checkpoint_config and run_config.checkpoint_config.checkpoint_score_attribute
         )
@@ -119,6 +143,10 @@ class Run:
             "storage_path": self.storage_path,
             "run_dir": self.run_dir,
             "checkpoint": self.latest_checkpoint.path if self.latest_checkpoint else None,
+            # File system objects travel pickled: unpickling one starts an I/O thread, which the
+            # agent must not have when it forks workers; workers unpickle them.
+            "storage": cloudpickle.dumps((self.remote, self.latest_checkpoint._fs if self.latest_checkpoint else None)),
+            "run_path": self.remote.path(self.name) if self.remote else None,
             # Numbered on from the checkpoint index too: metrics.jsonl may have lost lines.
             "report_index": len(self.metrics_history) + self._lost_reports,
             "argv": list(sys.argv),
@@ -167,7 +195,7 @@ class Run:
             target = storage.safe_child(self.run_dir, name)
         except ValueError as exc:
             return str(exc)
-        if target.exists() and not self.checkpoints.is_committed(name):
+        if self.remote is None and target.exists() and not self.checkpoints.is_committed(name):
             return (
                 f"`checkpoint_dir_name` {name!r} names a folder of the run directory that is not a "
                 "checkpoint of this run; choose another name."
@@ -178,17 +206,23 @@ class Run:
         """Commit staged files as checkpoint ``name``, record it, and apply retention."""
         checkpoint = self.checkpoints.commit(staged, name, metrics, index)
         self.progress.committed(checkpoint.path)
+        if self.remote is not None:
+            self.mirror.push_metrics(force=True)
         return checkpoint
 
     def after_report(self, metrics: list[dict[str, Any]], checkpoint: Checkpoint | None) -> None:
         """Every rank made its report (and its checkpoint is committed)."""
         self.progress.reported(metrics[0], len(self.metrics_history) + self._lost_reports)
+        if self.remote is not None:
+            self.mirror.push_metrics()
         for callback in self.run_config.callbacks or []:
             callback.after_report(self.context, metrics, checkpoint)
 
     # ----------------------------------------------------------------- the fit loop
     def _load_previous(self) -> None:
         """Pick up an earlier run of the same name: its checkpoints and metrics. Loud on purpose."""
+        if self.remote is not None:
+            self.mirror.pull()
         self.checkpoints.recover()  # finishes or undoes a commit a crash interrupted
         lines = read_metric_lines(self.run_dir)
         self.metrics_history = [line["metrics"] for line in lines]
@@ -213,14 +247,14 @@ class Run:
                 self.name,
                 latest.path,
                 len(self.metrics_history),
-                self.run_dir,
+                self.location,
             )
         elif self.metrics_history or os.path.exists(os.path.join(self.run_dir, "run.json")):
             _logger.warning(
                 "ddptrain: run %r already exists in %s but has no committed checkpoint; "
                 "starting from scratch and appending to its metrics",
                 self.name,
-                self.run_dir,
+                self.location,
             )
 
     def _prepare_dir(self) -> None:
@@ -242,6 +276,8 @@ class Run:
         self._save_status("RUNNING")
         if self.trainer_bytes is not None:
             storage.write_atomic(os.path.join(self.run_dir, "trainer.pkl"), self.trainer_bytes, private=True)
+            if self.remote is not None:
+                self.mirror.push_file("trainer.pkl")
         self._metrics_file = open(os.path.join(self.run_dir, METRICS_FILE), "a+")  # noqa: SIM115
         if self._metrics_file.tell() > 0:  # end a line a crash may have cut short
             self._metrics_file.seek(self._metrics_file.tell() - 1)
@@ -255,6 +291,8 @@ class Run:
         if status in ("FINISHED", "ERRORED", "ABORTED"):
             self._run_json["ended"] = time.time()
         storage.write_json_atomic(os.path.join(self.run_dir, "run.json"), self._run_json, private=True)
+        if self.remote is not None:
+            self.mirror.push_file("run.json")
 
     def prepare_restart(self) -> None:
         """On a failure: if a restart will follow, start its agents now, during the teardown."""
@@ -291,7 +329,7 @@ class Run:
         try:
             self._prepare_dir()
             _logger.info(
-                "ddptrain: run %r in %s with %d workers", self.name, self.run_dir, self.scaling_config.num_workers
+                "ddptrain: run %r in %s with %d workers", self.name, self.location, self.scaling_config.num_workers
             )
             index = self.first_attempt()
             hosts = len(self.plan.placement.hosts) if self.plan.placement is not None else 1
@@ -310,7 +348,7 @@ class Run:
                     group.shutdown(0)
                     group = WorkerGroup(self.plan, self._spare) if self._spare is not None else None
                     self._spare = None
-                    storage.clean_leftovers(self.run_dir)
+                    self._clean_after_failure()
                     failures = sorted(failed.failures, key=lambda f: (f.timestamp, f.rank))
                     root_causes.append(failures[0])
                     self._failures_seen = len(root_causes)
@@ -357,15 +395,79 @@ class Run:
                     self._metrics_file.close()
                 except OSError:  # a full disk: the error that got us here says so
                     pass
+            if self.remote is not None:
+                self.mirror.push_final()
+        return self._result(return_values)
+
+    def _result(self, return_values: list[Any]) -> Result:
         return Result(
             metrics=self.metrics_history[-1] if self.metrics_history else None,
             checkpoint=self.latest_checkpoint,
-            path=self.run_dir,
+            path=self.location,
             metrics_history=list(self.metrics_history),
             best_checkpoints=self.checkpoints.best_checkpoints(),
             return_value=return_values[0] if return_values else None,
             return_values=return_values,
+            _storage_filesystem=self.remote.fs if self.remote else None,
         )
+
+    def fit_in_process(self, body: Callable[[int], list[Any]]) -> Result:
+        """Local mode: ``body(attempt)`` runs the training function in this process and returns
+        its return values; reports reach the run through ``ddptrain.local_run.LocalReports``.
+
+        Raises:
+            WorkerGroupError: What ``body`` raised when the function failed (no restarts).
+        """
+        try:
+            with storage.RunLock(self.run_dir, self.name):
+                self._load_previous()
+                try:
+                    self._prepare_dir()
+                    index = self.first_attempt()
+                    latest = self.latest_checkpoint.path if self.latest_checkpoint else None
+                    self.progress.started(workers=1, hosts=1, attempt=index, resume_from=latest)
+                    self._save_status("RUNNING", attempt=index, local_mode=True)
+                    try:
+                        return_values = body(index)
+                    except WorkerGroupError as error:
+                        headline = error.failures[0].headline() if error.failures else str(error)
+                        self.progress.finished(False, self._best(), error=headline)
+                        self._save_status("ERRORED", error=headline)
+                        raise
+                    except BaseException as exc:
+                        self._save_status("ABORTED", error=f"{type(exc).__name__}: {exc}")
+                        raise
+                    self.progress.finished(True, self._best())
+                    self._save_status("FINISHED")
+                finally:
+                    if self._metrics_file is not None:
+                        self._metrics_file.close()
+                    if self.remote is not None:
+                        self.mirror.push_final()
+        except OSError as exc:
+            full = disk_full_error(exc, exc.filename or self.run_dir)
+            if full is None:
+                raise
+            raise ControllerError(f"Training stopped: {full}") from full
+        return self._result(return_values)
+
+    def _clean_after_failure(self) -> None:
+        """Remove what the failed attempt left half-done, upload its logs. On remote storage a
+        failure here is logged: the store may be what failed, and the next attempt (or the
+        next resume) cleans up again."""
+        if self.remote is None:
+            self.checkpoints.clean_leftovers()
+            return
+        try:
+            self.checkpoints.clean_leftovers()
+            self.mirror.push_logs()
+        except Exception as exc:  # each fsspec backend raises its own errors
+            _logger.warning(
+                "ddptrain: could not clean up after the failed attempt in %s: %s: %s",
+                self.location,
+                type(exc).__name__,
+                exc,
+            )
 
     def _best(self) -> tuple[str, dict[str, Any]] | None:
         """The best checkpoint by the configured score (the latest without one), for the summary."""

@@ -146,12 +146,19 @@ def _make_session(spec: dict[str, Any], run: dict[str, Any]) -> context._Session
         storage=storage,
     )
     latest = run.get("checkpoint")
+    remote, checkpoint_fs = cloudpickle.loads(run["storage"]) if run.get("storage") else (None, None)
+    if latest and checkpoint_fs is not None:
+        checkpoint: Checkpoint | None = Checkpoint._at(latest, checkpoint_fs)
+    else:
+        checkpoint = Checkpoint(latest) if latest else None
     shards = open_shards(spec.get("datasets") or {})  # maps the driver's shared memory
     return context._Session(
         context=ctx,
         run_dir=run.get("run_dir"),
+        remote=remote,
+        run_path=run.get("run_path"),
         attempt=run.get("attempt", 0),
-        checkpoint=Checkpoint(latest) if latest else None,
+        checkpoint=checkpoint,
         dataset_shards=shards,
         devices=spec["devices"],
         report_index=run.get("report_index", 0),

@@ -52,7 +52,7 @@ def test_scaling_config_resources() -> None:
     [
         ({"name": ""}, "`name` must be a non-empty string"),
         ({"name": "a/b"}, "plain folder name"),
-        ({"storage_path": "s3://bucket/x"}, "Mount the bucket"),
+        ({"storage_filesystem": object()}, "needs a `storage_path`"),
         ({"storage_path": 3}, "`storage_path` must be a path"),
         ({"failure_config": {"max_failures": 1}}, "must be a ddptrain.FailureConfig"),
         ({"callbacks": [object()]}, "UserCallback"),
@@ -122,3 +122,19 @@ def test_config_changed_after_creation_is_checked_at_fit(storage: str) -> None:
     scaling.num_workers = -3
     with pytest.raises(ValueError, match="got -3"):
         trainer.fit()
+
+
+def test_remote_storage_paths_are_checked_before_anything_starts(tmp_path: Path) -> None:
+    from ddptrain.errors import ConfigError
+
+    assert train.RunConfig(storage_path=f"file://{tmp_path}")._remote() is None  # a local path
+    assert train.RunConfig(storage_path=f"file://{tmp_path}")._storage_root() == tmp_path
+    with pytest.raises(ConfigError, match="memory:// file system cannot hold a run"):
+        train.RunConfig(storage_path="memory://bucket/x")._remote()
+    with pytest.raises(ConfigError, match="fsspec knows no file system for nosuchscheme://"):
+        train.RunConfig(storage_path="nosuchscheme://bucket/x")._remote()
+    with pytest.raises(ConfigError, match="must be an fsspec or a pyarrow.fs file system"):
+        train.RunConfig(storage_path="bucket/x", storage_filesystem=object())._remote()
+    fsspec = pytest.importorskip("fsspec")
+    with pytest.raises(ConfigError, match="not a URI"):
+        train.RunConfig(storage_path="s3://bucket/x", storage_filesystem=fsspec.filesystem("memory"))._remote()

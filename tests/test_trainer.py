@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -143,26 +144,89 @@ def test_function_without_arguments_and_default_name(storage: str) -> None:
     assert os.path.basename(result.path).startswith("ddptrain_run-")
 
 
-def test_local_mode_runs_in_the_driver_process() -> None:
+def test_local_mode_runs_in_the_driver_process(storage: str) -> None:
     def loop(config: dict) -> int:
         train.report({"pid": os.getpid(), "lr": config["lr"]})
         ctx = train.get_context()
         assert (ctx.get_world_size(), ctx.get_world_rank()) == (1, 0)
         return 7
 
-    result = TorchTrainer(loop, train_loop_config={"lr": 0.1}, scaling_config=train.ScalingConfig(num_workers=0)).fit()
+    result = TorchTrainer(
+        loop,
+        train_loop_config={"lr": 0.1},
+        scaling_config=train.ScalingConfig(num_workers=0),
+        run_config=train.RunConfig(name="local", storage_path=storage),
+    ).fit()
     assert result.metrics == {"pid": os.getpid(), "lr": 0.1}
     assert result.return_value == 7
-    assert result.path is None
+    assert result.path == os.path.join(storage, "local")
 
 
-def test_local_mode_failure_is_a_training_failed_error() -> None:
+def _local_epochs(config: dict) -> None:
+    start = 0
+    if train.get_checkpoint() is not None:
+        with train.get_checkpoint().as_directory() as d:
+            start = int(Path(d, "epoch").read_text()) + 1
+    for epoch in range(start, config["epochs"]):
+        with tempfile.TemporaryDirectory() as d:
+            Path(d, "epoch").write_text(str(epoch))
+            train.report(
+                {"epoch": epoch, "score": [3, 9, 1, 7, 5][epoch]}, checkpoint=train.Checkpoint.from_directory(d)
+            )
+        assert train.get_checkpoint().path == os.path.join(config["run"], f"checkpoint_{epoch + 1:06d}")
+    assert len(train.get_all_reported_checkpoints()) <= 3
+
+
+def test_local_mode_persists_like_a_worker_group(storage: str) -> None:
+    """num_workers=0 goes through the run's storage: metrics.jsonl, committed checkpoints with
+    retention, run.json, Result.from_path, and resume by name."""
+    run_dir = os.path.join(storage, "localrun")
+
+    def fit(epochs: int) -> train.Result:
+        return train.DataParallelTrainer(
+            _local_epochs,
+            train_loop_config={"epochs": epochs, "run": run_dir},
+            scaling_config=train.ScalingConfig(num_workers=0),
+            run_config=train.RunConfig(
+                name="localrun",
+                storage_path=storage,
+                checkpoint_config=train.CheckpointConfig(num_to_keep=2, checkpoint_score_attribute="score"),
+            ),
+        ).fit()
+
+    result = fit(3)
+    assert [m["epoch"] for m in result.metrics_history] == [0, 1, 2]
+
+    def on_disk() -> list[str]:
+        return sorted(p for p in os.listdir(run_dir) if p.startswith("checkpoint_"))
+
+    # The two best by score (9: #2, 3: #1) and the latest (#3), as with workers.
+    assert on_disk() == ["checkpoint_000001", "checkpoint_000002", "checkpoint_000003"]
+    assert json.loads(Path(run_dir, "run.json").read_text())["status"] == "FINISHED"
+    assert len(Path(run_dir, "metrics.jsonl").read_text().splitlines()) == 3
+    assert train.Result.from_path(run_dir).metrics_history == result.metrics_history
+
+    more = fit(5)  # resumes from the latest checkpoint (epoch 2)
+    assert [m["epoch"] for m in more.metrics_history] == [0, 1, 2, 3, 4]
+    assert more.checkpoint.path == os.path.join(run_dir, "checkpoint_000005")
+    assert on_disk() == ["checkpoint_000002", "checkpoint_000004", "checkpoint_000005"]  # 9, 7, latest
+
+
+def test_local_mode_failure_is_a_training_failed_error(storage: str) -> None:
     def loop() -> None:
+        train.report({"step": 1})
         raise KeyError("missing")
 
     with pytest.raises(train.TrainingFailedError) as info:
-        train.DataParallelTrainer(loop, scaling_config=train.ScalingConfig(num_workers=0)).fit()
+        train.DataParallelTrainer(
+            loop,
+            scaling_config=train.ScalingConfig(num_workers=0),
+            run_config=train.RunConfig(name="failing", storage_path=storage),
+        ).fit()
     assert isinstance(info.value.__cause__, KeyError)
+    run_json = json.loads(Path(storage, "failing", "run.json").read_text())
+    assert run_json["status"] == "ERRORED" and "KeyError" in run_json["error"]
+    assert train.Result.from_path(os.path.join(storage, "failing")).metrics == {"step": 1}
 
 
 def test_metrics_dataframe_has_every_report(storage: str) -> None:

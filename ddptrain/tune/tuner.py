@@ -182,6 +182,12 @@ class Tuner:
         self._run_config = run_config
         plain, self._stop, self._verbose = _plain(run_config)
         self._plain_run_config = plain
+        if plain._remote() is not None:
+            raise ConfigError(
+                f"ddptrain.tune keeps sweeps on a local or shared file system; `storage_path` "
+                f"{plain.storage_path!r} is remote storage. Pass a local folder (the trainers inside a "
+                "sweep cannot use remote storage either, yet)."
+            )
         root = plain._storage_root()
         name = plain.name or datetime.datetime.now().strftime(f"{self._trainable.name}_%Y-%m-%d_%H-%M-%S")
         self._path = str(root / name)

@@ -1,0 +1,138 @@
+"""Committed checkpoints of a run on remote storage (driver side).
+
+Workers upload their checkpoint files themselves (see :func:`upload_checkpoint`): straight
+into the checkpoint's folder, ``<run>/<name>/``, unless a folder of that name already exists
+(a checkpoint replaced under its own name), then into ``<run>/.staging/...``, and the driver
+copies those files into place (server-side) when it commits. The commit point is the upload
+of ``checkpoints.json``: until then nothing lists the folder, and a resumed run deletes every
+folder the index does not list. So a crash, of a worker or of the driver or of the store,
+never leaves a checkpoint that looks committed but is not whole.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import posixpath
+from pathlib import Path
+from typing import Any
+
+from ddptrain import storage
+from ddptrain.checkpoint import Checkpoint
+from ddptrain.checkpoint_manager import INDEX_FILE, CheckpointManager, _Entry
+from ddptrain.config import CheckpointConfig
+from ddptrain.remote import RemoteRoot
+
+__all__ = ["RemoteCheckpointManager", "upload_checkpoint", "remote_checkpoint"]
+
+_logger = logging.getLogger(__name__)
+
+# What a run folder on remote storage holds besides checkpoints.
+_RUN_FILES = storage.RESERVED_NAMES | {".commit.json"}
+
+
+def remote_checkpoint(remote: RemoteRoot, path: str) -> Checkpoint:
+    """A checkpoint at ``path`` on ``remote`` (a path on its file system), shown as users
+    gave the storage (a URI, or a path with the file system in ``.filesystem``)."""
+    return Checkpoint._at(remote.shown(path), remote.fs)
+
+
+def upload_checkpoint(
+    remote: RemoteRoot, run_path: str, name: str, local: str, attempt: int, index: int, rank: int
+) -> str:
+    """Upload one rank's checkpoint files; returns the folder on ``remote`` they went to.
+
+    Raises:
+        FileNotFoundError: ``local`` is not a folder.
+    """
+    if not os.path.isdir(local):
+        raise FileNotFoundError(f"Checkpoint directory {local!r} does not exist.")
+    final = posixpath.join(run_path, name)
+    target = final
+    if remote.exists(final):  # replacing a checkpoint: never write into a committed folder
+        target = posixpath.join(run_path, storage.STAGING, f"a{attempt}_r{index}", f"rank_{rank}")
+        remote.remove_dir(target)
+    remote.upload_dir(local, target)
+    return target
+
+
+class RemoteCheckpointManager(CheckpointManager):
+    """:class:`CheckpointManager` for a run on remote storage.
+
+    The index is kept in ``run_dir`` (the driver's local working copy) and uploaded on every
+    change; checkpoint folders live only on the store.
+
+    Args:
+        run_dir: The driver's local working copy of the run's small files.
+        config: Retention settings.
+        remote: The storage root.
+        run_path: The run's folder on ``remote.fs``.
+    """
+
+    def __init__(self, run_dir: str, config: CheckpointConfig, remote: RemoteRoot, run_path: str) -> None:
+        super().__init__(run_dir, config)
+        self.remote = remote
+        self.run_path = run_path
+
+    def _checkpoint(self, entry: _Entry) -> Checkpoint:
+        return remote_checkpoint(self.remote, posixpath.join(self.run_path, entry.dir_name))
+
+    def _where(self, name: str) -> str:
+        return self.remote.shown(posixpath.join(self.run_path, name))
+
+    def _present(self, entries: list[_Entry]) -> list[_Entry]:
+        names = set(self.remote.list_names(self.run_path))
+        return [e for e in entries if e.dir_name in names]
+
+    def _delete(self, name: str) -> None:
+        self.remote.remove_dir(posixpath.join(self.run_path, name))
+
+    def _write(self) -> None:
+        super()._write()
+        self.remote.upload_file(os.path.join(self.run_dir, INDEX_FILE), posixpath.join(self.run_path, INDEX_FILE))
+
+    def commit(self, staged: list[str], name: str, metrics: dict[str, Any], report_index: int) -> Checkpoint:
+        """Commit checkpoint ``name`` from the folders the ranks uploaded to (``staged``,
+        earlier ranks win on a file clash): copy staged files into place, then upload the
+        index (the commit point) and apply retention."""
+        storage.check_dir_name(name)
+        final = posixpath.join(self.run_path, name)
+        moved = [folder for folder in staged if folder.rstrip("/") != final]
+        entry = _Entry(name, storage.to_jsonable(metrics), report_index)
+        if moved:
+            if self.is_committed(name):  # replaced under its own name: unlist it, then delete it
+                self._entries = [e for e in self._entries if e.dir_name != name]
+                if self._latest is not None and self._latest.dir_name == name:
+                    self._latest = self._entries[-1] if self._entries else None
+                self._write()
+                self.remote.remove_dir(final)
+            for folder in reversed(moved):  # the earliest rank's files are copied last: they win
+                self._copy_into(folder, final)
+        self._record(entry)
+        for folder in moved:
+            self.remote.remove_dir(folder)
+        return self._checkpoint(entry)
+
+    def _copy_into(self, folder: str, final: str) -> None:
+        fs = self.remote.fs
+        for path in fs.find(folder):
+            bare = self.remote.bare_path(path)
+            fs.copy(bare, posixpath.join(final, posixpath.relpath(bare, folder)))
+
+    def recover(self) -> None:
+        """Load the index (``Run`` downloaded it) and delete every folder of the run that it
+        does not list: checkpoints a crash left unlisted, staged files, and folders retention
+        had yet to delete."""
+        Path(self.run_dir, ".commit.json").unlink(missing_ok=True)  # local commits only
+        self.load()
+        self.clean_leftovers()
+
+    def clean_leftovers(self) -> None:
+        kept = {e.dir_name for e in self._entries} | _RUN_FILES
+        for name in self.remote.list_names(self.run_path):
+            if name in kept or name.startswith(".ddptrain_probe"):
+                continue
+            where = self.remote.shown(posixpath.join(self.run_path, name))
+            if name != storage.STAGING:
+                _logger.warning("ddptrain: deleting %s: a checkpoint upload that was never committed", where)
+            self.remote.remove_dir(posixpath.join(self.run_path, name))

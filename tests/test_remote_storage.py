@@ -1,0 +1,396 @@
+"""Runs on remote storage (``s3://``), against a real S3 server: moto's standalone server,
+started on a local port, behind a TCP proxy the tests can cut to take the store away."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import ddptrain as train
+from ddptrain.errors import ConfigError, WorkerGroupError
+from ddptrain.torch import TorchTrainer
+
+pytestmark = pytest.mark.slow
+s3fs = pytest.importorskip("s3fs")
+pytest.importorskip("moto")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Proxy:
+    """A TCP forwarder to the S3 server that can be cut (the store goes away) and restored."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = _free_port()
+        self._conns: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._listener: socket.socket | None = None
+        self.restore()
+
+    def restore(self) -> None:
+        if self._listener is not None and self._listener.fileno() != -1:
+            return  # not cut
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(64)
+        self._listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._conns += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(a: socket.socket, b: socket.socket) -> None:
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def cut(self) -> None:
+        assert self._listener is not None
+        self._listener.close()
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for s in conns:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+
+class S3:
+    def __init__(self, proxy: Proxy, server_port: int) -> None:
+        self.proxy = proxy
+        self.endpoint = f"http://127.0.0.1:{proxy.port}"
+        # A client that talks to the server directly: it still sees the store while the proxy is cut.
+        self.direct = s3fs.S3FileSystem(
+            key="testing", secret="testing", client_kwargs={"endpoint_url": f"http://127.0.0.1:{server_port}"}
+        )
+
+    def bucket(self) -> str:
+        name = f"b{uuid.uuid4().hex[:12]}"
+        self.direct.mkdir(name)
+        return name
+
+    def listing(self, prefix: str) -> list[str]:
+        self.direct.invalidate_cache()
+        return sorted(p[len(prefix) + 1 :] for p in self.direct.find(prefix))
+
+    def index(self, run: str) -> dict[str, Any]:
+        self.direct.invalidate_cache()
+        return json.loads(self.direct.cat_file(f"{run}/checkpoints.json"))
+
+
+@pytest.fixture(scope="module")
+def _s3_server() -> Iterator[tuple[Proxy, int]]:
+    port = _free_port()
+    # Untagged: it outlives single tests on purpose (the leak check looks for the tag).
+    env = {k: v for k, v in os.environ.items() if k != "DDPTRAIN_TEST_TAG"}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), 0.2).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise RuntimeError("moto's S3 server did not start") from None
+                time.sleep(0.1)
+        proxy = Proxy(port)
+        yield proxy, port
+        proxy.cut()
+    finally:
+        server.kill()
+        server.wait()
+
+
+@pytest.fixture
+def s3(_s3_server: tuple[Proxy, int], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[S3]:
+    proxy, port = _s3_server
+    env = S3(proxy, port)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", env.endpoint)
+    monkeypatch.setenv("DDPTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    s3fs.S3FileSystem.clear_instance_cache()
+    yield env
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+def _loop(config: dict[str, Any]) -> None:
+    """Reports `epochs` epochs with a checkpoint each; resumes from get_checkpoint(); rank 1
+    kills itself once at `crash_at` (a marker file says it did)."""
+    rank = train.get_context().get_world_rank()
+    start = 0
+    checkpoint = train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as d:
+            start = int(Path(d, "epoch").read_text()) + 1
+    for epoch in range(start, config["epochs"]):
+        marker = config.get("marker")
+        if rank == 1 and epoch == config.get("crash_at") and marker and not os.path.exists(marker):
+            Path(marker).touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+        with tempfile.TemporaryDirectory() as d:
+            if rank == 0:
+                Path(d, "epoch").write_text(str(epoch))
+            Path(d, f"shard_{rank}.bin").write_bytes(os.urandom(1000))
+            score = [0.5, 0.9, 0.1, 0.7, 0.3, 0.8][epoch % 6]
+            train.report(
+                {"epoch": epoch, "score": score, "resumed_from": start},
+                checkpoint=train.Checkpoint.from_directory(d),
+                checkpoint_dir_name=config.get("dir_name"),
+            )
+            time.sleep(config.get("sleep", 0))
+
+
+def _trainer(storage_path: str, name: str, **config: Any) -> TorchTrainer:
+    failure = train.FailureConfig(max_failures=config.pop("max_failures", 0))
+    callbacks = config.pop("callbacks", None)
+    return TorchTrainer(
+        _loop,
+        train_loop_config={"epochs": 4, **config},
+        scaling_config=train.ScalingConfig(num_workers=2),
+        run_config=train.RunConfig(
+            name=name,
+            storage_path=storage_path,
+            failure_config=failure,
+            checkpoint_config=train.CheckpointConfig(num_to_keep=2, checkpoint_score_attribute="score"),
+            callbacks=callbacks,
+        ),
+    )
+
+
+def _complete(s3: S3, checkpoint_path: str) -> bool:
+    files = set(s3.listing(checkpoint_path))
+    return {"epoch", "shard_0.bin", "shard_1.bin"} <= files
+
+
+def test_fit_retention_resume_by_name_and_result_from_path(s3: S3) -> None:
+    bucket = s3.bucket()
+    result = _trainer(f"s3://{bucket}/exp", "run").fit()
+    run = f"{bucket}/exp/run"
+    assert result.path == f"s3://{run}"
+    assert result.checkpoint is not None and result.checkpoint.path == f"s3://{run}/checkpoint_000004"
+    assert [m["epoch"] for m in result.metrics_history] == [0, 1, 2, 3]
+    # Retention deleted remotely: the 2 best by score (epochs 1 and 3) plus the latest (epoch 3).
+    listing = s3.listing(run)
+    assert sorted({p.split("/")[0] for p in listing if p.startswith("checkpoint_")}) == [
+        "checkpoint_000002",
+        "checkpoint_000004",
+    ]
+    assert {"run.json", "metrics.jsonl", "checkpoints.json", "logs/attempt_0/rank_0.log"} <= set(listing)
+    assert all(_complete(s3, f"{run}/{c}") for c in ("checkpoint_000002", "checkpoint_000004"))
+    with result.checkpoint.as_directory() as d:
+        assert Path(d, "epoch").read_text() == "3"
+    assert json.loads(s3.direct.cat_file(f"{run}/run.json"))["status"] == "FINISHED"
+
+    again = train.Result.from_path(f"s3://{run}")
+    assert again.metrics_history == result.metrics_history
+    assert again.checkpoint == result.checkpoint
+    assert [c.path for c, _ in again.best_checkpoints] == [c.path for c, _ in result.best_checkpoints]
+    assert again.get_best_checkpoint("score", "max").path.endswith("checkpoint_000002")
+    local = again.checkpoint.to_directory()
+    assert sorted(os.listdir(local)) == ["epoch", "shard_0.bin", "shard_1.bin"]
+
+    # Resume by name, from another machine's point of view: the local working copy is gone.
+    import shutil
+
+    shutil.rmtree(os.environ["DDPTRAIN_CACHE_DIR"])
+    more = _trainer(f"s3://{bucket}/exp", "run", epochs=6).fit()
+    assert [m["epoch"] for m in more.metrics_history] == [0, 1, 2, 3, 4, 5]
+    assert more.metrics["resumed_from"] == 4
+    assert more.checkpoint.path == f"s3://{run}/checkpoint_000006"
+
+
+def test_a_killed_worker_restarts_from_the_remote_checkpoint(s3: S3, tmp_path: Path) -> None:
+    bucket = s3.bucket()
+    result = _trainer(f"s3://{bucket}/exp", "crash", crash_at=2, marker=str(tmp_path / "crashed"), max_failures=1).fit()
+    assert (tmp_path / "crashed").exists()
+    # Rank 0's report of epoch 2 in attempt 0 is kept too (its round was cut short).
+    assert [m["epoch"] for m in result.metrics_history] == [0, 1, 2, 2, 3]
+    assert result.metrics["resumed_from"] == 2
+    run = f"{bucket}/exp/crash"
+    tops = {p.split("/")[0] for p in s3.listing(run)}
+    # Kept: the best two by score, reports #2 (epoch 1) and #5 (epoch 3, also the latest);
+    # report #3, uploaded by rank 0 alone before the kill, was never committed and is gone.
+    run_files = {"checkpoints.json", "logs", "metrics.jsonl", "run.json", "trainer.pkl"}
+    assert tops == {"checkpoint_000002", "checkpoint_000005"} | run_files
+    assert {"logs/attempt_0/rank_1.log", "logs/attempt_1/rank_1.log"} <= set(s3.listing(run))
+
+
+def test_a_checkpoint_replaced_under_its_own_name(s3: S3) -> None:
+    bucket = s3.bucket()
+    result = _trainer(f"s3://{bucket}/exp", "same", dir_name="model", epochs=3).fit()
+    assert result.checkpoint.path == f"s3://{bucket}/exp/same/model"
+    with result.checkpoint.as_directory() as d:
+        assert Path(d, "epoch").read_text() == "2"
+    assert set(s3.listing(f"{bucket}/exp/same/model")) == {"epoch", "shard_0.bin", "shard_1.bin"}
+    assert ".staging" not in {p.split("/")[0] for p in s3.listing(f"{bucket}/exp/same")}
+
+
+def test_a_missing_bucket_fails_before_any_worker_starts(s3: S3) -> None:
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=r"s3://no-such-bucket-here/exp cannot hold the run.*bucket exists"):
+        _trainer("s3://no-such-bucket-here/exp", "x").fit()
+    assert time.monotonic() - started < 30
+
+
+class _CutAfter(train.UserCallback):
+    def __init__(self, proxy: Proxy, reports: int) -> None:
+        self.proxy, self.reports, self.seen = proxy, reports, 0
+
+    def after_report(self, run_context: Any, metrics: Any, checkpoint: Any) -> None:
+        self.seen += 1
+        if self.seen == self.reports:
+            self.proxy.cut()
+
+
+def test_the_store_going_away_mid_run(s3: S3, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # botocore's retries only make the test slower
+    bucket = s3.bucket()
+    cut = _CutAfter(s3.proxy, 2)
+    try:
+        with pytest.raises(WorkerGroupError, match=r"Uploading checkpoint 'checkpoint_000003' of report #3 to s3://"):
+            _trainer(f"s3://{bucket}/exp", "outage", epochs=6, callbacks=[cut]).fit()
+    finally:
+        s3.proxy.restore()
+    run = f"{bucket}/exp/outage"
+    index = s3.index(run)
+    assert [c["dir_name"] for c in index["checkpoints"]] == ["checkpoint_000001", "checkpoint_000002"]
+    assert all(_complete(s3, f"{run}/{c['dir_name']}") for c in index["checkpoints"])
+    # Resuming finishes the run from the last committed checkpoint, and deletes what the
+    # outage left half-uploaded.
+    s3fs.S3FileSystem.clear_instance_cache()
+    result = _trainer(f"s3://{bucket}/exp", "outage", epochs=4).fit()
+    assert result.metrics["resumed_from"] == 2
+    names = [c["dir_name"] for c in s3.index(run)["checkpoints"]]
+    on_store = sorted({p.split("/")[0] for p in s3.listing(run) if p.startswith("checkpoint_")})
+    assert on_store == sorted(names)
+
+
+def test_storage_filesystem_and_pyarrow(s3: S3) -> None:
+    import pyarrow.fs as pafs
+
+    bucket = s3.bucket()
+    fs = s3fs.S3FileSystem()
+    trainer = TorchTrainer(
+        _loop,
+        train_loop_config={"epochs": 2},
+        scaling_config=train.ScalingConfig(num_workers=2),
+        run_config=train.RunConfig(name="fsrun", storage_path=f"{bucket}/exp", storage_filesystem=fs),
+    )
+    result = trainer.fit()
+    # Ray's rule: with storage_filesystem, paths are paths on it, and the file system comes with them.
+    assert result.path == f"{bucket}/exp/fsrun"
+    assert result.checkpoint.path == f"{bucket}/exp/fsrun/checkpoint_000002"
+    assert isinstance(result.checkpoint.filesystem, pafs.FileSystem)
+    assert isinstance(result.filesystem, pafs.FileSystem)
+    info = result.checkpoint.filesystem.get_file_info(f"{result.checkpoint.path}/epoch")
+    assert info.type == pafs.FileType.File
+    again = train.Result.from_path(result.path, storage_filesystem=fs)
+    assert again.checkpoint == result.checkpoint
+
+    # A pyarrow file system works too.
+    arrow = pafs.S3FileSystem(
+        access_key="testing", secret_key="testing", endpoint_override=s3.endpoint, scheme="http", region="us-east-1"
+    )
+    from_arrow = train.Result.from_path(f"{bucket}/exp/fsrun", storage_filesystem=arrow)
+    assert from_arrow.metrics_history == result.metrics_history
+    with from_arrow.checkpoint.as_directory() as d:
+        assert Path(d, "epoch").read_text() == "1"
+
+
+def test_remote_checkpoint_objects(s3: S3, tmp_path: Path) -> None:
+    bucket = s3.bucket()
+    s3.direct.pipe_file(f"{bucket}/ck/a.txt", b"A")
+    s3.direct.pipe_file(f"{bucket}/ck/sub/b.txt", b"B")
+    checkpoint = train.Checkpoint(f"s3://{bucket}/ck")
+    checkpoint.set_metadata({"step": 3})
+    assert checkpoint.get_metadata() == {"step": 3}
+    target = checkpoint.to_directory(str(tmp_path / "copy"))
+    assert Path(target, "a.txt").read_bytes() == b"A" and Path(target, "sub", "b.txt").read_bytes() == b"B"
+    with checkpoint.as_directory() as d:
+        kept = d
+        assert Path(d, "sub", "b.txt").read_bytes() == b"B"
+    assert not os.path.exists(kept)  # the download is deleted afterwards
+    with pytest.raises(ConfigError, match="memory:// file system cannot hold a run"):
+        train.RunConfig(storage_path="memory://x/y")._check_storage()
+
+
+def test_a_missing_extra_is_named() -> None:
+    code = textwrap.dedent(
+        """
+        import sys
+        sys.modules["s3fs"] = None
+        import ddptrain as train
+        try:
+            train.RunConfig(name="x", storage_path="s3://bucket/prefix")._check_storage()
+        except train.errors.ConfigError as exc:
+            print(exc)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "pip install ddptrain[s3]" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.ssh
+def test_workers_on_ssh_hosts_upload_with_the_drivers_credentials(s3: S3, ssh) -> None:
+    bucket = s3.bucket()
+    trainer = TorchTrainer(
+        _loop,
+        train_loop_config={"epochs": 2},
+        scaling_config=train.ScalingConfig(num_workers=2, hosts=["h0 slots=1", "h1 slots=1"]),
+        run_config=train.RunConfig(name="ssh", storage_path=f"s3://{bucket}/exp"),
+    )
+    result = trainer.fit()
+    assert result.checkpoint.path == f"s3://{bucket}/exp/ssh/checkpoint_000002"
+    assert _complete(s3, f"{bucket}/exp/ssh/checkpoint_000002")
