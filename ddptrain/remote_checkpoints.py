@@ -5,15 +5,20 @@ into the checkpoint's folder, ``<run>/<name>/``, unless a folder of that name al
 (a checkpoint replaced under its own name), then into ``<run>/.staging/...``, and the driver
 copies those files into place (server-side) when it commits. The commit point is the upload
 of ``checkpoints.json``: until then nothing lists the folder, and a resumed run deletes every
-folder the index does not list. So a crash, of a worker or of the driver or of the store,
+folder the index does not list. A committed checkpoint replaced under its own name is first
+copied to a hidden backup folder (recorded in ``.commit.json``); a resumed run puts it back if
+its successor was never listed. So a crash, of a worker or of the driver or of the store,
 never leaves a checkpoint that looks committed but is not whole.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import posixpath
+import uuid
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +32,9 @@ __all__ = ["RemoteCheckpointManager", "upload_checkpoint", "remote_checkpoint"]
 
 _logger = logging.getLogger(__name__)
 
+_INTENT = ".commit.json"  # a replacement in progress (see RemoteCheckpointManager._put_aside)
 # What a run folder on remote storage holds besides checkpoints.
-_RUN_FILES = storage.RESERVED_NAMES | {".commit.json"}
+_RUN_FILES = storage.RESERVED_NAMES | {_INTENT}
 
 
 def remote_checkpoint(remote: RemoteRoot, path: str) -> Checkpoint:
@@ -99,19 +105,38 @@ class RemoteCheckpointManager(CheckpointManager):
         final = posixpath.join(self.run_path, name)
         moved = [folder for folder in staged if folder.rstrip("/") != final]
         entry = _Entry(name, storage.to_jsonable(metrics), report_index)
+        backup = None
         if moved:
-            if self.is_committed(name):  # replaced under its own name: unlist it, then delete it
-                self._entries = [e for e in self._entries if e.dir_name != name]
-                if self._latest is not None and self._latest.dir_name == name:
-                    self._latest = self._entries[-1] if self._entries else None
-                self._write()
-                self.remote.remove_dir(final)
+            replaced = next((e for e in self._entries if e.dir_name == name), None)
+            if replaced is not None:  # replaced under its own name: keep a copy until the new one is listed
+                backup = self._put_aside(replaced)
             for folder in reversed(moved):  # the earliest rank's files are copied last: they win
                 self._copy_into(folder, final)
         self._record(entry)
+        if backup is not None:
+            self.remote.remove_dir(backup)
+            self.remote.fs.rm_file(posixpath.join(self.run_path, _INTENT))
         for folder in moved:
             self.remote.remove_dir(folder)
         return self._checkpoint(entry)
+
+    def _put_aside(self, replaced: _Entry) -> str:
+        """Before a committed checkpoint is overwritten: copy it to a hidden backup folder,
+        record that in ``.commit.json``, then unlist and delete it. :meth:`recover` puts it
+        back if the driver dies before its successor is listed."""
+        name = replaced.dir_name
+        final = posixpath.join(self.run_path, name)
+        backup = posixpath.join(self.run_path, f".{name}.{uuid.uuid4().hex}.old")
+        self._copy_into(final, backup)
+        was_latest = self._latest is not None and self._latest.dir_name == name
+        intent = {"entry": asdict(replaced), "backup": posixpath.basename(backup), "was_latest": was_latest}
+        self.remote.write_bytes(posixpath.join(self.run_path, _INTENT), json.dumps(intent).encode())
+        self._entries = [e for e in self._entries if e.dir_name != name]
+        if was_latest:
+            self._latest = self._entries[-1] if self._entries else None
+        self._write()
+        self.remote.remove_dir(final)
+        return backup
 
     def _copy_into(self, folder: str, final: str) -> None:
         fs = self.remote.fs
@@ -120,12 +145,47 @@ class RemoteCheckpointManager(CheckpointManager):
             fs.copy(bare, posixpath.join(final, posixpath.relpath(bare, folder)))
 
     def recover(self) -> None:
-        """Load the index (``Run`` downloaded it) and delete every folder of the run that it
-        does not list: checkpoints a crash left unlisted, staged files, and folders retention
-        had yet to delete."""
-        Path(self.run_dir, ".commit.json").unlink(missing_ok=True)  # local commits only
+        """Load the index (``Run`` downloaded it), put back a checkpoint whose replacement a
+        crash interrupted, and delete every folder of the run that the index does not list:
+        checkpoints a crash left unlisted, staged files, and folders retention had yet to
+        delete."""
+        Path(self.run_dir, _INTENT).unlink(missing_ok=True)  # local commits only
         self.load()
+        raw = self.remote.read_bytes(posixpath.join(self.run_path, _INTENT))
+        if raw is not None:
+            self._finish_replacement(raw)
         self.clean_leftovers()
+
+    def _finish_replacement(self, raw: bytes) -> None:
+        try:
+            intent = json.loads(raw)
+            old = _Entry(
+                str(intent["entry"]["dir_name"]), dict(intent["entry"]["metrics"]), int(intent["entry"]["report_index"])
+            )
+            backup = str(intent["backup"])
+            storage.check_dir_name(old.dir_name)
+            if "/" in backup or not backup.endswith(".old"):
+                raise ValueError(f"not a backup folder: {backup!r}")
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            _logger.warning("ddptrain: ignoring the unreadable replacement record of %s: %r", self.run_path, exc)
+            self.remote.fs.rm_file(posixpath.join(self.run_path, _INTENT))
+            return
+        backup_path = posixpath.join(self.run_path, backup)
+        if not self.is_committed(old.dir_name) and self.remote.exists(backup_path):
+            final = posixpath.join(self.run_path, old.dir_name)
+            self.remote.remove_dir(final)
+            self._copy_into(backup_path, final)
+            self._entries.append(old)
+            if intent.get("was_latest") or self._latest is None:
+                self._latest = old
+            self._write()
+            _logger.warning(
+                "ddptrain: restored checkpoint %r of report #%d: the driver died while replacing it",
+                old.dir_name,
+                old.report_index,
+            )
+        self.remote.remove_dir(backup_path)
+        self.remote.fs.rm_file(posixpath.join(self.run_path, _INTENT))
 
     def clean_leftovers(self) -> None:
         kept = {e.dir_name for e in self._entries} | _RUN_FILES
