@@ -367,8 +367,11 @@ def test_to_torch_and_stats() -> None:
     assert len(list(loader)) == 2
     report = it.stats()
     assert "6 rows" in report and "passes started: 4" in report and "time waiting for batches" in report
-    with pytest.raises(NotImplementedError):
-        it.to_tf("a", "label")
+    import importlib.util
+
+    if importlib.util.find_spec("tensorflow") is None:  # to_tf itself is tested in test_tensorflow.py
+        with pytest.raises(ImportError, match=r"ddptrain\[tensorflow\]"):
+            it.to_tf("a", "label")
 
 
 # --- shards for workers -------------------------------------------------------------------
