@@ -11,25 +11,20 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import IO, Any, Protocol
 
-from ddptrain._agent import AGENT_RANK, FRAME, agent_command, import_roots, read_frame
+from ddptrain._agent import AGENT_RANK, agent_command, import_roots
 from ddptrain._logs import LogSink
-from ddptrain.errors import LaunchError
+from ddptrain.agent_session import AgentEvent, AgentSession
 
 __all__ = ["Launcher", "LocalLauncher", "AgentEvent"]
 
 _logger = logging.getLogger(__name__)
-
-# (kind, rank, payload): b"S" started, b"X" exited, b"F" agent failure, b"D" agent gone.
-AgentEvent = tuple[bytes, int, bytes]
 
 
 class Launcher(Protocol):
@@ -48,15 +43,17 @@ class Launcher(Protocol):
         """Send the agents a one-byte request: ``b"Q"`` (worker states), ``b"T"`` (and stacks)."""
 
 
-class LocalLauncher:
-    """Runs the workers of this machine under one agent process.
+class LocalConnection:
+    """The pipe to an agent process on this machine, in its own session.
 
     Args:
         env: Environment of the agent and its workers.
     """
 
+    where = "on this machine"
+
     def __init__(self, env: dict[str, str]) -> None:
-        self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
+        self._proc = subprocess.Popen(
             agent_command(sys.executable, import_roots()),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -64,72 +61,31 @@ class LocalLauncher:
             env=env,
             start_new_session=True,
         )
-        self._threads: list[threading.Thread] = []
-        # Read the agent's stderr from the start: a full pipe would stall it.
-        self._spawn_thread(self._read_stderr, self._proc)
+        assert self._proc.stdout is not None and self._proc.stderr is not None
+        self.stdout: IO[bytes] = self._proc.stdout
+        self.stderr: IO[bytes] = self._proc.stderr
 
-    def _spawn_thread(self, target: Callable[..., None], *args: Any) -> None:
-        thread = threading.Thread(target=target, args=args, name=f"ddptrain-{target.__name__}", daemon=True)
-        thread.start()
-        self._threads.append(thread)
+    def write(self, data: bytes) -> None:
+        stdin = self._proc.stdin
+        if stdin is None or self._proc.poll() is not None:
+            raise BrokenPipeError("the agent has exited")
+        try:
+            stdin.write(data)
+            stdin.flush()
+        except ValueError:  # closed at shutdown
+            raise BrokenPipeError("the agent's stdin is closed") from None
 
-    @staticmethod
-    def _read_stderr(proc: subprocess.Popen[bytes]) -> None:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            text = line.decode("utf-8", errors="replace").rstrip()
-            if text:
-                sys.stderr.write(f"[ddptrain agent] {text}\n")
+    def wait_ready(self) -> None:
+        pass  # frames from the first byte
 
-    def bind_address(self) -> str:
-        return "127.0.0.1"  # a local run's store is never reachable from elsewhere
+    def exit_code(self) -> int | None:
+        try:
+            return self._proc.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            return None
 
-    def ask(self, command: bytes) -> None:
+    def close(self, grace_s: float) -> None:
         proc = self._proc
-        try:
-            if proc is not None and proc.stdin is not None and proc.poll() is None:
-                proc.stdin.write(command)
-                proc.stdin.flush()
-        except (OSError, ValueError):
-            pass  # the agent is gone; its exit is reported elsewhere
-
-    def start(self, bootstrap: dict[str, Any], sink: LogSink, on_event: Callable[[AgentEvent], None]) -> None:
-        proc = self._proc
-        if proc is None or proc.stdin is None:
-            raise LaunchError("The launcher was already shut down.")
-        payload = pickle.dumps(bootstrap)
-        try:
-            proc.stdin.write(FRAME.pack(b"B", AGENT_RANK, len(payload)) + payload)
-            proc.stdin.flush()
-        except BrokenPipeError:
-            raise LaunchError(f"The ddptrain agent exited before it got its work (exit code {proc.poll()}).") from None
-
-        def read_frames() -> None:
-            assert proc.stdout is not None
-            while (frame := read_frame(proc.stdout)) is not None:
-                kind, rank, data = frame
-                if kind in (b"O", b"E"):
-                    sink.write(rank, kind, data)
-                else:
-                    on_event((kind, rank, data))
-            try:
-                code = proc.wait(timeout=2.0)
-            except subprocess.TimeoutExpired:
-                code = None
-            on_event((b"D", AGENT_RANK, repr(code).encode()))
-
-        self._spawn_thread(read_frames)
-
-    def shutdown(self, grace_s: float) -> None:
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        try:
-            if proc.poll() is None and proc.stdin is not None:
-                proc.stdin.write(b"K")
-                proc.stdin.flush()
-        except OSError:
-            pass
         try:
             proc.wait(timeout=grace_s + 1.0)
         except subprocess.TimeoutExpired:
@@ -140,15 +96,35 @@ class LocalLauncher:
         except (ProcessLookupError, PermissionError):
             pass
         proc.wait()
-        deadline = time.monotonic() + 2.0
-        for thread in self._threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
         for pipe in (proc.stdin, proc.stdout, proc.stderr):
             if pipe is not None:
                 try:
                     pipe.close()
                 except OSError:
                     pass
+
+
+class LocalLauncher:
+    """Runs the workers of this machine under one agent process.
+
+    Args:
+        env: Environment of the agent and its workers.
+    """
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self._session = AgentSession(LocalConnection(env), heartbeat_s=None, label="ddptrain agent")
+
+    def bind_address(self) -> str:
+        return "127.0.0.1"  # a local run's store is never reachable from elsewhere
+
+    def ask(self, command: bytes) -> None:
+        self._session.ask(command)
+
+    def start(self, bootstrap: dict[str, Any], sink: LogSink, on_event: Callable[[AgentEvent], None]) -> None:
+        self._session.start(bootstrap, sink, on_event)
+
+    def shutdown(self, grace_s: float) -> None:
+        self._session.shutdown(grace_s)
 
 
 def _is_loopback(address: str) -> bool:

@@ -14,19 +14,18 @@ from __future__ import annotations
 import json
 import logging
 import os
-import pickle
 import shlex
 import socket
 import stat
-import sys
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import IO, Any
 
 from ddptrain import _env
-from ddptrain._agent import AGENT_RANK, FRAME, agent_command, read_frame
+from ddptrain._agent import agent_command
 from ddptrain._host_scripts import PID_LINE, PRESTART, STAGING_PREFIX, STORAGE_PREP, env_frame, one_line
 from ddptrain._logs import LogSink
+from ddptrain.agent_session import AgentEvent, AgentSession
 from ddptrain.errors import ConfigError, LaunchError
 from ddptrain.hosts import HostSpec, is_local
 
@@ -187,6 +186,70 @@ def _child_path(folder: str, name: str) -> str | None:
     return os.path.join(folder, name)
 
 
+class SSHConnection:
+    """The pipe to an agent started over an SSH channel (no pty): its stdin, stdout and stderr
+    are the channel's. The agent first prints its pid on a line of its own.
+
+    Args:
+        client: A connected paramiko client.
+        host: The host (for messages).
+        command: The remote command that starts the agent.
+        env: Environment variables of the agent and its workers (sent over stdin).
+    """
+
+    def __init__(self, client: Any, host: HostSpec, command: str, env: dict[str, str]) -> None:
+        self.where = f"on host {host.name!r}"
+        self.agent_pid: int | None = None  # on the host; known once `pid_known` is set
+        self.pid_known = threading.Event()
+        frame = env_frame(env)
+        transport = client.get_transport()
+        # The address this machine uses to reach the host: the host can reach us back on it.
+        self.local_address: str = transport.sock.getsockname()[0]
+        self._channel = transport.open_session()
+        self._channel.exec_command(command)
+        self.stdout: IO[bytes] = self._channel.makefile("rb")
+        self.stderr: IO[bytes] = self._channel.makefile_stderr("rb")
+        try:
+            self._channel.sendall(frame)
+        except OSError:
+            pass  # it ended already; `start` reports how
+        threading.Thread(target=self._read_pid, name=f"ddptrain-ssh-{host.name}", daemon=True).start()
+
+    def _read_pid(self) -> None:
+        """The first line of the agent's stdout: its pid (nothing if it never started)."""
+        try:
+            line = self.stdout.readline()
+            if line.startswith(PID_LINE):
+                self.agent_pid = int(line[len(PID_LINE) :])
+        except (OSError, ValueError):
+            pass
+        finally:
+            self.pid_known.set()
+
+    def write(self, data: bytes) -> None:
+        self._channel.sendall(data)
+
+    def wait_ready(self) -> None:
+        self.pid_known.wait()  # the pid line comes first
+
+    def exit_code(self) -> int | None:
+        # The exit status may follow the end of the output by a moment.
+        if not self._channel.status_event.wait(2.0):
+            return None
+        code = int(self._channel.recv_exit_status())
+        return None if code == -1 else code  # -1: the connection ended without an exit status
+
+    def close(self, grace_s: float) -> None:
+        try:
+            self._channel.shutdown_write()
+        except OSError:
+            pass
+        deadline_s = grace_s + 2.0
+        if not self._channel.status_event.wait(deadline_s):
+            _logger.warning("ddptrain: the agent %s did not stop in %.0f s", self.where, deadline_s)
+        self._channel.close()
+
+
 class SSHLauncher:
     """Runs one host's workers under an agent started over SSH.
 
@@ -201,92 +264,25 @@ class SSHLauncher:
         self.host = host
         self.workdir = workdir
         self._client: Any = connect(host, _env.ssh_connect_timeout_s())
-        self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
-        self._stderr_tail: list[str] = []
         self._sftp_client: Any = None
         self.cache_dir: str | None = None
         self.python = python
-        self.agent_pid: int | None = None  # on the host; known once `_pid_known` is set
-        self._pid_known = threading.Event()
         try:
-            frame = env_frame(env)
-            transport = self._client.get_transport()
-            # The address this machine uses to reach the host: the host can reach us back on it.
-            self.local_address: str = transport.sock.getsockname()[0]
-            self._channel = transport.open_session()
-            self._channel.exec_command(remote_command(python, workdir))
-            self._stdout = self._channel.makefile("rb")
+            self._connection = SSHConnection(self._client, host, remote_command(python, workdir), env)
         except Exception as exc:
             self._client.close()
             raise LaunchError(f"host {host.name!r}: cannot start the ddptrain agent: {exc}.") from None
-        try:
-            self._channel.sendall(frame)
-        except OSError:
-            pass  # it ended already; `start` reports how
-        self._spawn(self._read_stderr)
-        self._spawn(self._read_pid)
-
-    def _spawn(self, target: Callable[[], None]) -> None:
-        thread = threading.Thread(target=target, name=f"ddptrain-ssh-{self.host.name}", daemon=True)
-        thread.start()
-        self._threads.append(thread)
-
-    def _read_pid(self) -> None:
-        """The first line of the agent's stdout: its pid (nothing if it never started)."""
-        try:
-            line = self._stdout.readline()
-            if line.startswith(PID_LINE):
-                self.agent_pid = int(line[len(PID_LINE) :])
-        except (OSError, ValueError):
-            pass
-        finally:
-            self._pid_known.set()
-
-    def _read_stderr(self) -> None:
-        stream = self._channel.makefile_stderr("rb")
-        for line in stream:
-            text = line.decode("utf-8", errors="replace").rstrip()
-            if text:
-                self._stderr_tail = (self._stderr_tail + [text])[-20:]
-                sys.stderr.write(f"[ddptrain agent {self.host.name}] {text}\n")
-
-    def start(
-        self, bootstrap: dict[str, Any], sink: LogSink, on_event: Callable[[tuple[bytes, int, bytes]], None]
-    ) -> None:
+        self.local_address = self._connection.local_address
         # Over SSH the agent also stops when the heartbeat stops (a host or network that vanished).
-        payload = pickle.dumps({**bootstrap, "cwd": self.workdir, "heartbeat_s": _env.ssh_heartbeat_timeout_s()})
-        try:
-            self._channel.sendall(FRAME.pack(b"B", AGENT_RANK, len(payload)) + payload)
-        except OSError:
-            raise LaunchError(f"on host {self.host.name!r} the agent did not start ({self._exit_detail()})") from None
+        self._session = AgentSession(self._connection, _HEARTBEAT_S, f"ddptrain agent {host.name}")
 
-        def read_frames() -> None:
-            stream = self._stdout
-            self._pid_known.wait()  # the pid line comes first
-            seen = False
-            while (frame := read_frame(stream)) is not None:
-                seen = True
-                kind, rank, data = frame
-                if kind in (b"O", b"E"):
-                    sink.write(rank, kind, data)
-                else:
-                    on_event((kind, rank, data))
-            code = self._exit_code()
-            if not seen:  # the agent never ran: wrong python, missing ddptrain, ...
-                detail = self._exit_detail()
-                on_event((b"F", AGENT_RANK, f"on host {self.host.name!r} the agent did not start ({detail})".encode()))
-            on_event((b"D", AGENT_RANK, repr(code).encode()))
+    @property
+    def agent_pid(self) -> int | None:
+        return self._connection.agent_pid
 
-        def heartbeat() -> None:
-            while not self._stop.wait(_HEARTBEAT_S):
-                try:
-                    self._channel.sendall(b"H")
-                except OSError:
-                    return
-
-        self._spawn(read_frames)
-        self._spawn(heartbeat)
+    def start(self, bootstrap: dict[str, Any], sink: LogSink, on_event: Callable[[AgentEvent], None]) -> None:
+        bootstrap = {**bootstrap, "cwd": self.workdir, "heartbeat_s": _env.ssh_heartbeat_timeout_s()}
+        self._session.start(bootstrap, sink, on_event)
 
     # ----------------------------------------------------------------- files (no shared storage)
     def _sftp(self) -> Any:
@@ -312,7 +308,7 @@ class SSHLauncher:
         Raises:
             LaunchError: The staging folder exists but is not a private folder of this user.
         """
-        if not self._pid_known.wait(_env.worker_start_timeout_s()):
+        if not self._connection.pid_known.wait(_env.worker_start_timeout_s()):
             raise LaunchError(f"the ddptrain agent on host {self.host.name!r} did not start in time")
         if self.agent_pid is None:
             return None  # the agent did not start: `start` reports why
@@ -367,51 +363,17 @@ class SSHLauncher:
             else:
                 sftp.put(source, target)
 
-    def _exit_code(self) -> int | None:
-        # The exit status may follow the end of the output by a moment.
-        if not self._channel.status_event.wait(2.0):
-            return None
-        code = int(self._channel.recv_exit_status())
-        return None if code == -1 else code  # -1: the connection ended without an exit status
-
-    def _exit_detail(self) -> str:
-        """``exit status N`` and the agent's last stderr lines, for errors."""
-        code = self._exit_code()
-        for thread in self._threads[:1]:  # the stderr reader: let it take the last lines
-            thread.join(1.0)
-        tail = "\n".join(self._stderr_tail[-10:])
-        return f"exit status {code}" + (f":\n{tail}" if tail else "")
-
     def ask(self, command: bytes) -> None:
         """Send the agent a one-byte request (see ``Launcher.ask``)."""
-        try:
-            self._channel.sendall(command)
-        except Exception:
-            pass  # the connection is gone; that is reported elsewhere
+        self._session.ask(command)
 
     def bind_address(self) -> str:
         return self.local_address
 
     def shutdown(self, grace_s: float) -> None:
-        if self._stop.is_set():
+        if self._client is None:
             return
-        self._stop.set()
-        try:
-            self._channel.sendall(b"K")
-            self._channel.shutdown_write()
-        except OSError:
-            pass
-        deadline_s = grace_s + 2.0
-        ready = threading.Event()
-
-        def wait_for_exit() -> None:
-            self._channel.recv_exit_status()
-            ready.set()
-
-        threading.Thread(target=wait_for_exit, daemon=True).start()
-        if not ready.wait(deadline_s):
-            _logger.warning("ddptrain: the agent on %s did not stop in %.0f s", self.host.name, deadline_s)
-        self._channel.close()
+        self._session.shutdown(grace_s)
         if self.cache_dir is not None:  # staged and pushed checkpoint copies on this host
             try:
                 self._client.exec_command(f"rm -rf -- {shlex.quote(self.cache_dir)}")[1].channel.recv_exit_status()
@@ -420,5 +382,4 @@ class SSHLauncher:
         if self._sftp_client is not None:
             self._sftp_client.close()
         self._client.close()
-        for thread in self._threads:
-            thread.join(2.0)
+        self._client = None

@@ -1,0 +1,147 @@
+"""One agent on one host, seen from the driver, whatever the connection to it.
+
+A :class:`HostConnection` is a byte pipe to an agent process: its stdin, stdout and stderr,
+its exit status, and how to stop it. Today there are two: a local subprocess
+(``launcher.LocalConnection``) and an SSH channel (``ssh.SSHConnection``); a new kind of host
+(``srun``, ``kubectl exec``) is one more small class. :class:`AgentSession` does the rest once
+for all of them: the bootstrap frame, reading framed worker output and agent events, the
+agent's stderr (prefixed, and its tail kept for errors), heartbeats, one-byte requests, and
+the event that says the agent is gone.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+import threading
+from collections.abc import Callable
+from typing import IO, Any, Protocol
+
+from ddptrain._agent import AGENT_RANK, FRAME, read_frame
+from ddptrain._logs import LogSink
+from ddptrain.errors import LaunchError
+
+__all__ = ["AgentEvent", "AgentSession", "HostConnection"]
+
+# (kind, rank, payload): b"S" started, b"X" exited, b"F" agent failure, b"D" agent gone.
+AgentEvent = tuple[bytes, int, bytes]
+
+
+class HostConnection(Protocol):
+    """A byte pipe to one agent process."""
+
+    where: str  # "on this machine", "on host 'h0'": for messages
+    stdout: IO[bytes]  # framed output (see ``ddptrain._agent``)
+    stderr: IO[bytes]  # the agent's own messages, line by line
+
+    def write(self, data: bytes) -> None:
+        """Write to the agent's stdin. Raises OSError when the agent is gone."""
+
+    def wait_ready(self) -> None:
+        """Block until ``stdout`` carries frames (e.g. past a line the agent prints first)."""
+
+    def exit_code(self) -> int | None:
+        """The agent's exit status once its output ended (``None``: unknown, connection lost)."""
+
+    def close(self, grace_s: float) -> None:
+        """Stop the agent (it has been asked to) and release the connection."""
+
+
+class AgentSession:
+    """Drives one agent through ``connection``.
+
+    Args:
+        connection: The pipe to the agent.
+        heartbeat_s: Send a heartbeat byte this often (``None``: none; a local agent sees its
+            driver die through its stdin).
+        label: Prefix of the agent's stderr lines on the driver's stderr.
+    """
+
+    def __init__(self, connection: HostConnection, heartbeat_s: float | None, label: str) -> None:
+        self.connection = connection
+        self._heartbeat_s = heartbeat_s
+        self._label = label
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._stderr_tail: list[str] = []
+        # Read stderr from the start: a full pipe would stall the agent.
+        self._spawn(self._read_stderr, "stderr")
+
+    def _spawn(self, target: Callable[[], None], what: str) -> None:
+        thread = threading.Thread(target=target, name=f"ddptrain-agent-{what}", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def _read_stderr(self) -> None:
+        try:
+            for line in self.connection.stderr:
+                text = line.decode("utf-8", errors="replace").rstrip()
+                if text:
+                    self._stderr_tail = (self._stderr_tail + [text])[-20:]
+                    sys.stderr.write(f"[{self._label}] {text}\n")
+        except (OSError, ValueError):
+            pass  # closed under us at shutdown
+
+    def exit_detail(self) -> str:
+        """``exit status N`` and the agent's last stderr lines, for errors."""
+        code = self.connection.exit_code()
+        self._threads[0].join(1.0)  # the stderr reader: let it take the last lines
+        tail = "\n".join(self._stderr_tail[-10:])
+        return f"exit status {code}" + (f":\n{tail}" if tail else "")
+
+    def start(self, bootstrap: dict[str, Any], sink: LogSink, on_event: Callable[[AgentEvent], None]) -> None:
+        """Send the bootstrap; from now on worker output goes to ``sink`` and agent events to
+        ``on_event``, ending with ``b"D"`` (preceded by ``b"F"`` if the agent never ran).
+
+        Raises:
+            LaunchError: The agent is gone before it got its work.
+        """
+        payload = pickle.dumps(bootstrap)
+        try:
+            self.connection.write(FRAME.pack(b"B", AGENT_RANK, len(payload)) + payload)
+        except OSError:
+            raise LaunchError(f"{self.connection.where} the agent did not start ({self.exit_detail()})") from None
+
+        def read_frames() -> None:
+            self.connection.wait_ready()
+            seen = False
+            while (frame := read_frame(self.connection.stdout)) is not None:
+                seen = True
+                kind, rank, data = frame
+                if kind in (b"O", b"E"):
+                    sink.write(rank, kind, data)
+                else:
+                    on_event((kind, rank, data))
+            if not seen and not self._stop.is_set():  # the agent never ran: wrong python, missing ddptrain, ...
+                detail = self.exit_detail()
+                on_event((b"F", AGENT_RANK, f"{self.connection.where} the agent did not start ({detail})".encode()))
+            on_event((b"D", AGENT_RANK, repr(self.connection.exit_code()).encode()))
+
+        self._spawn(read_frames, "frames")
+        if self._heartbeat_s is not None:
+            self._spawn(self._heartbeat, "heartbeat")
+
+    def _heartbeat(self) -> None:
+        assert self._heartbeat_s is not None
+        while not self._stop.wait(self._heartbeat_s):
+            try:
+                self.connection.write(b"H")
+            except OSError:
+                return
+
+    def ask(self, command: bytes) -> None:
+        """Send the agent a one-byte request (see ``Launcher.ask``)."""
+        try:
+            self.connection.write(command)
+        except Exception:
+            pass  # the agent is gone; that is reported elsewhere
+
+    def shutdown(self, grace_s: float) -> None:
+        """Ask the agent to stop its workers (``b"K"``), then close the connection. Safe twice."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self.ask(b"K")
+        self.connection.close(grace_s)
+        for thread in self._threads:
+            thread.join(2.0)
