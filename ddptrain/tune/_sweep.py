@@ -329,6 +329,9 @@ class Sweep:
             if number.isdigit():
                 trial.iteration = int(number)
                 trial.truncate_results(trial.iteration)
+        elif trial.iteration or trial.last_result:  # restored without a checkpoint: from scratch
+            trial.iteration = 0
+            trial.truncate_results(0)
         while True:
             try:
                 trial.return_value = self.trainable.run(trial.config)
@@ -361,12 +364,15 @@ class Sweep:
                 time_this_iter_s=now - previous,
                 time_total_s=now - (trial.start_time or now),
             )
+            # The result line first, then the state naming the checkpoint: a driver killed in
+            # between resumes from the previous checkpoint and drops this line (truncate_results),
+            # instead of resuming after a report whose line was never written.
+            trial.last_result = result
+            trial.append_result(result)
             if checkpoint is not None:
                 trial.checkpoint = checkpoint
                 self._dirty = True
                 self._save(force=True)  # a restore resumes from it
-            trial.last_result = result
-            trial.append_result(result)
             self.searcher.on_trial_result(trial.trial_id, result)
             stop = False
             if self.stopper is not None and self.stopper(trial.trial_id, result):
