@@ -9,7 +9,6 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -410,46 +409,6 @@ class Run:
             return_values=return_values,
             _storage_filesystem=self.remote.fs if self.remote else None,
         )
-
-    def fit_in_process(self, body: Callable[[int], list[Any]]) -> Result:
-        """Local mode: ``body(attempt)`` runs the training function in this process and returns
-        its return values; reports reach the run through ``ddptrain.local_run.LocalReports``.
-
-        Raises:
-            WorkerGroupError: What ``body`` raised when the function failed (no restarts).
-        """
-        try:
-            with storage.RunLock(self.run_dir, self.name):
-                self._load_previous()
-                try:
-                    self._prepare_dir()
-                    index = self.first_attempt()
-                    latest = self.latest_checkpoint.path if self.latest_checkpoint else None
-                    self.progress.started(workers=1, hosts=1, attempt=index, resume_from=latest)
-                    self._save_status("RUNNING", attempt=index, local_mode=True)
-                    try:
-                        return_values = body(index)
-                    except WorkerGroupError as error:
-                        headline = error.failures[0].headline() if error.failures else str(error)
-                        self.progress.finished(False, self._best(), error=headline)
-                        self._save_status("ERRORED", error=headline)
-                        raise
-                    except BaseException as exc:
-                        self._save_status("ABORTED", error=f"{type(exc).__name__}: {exc}")
-                        raise
-                    self.progress.finished(True, self._best())
-                    self._save_status("FINISHED")
-                finally:
-                    if self._metrics_file is not None:
-                        self._metrics_file.close()
-                    if self.remote is not None:
-                        self.mirror.push_final()
-        except OSError as exc:
-            full = disk_full_error(exc, exc.filename or self.run_dir)
-            if full is None:
-                raise
-            raise ControllerError(f"Training stopped: {full}") from full
-        return self._result(return_values)
 
     def _clean_after_failure(self) -> None:
         """Remove what the failed attempt left half-done, upload its logs. On remote storage a

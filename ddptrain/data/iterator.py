@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ddptrain.data import _tf
 from ddptrain.data._batching import BATCH_FORMATS, batch_plan, gather, prefetch, to_pandas
 from ddptrain.data.dataset import Dataset, Schema, check_positive_int, row_dicts
 
@@ -430,40 +431,6 @@ class DataIterator:
         except ImportError:
             raise ImportError("`to_tf` needs TensorFlow: `pip install ddptrain[tensorflow]`.") from None
         check_positive_int("batch_size", batch_size)
-        schema = self.schema()
-        kinds = {
-            name: (dtype, shape) for name, dtype, shape in zip(schema.names, schema.types, schema.shapes, strict=True)
-        }
-        columns = self._dataset._columns
-
-        def spec_of(name: str) -> Any:
-            if name not in kinds:
-                raise ValueError(
-                    f"`to_tf` was given the column {name!r}, which the dataset does not have; "
-                    f"its columns are {schema.names}."
-                )
-            dtype, shape = kinds[name]
-            if dtype.kind in "OSU":
-                values = columns[name][:1]
-                if dtype.kind == "O" and not all(isinstance(v, (str, bytes)) for v in values):
-                    raise ValueError(
-                        f"`to_tf`: column {name!r} holds {type(values[0]).__name__} objects, which have "
-                        "no TensorFlow dtype; pass a `tf.TypeSpec` for it (e.g. `feature_type_spec=`)."
-                    )
-                return tf.TensorSpec(shape=(None, *shape), dtype=tf.string)
-            return tf.TensorSpec(shape=(None, *shape), dtype=tf.as_dtype(dtype))
-
-        def specs(names: str | list[str], given: Any) -> Any:
-            for name in [names] if isinstance(names, str) else names:
-                spec_of(name)  # every column must exist, even with a given spec
-            if given is not None:
-                return given
-            return spec_of(names) if isinstance(names, str) else {name: spec_of(name) for name in names}
-
-        groups = [(feature_columns, specs(feature_columns, feature_type_spec))]
-        groups.append((label_columns, specs(label_columns, label_type_spec)))
-        if additional_columns is not None:
-            groups.append((additional_columns, specs(additional_columns, additional_type_spec)))
         batches = self.iter_batches(
             prefetch_batches=prefetch_batches,
             batch_size=batch_size,
@@ -471,22 +438,7 @@ class DataIterator:
             local_shuffle_buffer_size=local_shuffle_buffer_size,
             local_shuffle_seed=local_shuffle_seed,
         )
-
-        def values(batch: dict[str, np.ndarray], name: str) -> np.ndarray:
-            column = batch[name]
-            if column.dtype.kind in "OU":  # str to UTF-8 bytes, which tf.string holds
-                encoded = [v.encode() if isinstance(v, str) else v for v in column.ravel().tolist()]
-                return np.array(encoded, dtype=object).reshape(column.shape)
-            return column
-
-        def generate() -> Iterator[tuple[Any, ...]]:
-            for batch in batches:
-                yield tuple(
-                    values(batch, names) if isinstance(names, str) else {n: values(batch, n) for n in names}
-                    for names, _ in groups
-                )
-
-        dataset = tf.data.Dataset.from_generator(generate, output_signature=tuple(spec for _, spec in groups))
-        options = tf.data.Options()
-        options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
-        return dataset.with_options(options)
+        columns = [(feature_columns, feature_type_spec), (label_columns, label_type_spec)]
+        if additional_columns is not None:
+            columns.append((additional_columns, additional_type_spec))
+        return _tf.tf_dataset(tf, self.schema(), self._dataset._columns, batches, columns)
