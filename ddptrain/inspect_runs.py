@@ -21,29 +21,19 @@ from ddptrain import _env, storage
 from ddptrain.checkpoint_manager import CheckpointManager
 from ddptrain.progress import format_duration, format_metrics
 from ddptrain.result import read_metric_lines
-from ddptrain.watch import driver_is_alive
+from ddptrain.watch import RunNotFound, driver_is_alive, find_run
 
-__all__ = ["find_run", "list_runs", "run_summary", "main_runs", "main_show", "main_logs", "main_export", "main_plot"]
-
-
-class RunNotFound(Exception):
-    pass
-
-
-def find_run(run: str) -> Path:
-    """A run directory from a path, or a run name under the default storage path."""
-    if "://" in run and not run.startswith("file://"):
-        raise RunNotFound(
-            f"{run} is on remote storage, and these commands read local run folders. The driver that ran it "
-            f"keeps a working copy under {_env.cache_dir()}/runs/; or use `ddptrain.Result.from_path({run!r})`."
-        )
-    path = Path(run.removeprefix("file://")).expanduser()
-    if (path / "run.json").is_file():
-        return path.resolve()
-    candidate = Path(_env.default_storage_path(), run).expanduser()
-    if (candidate / "run.json").is_file():
-        return candidate.resolve()
-    raise RunNotFound(f"no run {run!r}: neither {path} nor {candidate} is a ddptrain run directory (no run.json)")
+__all__ = [
+    "RunNotFound",
+    "find_run",
+    "list_runs",
+    "run_summary",
+    "main_runs",
+    "main_show",
+    "main_logs",
+    "main_export",
+    "main_plot",
+]
 
 
 def run_summary(run_dir: Path) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from typing import Any
 
 from ddptrain import _env, storage
 
-__all__ = ["Watch", "stack_command", "REQUEST_FILE", "STATES_FILE"]
+__all__ = ["RunNotFound", "Watch", "find_run", "stack_command", "REQUEST_FILE", "STATES_FILE"]
 
 _logger = logging.getLogger(__name__)
 
@@ -139,14 +139,24 @@ class Watch:
             self._ask(b"T")
 
 
-def _find_run_dir(run: str) -> Path:
-    path = Path(run).expanduser()
-    if path.is_dir():
-        return path
-    candidate = Path(_env.default_storage_path(), run)
-    if candidate.is_dir():
-        return candidate
-    raise FileNotFoundError(f"no run directory {run!r} (nor {candidate})")
+class RunNotFound(Exception):
+    """No run directory by that name or path."""
+
+
+def find_run(run: str) -> Path:
+    """A run directory from a path, or a run name under the default storage path."""
+    if "://" in run and not run.startswith("file://"):
+        raise RunNotFound(
+            f"{run} is on remote storage, and these commands read local run folders. The driver that ran it "
+            f"keeps a working copy under {_env.cache_dir()}/runs/; or use `ddptrain.Result.from_path({run!r})`."
+        )
+    path = Path(run.removeprefix("file://")).expanduser()
+    if (path / "run.json").is_file():
+        return path.resolve()
+    candidate = Path(_env.default_storage_path(), run).expanduser()
+    if (candidate / "run.json").is_file():
+        return candidate.resolve()
+    raise RunNotFound(f"no run {run!r}: neither {path} nor {candidate} is a ddptrain run directory (no run.json)")
 
 
 def driver_is_alive(run_dir: Path) -> bool:
@@ -164,8 +174,8 @@ def driver_is_alive(run_dir: Path) -> bool:
 def stack_command(run: str, timeout_s: float = 10.0) -> int:
     """``ddptrain stack RUN``: print every rank's Python stack and process state of a live run."""
     try:
-        run_dir = _find_run_dir(run)
-    except FileNotFoundError as exc:
+        run_dir = find_run(run)
+    except RunNotFound as exc:
         print(f"ddptrain stack: {exc}", file=sys.stderr)
         return 2
     if not driver_is_alive(run_dir):
