@@ -48,16 +48,31 @@ class RunMirror:
         """Replace the local copy with the store's run files (nothing, for a new run). Earlier
         attempts' log folders are recreated empty, so attempts are numbered on."""
         root = Path(self.run_dir)
+        local_metrics = root / METRICS_FILE
+        # Reports an earlier driver here could not upload (the store was away) are only here:
+        # keep them when this copy extends the store's.
+        kept = local_metrics.read_bytes() if local_metrics.is_file() else None
         for entry in list(root.iterdir()) if root.is_dir() else []:
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry)
             else:
                 entry.unlink()
         root.mkdir(parents=True, exist_ok=True)
-        for name in _PULLED:
-            data = self.remote.read_bytes(posixpath.join(self.run_path, name))
+        pulled = {name: self.remote.read_bytes(posixpath.join(self.run_path, name)) for name in _PULLED}
+        stored = pulled[METRICS_FILE] or b""
+        run_exists = pulled["run.json"] is not None  # a run deleted from the store starts afresh
+        keep_local = run_exists and kept is not None and len(kept) > len(stored) and kept.startswith(stored)
+        if keep_local:
+            _logger.warning(
+                "ddptrain: %s has reports the store's copy lacks (an earlier upload failed); keeping them",
+                local_metrics,
+            )
+            pulled[METRICS_FILE] = kept
+        for name, data in pulled.items():
             if data is not None:
                 (root / name).write_bytes(data)
+        if keep_local:
+            self.push_file(METRICS_FILE)
         for attempt in self.remote.list_names(posixpath.join(self.run_path, "logs")):
             if attempt.startswith("attempt_"):
                 (root / "logs" / attempt).mkdir(parents=True, exist_ok=True)

@@ -527,3 +527,28 @@ def test_a_replacement_cut_short_puts_the_old_checkpoint_back(s3: S3, tmp_path: 
     assert s3.index(run)["latest"] == "latest"
     assert s3.direct.cat_file(f"{run}/latest/state.json") == b"1"
     assert sorted(s3.listing(run)) == ["checkpoints.json", "latest/state.json"]  # backup and record gone
+
+
+def test_reports_only_the_local_copy_has_survive_a_resume(s3: S3, tmp_path: Path) -> None:
+    """An earlier driver here could not upload its last reports (the store was away): the
+    next start keeps them and uploads them, instead of taking the store's shorter copy."""
+    from ddptrain import remote
+    from ddptrain.run_mirror import RunMirror
+
+    bucket = s3.bucket()
+    root = remote.resolve(f"s3://{bucket}/exp")
+    assert root is not None
+    run = root.path("run")
+    s3.direct.pipe_file(f"{run}/run.json", b"{}")
+    s3.direct.pipe_file(f"{run}/metrics.jsonl", b'{"metrics": {"step": 1}}\n')
+    local = tmp_path / "copy"
+    local.mkdir()
+    (local / "metrics.jsonl").write_bytes(b'{"metrics": {"step": 1}}\n{"metrics": {"step": 2}}\n')
+    RunMirror(root, str(local), run).pull()
+    expected = b'{"metrics": {"step": 1}}\n{"metrics": {"step": 2}}\n'
+    assert (local / "metrics.jsonl").read_bytes() == expected
+    assert s3.direct.cat_file(f"{run}/metrics.jsonl") == expected
+    # A copy that does not extend the store's (another driver's run) is replaced by the store's.
+    (local / "metrics.jsonl").write_bytes(b'{"metrics": {"step": 9}}\n')
+    RunMirror(root, str(local), run).pull()
+    assert (local / "metrics.jsonl").read_bytes() == expected
