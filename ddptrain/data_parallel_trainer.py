@@ -8,7 +8,7 @@ import inspect
 import logging
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 
@@ -20,6 +20,9 @@ from ddptrain.config import DataConfig, RunConfig, ScalingConfig
 from ddptrain.data.ingest import DatasetIngest, check_datasets
 from ddptrain.errors import ConfigError
 from ddptrain.result import Result
+
+if TYPE_CHECKING:
+    from ddptrain.run import Run
 
 __all__ = ["DataParallelTrainer"]
 
@@ -192,20 +195,25 @@ class DataParallelTrainer:
         if self.scaling_config.num_workers == 0:
             return self._fit_local()
         self._check_before_start()
+        datasets = DatasetIngest(self.datasets, self.dataset_config, self.scaling_config.num_workers)
+        return self._new_run(self._payload(), datasets).fit()
+
+    def _new_run(self, payload: bytes, datasets: DatasetIngest | None) -> Run:
+        """The driver's state of one ``fit()`` (``payload``: the pickled function, for workers)."""
         from ddptrain.run import Run
 
         run = Run(
-            payload=self._payload(),
+            payload=payload,
             trainer_bytes=self._trainer_bytes(),
             train_loop_config=self.train_loop_config,
             scaling_config=self.scaling_config,
             run_config=self.run_config,
             backend_config=self.backend_config,
             dataset_config=self.dataset_config,
-            datasets=DatasetIngest(self.datasets, self.dataset_config, self.scaling_config.num_workers),
+            datasets=datasets,
         )
         run.start_checkpoint = self.resume_from_checkpoint
-        return run.fit()
+        return run
 
     def _check_before_start(self) -> None:
         """Fail at once, before torch is imported or any process starts, on what cannot work:
@@ -227,19 +235,9 @@ class DataParallelTrainer:
         """Local mode: run the function in this process, as rank 0 of 1, with the run's
         storage (metrics, checkpoints, retention, resume) as for a worker group."""
         from ddptrain.local_run import fit_local
-        from ddptrain.run import Run
 
         self._check_before_start()
-        run = Run(
-            payload=b"",
-            trainer_bytes=self._trainer_bytes(),
-            train_loop_config=self.train_loop_config,
-            scaling_config=self.scaling_config,
-            run_config=self.run_config,
-            backend_config=self.backend_config,
-            dataset_config=self.dataset_config,
-        )
-        run.start_checkpoint = self.resume_from_checkpoint
+        run = self._new_run(b"", None)  # the function runs here: nothing to pickle
         datasets = DatasetIngest(self.datasets, self.dataset_config, 1)
 
         def call() -> Any:
