@@ -82,7 +82,6 @@ class _Session:
     run_path: str | None = None  # the run's folder on remote storage
     report_index: int = 0
     collective_index: int = 0
-    local_reports: list[tuple[dict[str, Any], Checkpoint | None]] = field(default_factory=list)
     end_hooks: list[Callable[[bool], None]] = field(default_factory=list)  # see on_training_end
     local_sink: Any = None  # local mode: persists reports in this process (ddptrain.local_run)
 
@@ -207,11 +206,7 @@ def report(
         if committed is not None:
             session.checkpoint = committed
         return
-    if session.channel is None:  # a session without a run (e.g. a sweep's function trainable)
-        session.local_reports.append((metrics, checkpoint))
-        if checkpoint is not None:
-            session.checkpoint = checkpoint
-        return
+    assert session.channel is not None, "a worker's session gets its channel before the function runs"
     if checkpoint_upload_mode == CheckpointUploadMode.ASYNC and delete_local_checkpoint_after_upload is None:
         delete_local_checkpoint_after_upload = True  # Ray's default for ASYNC
     if delete_local_checkpoint_after_upload and checkpoint is not None and session.run_dir:

@@ -126,11 +126,6 @@ class RemoteRoot:
         """``path`` as users see it: a URI if the storage was given as one."""
         return f"{self.scheme}://{path}" if self.scheme else path
 
-    def bare(self, path: str) -> str:
-        """A path shown to users back to a path on ``fs``."""
-        prefix = f"{self.scheme}://" if self.scheme else None
-        return path[len(prefix) :] if prefix and path.startswith(prefix) else path
-
     def display(self) -> str:
         return self.shown(self.root)
 
