@@ -1,12 +1,13 @@
 """The per-host agent process: forks this host's workers and relays their output.
 
-Started with :func:`agent_command`. It imports torch once, reads one bootstrap frame from
-stdin, forks one worker per local rank, and then relays every worker's stdout/stderr and
-exit status to stdout as frames. It kills all its workers when stdin closes (the driver died
-or the SSH connection dropped) or when the driver sends a kill frame; every worker dies with
-it through ``PR_SET_PDEATHSIG``.
+Started with :func:`agent_command`. It imports torch once, reads one
+:class:`~ddptrain.protocol.Bootstrap` frame from stdin, forks one worker per local rank, and
+then relays every worker's stdout/stderr and exit status to stdout as frames (the frames and
+events are defined in ``ddptrain.protocol``). It kills all its workers when stdin closes (the
+driver died or the SSH connection dropped) or when the driver sends ``Request.KILL``; every
+worker dies with it through ``PR_SET_PDEATHSIG``.
 
-How workers start (``bootstrap["start"]``):
+How workers start (``Bootstrap.start``):
 
 - ``"shared"`` (CPU runs): the agent loads the user's function once and then forks, so the
   user's imports are shared by every worker. If loading it started threads or CUDA, a fork
@@ -21,26 +22,39 @@ Either way the agent never forks while it has a second thread.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import selectors
 import signal
 import socket
-import struct
 import sys
-import threading
 import time
 import traceback
 from dataclasses import dataclass, field
 from typing import IO, Any
 
 from ddptrain import _memory, ray_compat
+from ddptrain._agent_start import check_versions
+from ddptrain._process import kill_group_strays, other_threads, process_state, set_pdeathsig
+from ddptrain.protocol import (
+    AGENT_RANK,
+    AgentFailed,
+    Bootstrap,
+    Kind,
+    Request,
+    WorkerExited,
+    WorkerSpec,
+    WorkerStarted,
+    WorkerStates,
+    decode_bootstrap,
+    encode_event,
+    encode_frame,
+    read_frame,
+)
 
-__all__ = ["FRAME", "AGENT_RANK", "agent_command", "import_roots", "read_frame", "write_frame", "write_all", "main"]
+__all__ = ["entry", "load_user", "main", "write_all"]
 
-# kind (1 byte), rank, payload length
-FRAME = struct.Struct(">cII")
-AGENT_RANK = 0xFFFFFFFF
 _POLL_S = 0.05
 # After a worker exits, how long its pipes may stay open (held by processes it started,
 # such as DataLoader workers) before its exit is reported anyway.
@@ -48,73 +62,12 @@ _DRAIN_S = 0.3
 # Set by an agent that replaced itself with a clean one: the fd that holds its bootstrap.
 _BOOTSTRAP_FD_VAR = "DDPTRAIN_AGENT_BOOTSTRAP_FD"
 
-# The agent's program. ``python -c`` puts the working directory first on ``sys.path``; it is
-# taken off before anything is imported, and the folders the driver imported ddptrain, torch,
-# numpy and cloudpickle from (the arguments) go first. So a ``ddptrain/`` or ``torch/`` that
-# someone planted in a shared working directory is never imported. The user's own modules
-# resolve once the bootstrap has arrived, through the driver's ``sys.path``.
-# numpy's OpenBLAS starts a thread pool when it is loaded (ddptrain imports torch and numpy),
-# and the agent must stay single-threaded to fork safely: it is loaded with one thread, the
-# user's setting is restored at once, and each worker applies it (``worker.restore_blas_threads``).
-_BOOT = (
-    "import os, sys; roots = sys.argv[1:]; del sys.argv[1:]; "
-    "sys.path[:] = roots + [p for p in sys.path if p and p not in roots]; "
-    "blas = os.environ.get('OPENBLAS_NUM_THREADS'); os.environ['OPENBLAS_NUM_THREADS'] = '1'; "
-    "import ddptrain._agent; ddptrain._agent.entry(blas)"
-)
-
-
-def import_roots() -> list[str]:
-    """The folders this process imported ddptrain and its runtime dependencies from."""
-    roots: list[str] = []
-    for name in ("ddptrain", "torch", "numpy", "cloudpickle"):
-        module = sys.modules.get(name)
-        location = getattr(module, "__file__", None)
-        if location:
-            root = os.path.dirname(os.path.dirname(os.path.abspath(location)))
-            if root not in roots:
-                roots.append(root)
-    return roots
-
-
-def agent_command(python: str, roots: list[str] | None = None) -> list[str]:
-    """The command line of an agent: ``python -c BOOT ROOT...`` (see ``_BOOT``)."""
-    return [python, "-c", _BOOT, *(roots or [])]
-
 
 def write_all(fd: int, data: bytes) -> None:
     """Write all of ``data`` to a file descriptor."""
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]
-
-
-def write_frame(fd: int, kind: bytes, rank: int, payload: bytes) -> None:
-    """Write one frame to a file descriptor, in full."""
-    write_all(fd, FRAME.pack(kind, rank, len(payload)) + payload)
-
-
-def _read_exactly(stream: IO[bytes], size: int) -> bytes:
-    chunks, missing = [], size
-    while missing:
-        chunk = stream.read(missing)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        missing -= len(chunk)
-    return b"".join(chunks)
-
-
-def read_frame(stream: IO[bytes]) -> tuple[bytes, int, bytes] | None:
-    """Read one frame, or ``None`` at end of stream (short reads on pipes are retried)."""
-    header = _read_exactly(stream, FRAME.size)
-    if len(header) < FRAME.size:
-        return None
-    kind, rank, length = FRAME.unpack(header)
-    payload = _read_exactly(stream, length)
-    if len(payload) < length:
-        return None
-    return kind, rank, payload
 
 
 @dataclass
@@ -129,33 +82,6 @@ class _Child:
     maxrss_kb: int = 0  # peak RSS, from wait4
 
 
-def _set_pdeathsig(agent_pid: int) -> None:
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-    if os.getppid() != agent_pid:  # the agent died before the request took effect
-        os._exit(1)
-
-
-def other_threads() -> list[str]:
-    """Names of this process's threads other than the calling one (empty: safe to fork)."""
-    me = str(threading.get_native_id())
-    names = []
-    for tid in os.listdir("/proc/self/task"):
-        if tid == me:
-            continue
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                names.append(f"{f.read().strip()} (tid {tid})")
-        except OSError:
-            pass  # it ended meanwhile
-    return names
-
-
 def _check_single_threaded(when: str) -> None:
     threads = other_threads()
     if threads:
@@ -166,8 +92,8 @@ def _check_single_threaded(when: str) -> None:
         )
 
 
-def _fork_worker(spec: dict[str, Any], shared: dict[str, Any], close_fds: list[int]) -> _Child:
-    _check_single_threaded(f"before starting rank {spec['rank']}")
+def _fork_worker(spec: WorkerSpec, shared: dict[str, Any], close_fds: list[int]) -> _Child:
+    _check_single_threaded(f"before starting rank {spec.rank}")
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     status_r, status_w = os.pipe()
@@ -176,7 +102,7 @@ def _fork_worker(spec: dict[str, Any], shared: dict[str, Any], close_fds: list[i
     if pid == 0:  # the worker
         code = 1
         try:
-            _set_pdeathsig(agent_pid)
+            set_pdeathsig(agent_pid)
             for fd in (*close_fds, out_r, err_r, status_r):
                 os.close(fd)
             devnull = os.open(os.devnull, os.O_RDONLY)
@@ -201,63 +127,7 @@ def _fork_worker(spec: dict[str, Any], shared: dict[str, Any], close_fds: list[i
                 os._exit(code)
     for fd in (out_w, err_w, status_w):
         os.close(fd)
-    return _Child(rank=spec["rank"], pid=pid, fds={out_r: b"O", err_r: b"E"}, status_fd=status_r)
-
-
-def versions() -> dict[str, str]:
-    """Versions that must match between the driver and every host."""
-    import cloudpickle
-    import torch
-
-    import ddptrain
-    from ddptrain import protocol
-
-    major_minor = ".".join(sys.version.split()[0].split(".")[:2])
-    return {
-        "python": major_minor,
-        "ddptrain": ddptrain.__version__,
-        "protocol": str(protocol.VERSION),
-        "torch": torch.__version__.split("+")[0],
-        "cloudpickle": cloudpickle.__version__,
-    }
-
-
-def _check_versions(expected: dict[str, str]) -> None:
-    here = versions()
-    wrong = [
-        f"{name} {here[name]} here, {want} on the driver" for name, want in expected.items() if here.get(name) != want
-    ]
-    if wrong:
-        raise RuntimeError(
-            f"version mismatch on {socket.gethostname()} ({sys.executable}): "
-            + "; ".join(wrong)
-            + ". Install the same versions on every host (pickled functions only load reliably then)."
-        )
-
-
-def _stat_fields(pid: int) -> list[str]:
-    """The fields of ``/proc/<pid>/stat`` after the command name (state first; empty: gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return []
-
-
-def _kill_group_strays() -> None:
-    """Kill what is left in the agent's process group (e.g. DataLoader workers of a worker)."""
-    group, me = os.getpgid(0), os.getpid()
-    if group != me:
-        return  # not our own group: leave it alone
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == me:
-            continue
-        fields = _stat_fields(int(entry))
-        if len(fields) > 2 and int(fields[2]) == group:
-            try:
-                os.kill(int(entry), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    return _Child(rank=spec.rank, pid=pid, fds={out_r: Kind.STDOUT, err_r: Kind.STDERR}, status_fd=status_r)
 
 
 def load_user(payload: bytes) -> Any:
@@ -281,14 +151,14 @@ def _fork_unsafe_after_loading() -> str | None:
     return None
 
 
-def _exec_clean(bootstrap: dict[str, Any], out_fd: int, reason: str) -> None:
+def _exec_clean(bootstrap: Bootstrap, out_fd: int, reason: str) -> None:
     """Replace this agent with a fresh one that starts the workers the clean way."""
     print(
         f"ddptrain agent: loading the training function before starting the workers was not safe "
         f"({reason}); starting them from a fresh agent instead, where each worker loads it itself.",
         file=sys.stderr,
     )
-    data = pickle.dumps({**bootstrap, "start": "clean"})
+    data = pickle.dumps(dataclasses.replace(bootstrap, start="clean"))
     fd = os.memfd_create("ddptrain-bootstrap", 0)  # inherited across exec
     write_all(fd, data)
     os.lseek(fd, 0, os.SEEK_SET)
@@ -321,18 +191,6 @@ def _kill_all(children: list[_Child], grace_s: float) -> None:
             pass
 
 
-def process_state(pid: int) -> dict[str, str]:
-    """The kernel's view of a process: its state letter and the kernel function it waits in."""
-    fields = _stat_fields(pid)
-    state = {"state": fields[0] if fields else "?", "wchan": ""}
-    try:
-        with open(f"/proc/{pid}/wchan") as f:
-            state["wchan"] = f.read().strip()
-    except OSError:
-        pass
-    return state
-
-
 def _report_states(out_fd: int, children: list[_Child], dump_stacks: bool) -> None:
     """Send the driver each live worker's process state; with ``dump_stacks``, also make each
     worker that can run print its Python stacks (faulthandler on SIGUSR1, see ``worker``)."""
@@ -346,7 +204,7 @@ def _report_states(out_fd: int, children: list[_Child], dump_stacks: bool) -> No
                 os.kill(child.pid, signal.SIGUSR1)
             except ProcessLookupError:
                 pass
-    write_frame(out_fd, b"P", AGENT_RANK, pickle.dumps(states))
+    write_all(out_fd, encode_event(WorkerStates(AGENT_RANK, states)))
 
 
 def _reaped(child: _Child) -> bool:
@@ -383,7 +241,7 @@ def _relay(
             else:
                 child.status_fd = -1
         elif what == "out":
-            write_frame(out_fd, child.fds[key.fd], child.rank, data)
+            write_all(out_fd, encode_frame(child.fds[key.fd], child.rank, data))
         else:
             child.status.extend(data)
 
@@ -394,11 +252,11 @@ def _relay(
         for key, _ in selector.select(_POLL_S):
             if key.data[0] == "stdin":
                 data = os.read(key.fd, 4096)
-                if not data or b"K" in data:  # driver gone, or asked us to stop
+                if not data or Request.KILL in data:  # driver gone, or asked us to stop
                     _kill_all(children, grace_s)
                     return
-                if b"Q" in data or b"T" in data:  # the driver asks how the workers are
-                    _report_states(out_fd, children, dump_stacks=b"T" in data)
+                if Request.STATES in data or Request.STACKS in data:  # the driver asks how the workers are
+                    _report_states(out_fd, children, dump_stacks=Request.STACKS in data)
                 last_heard = time.monotonic()
             else:
                 forward(key)
@@ -422,30 +280,34 @@ def _relay(
                 selector.unregister(child.status_fd)
                 os.close(child.status_fd)
                 child.status_fd = -1
-            exit_info: dict[str, Any] = {"exitcode": child.exitcode, "status": bytes(child.status)}
-            if child.exitcode == -signal.SIGKILL:
-                exit_info["memory"] = _memory.evidence(oom_kills, child.maxrss_kb)
-            payload = pickle.dumps(exit_info)
-            write_frame(out_fd, b"X", child.rank, payload)
+            assert child.exitcode is not None
+            memory = _memory.evidence(oom_kills, child.maxrss_kb) if child.exitcode == -signal.SIGKILL else None
+            write_all(out_fd, encode_event(WorkerExited(child.rank, child.exitcode, bytes(child.status), memory)))
             pending.remove(child)
 
 
 _START_ENV: dict[str, str] = {}
 
 
-def _read_bootstrap(stdin: IO[bytes]) -> dict[str, Any] | None:
+def _read_bootstrap(stdin: IO[bytes]) -> Bootstrap | None:
     fd = os.environ.pop(_BOOTSTRAP_FD_VAR, None)
-    if fd is not None:  # this agent replaced one that was not safe to fork from
+    if fd is not None:  # this agent replaced one that was not safe to fork from (versions checked)
         with os.fdopen(int(fd), "rb") as f:
-            return pickle.load(f)
+            bootstrap: Bootstrap = pickle.load(f)
+            return bootstrap
     frame = read_frame(stdin)
-    return None if frame is None else pickle.loads(frame[2])
+    if frame is None:
+        return None
+    kind, _, payload = frame
+    if kind != Kind.BOOTSTRAP:
+        raise RuntimeError(f"expected a bootstrap frame from the driver, got kind {kind!r}")
+    return decode_bootstrap(payload, check_versions)
 
 
-def _user_sys_path(bootstrap: dict[str, Any]) -> list[str]:
+def _user_sys_path(bootstrap: Bootstrap) -> list[str]:
     """The driver's ``sys.path`` for the user's imports ('' meant the driver's working directory)."""
-    cwd = bootstrap.get("cwd") or os.getcwd()
-    return [p or cwd for p in bootstrap["sys_path"]]
+    cwd = bootstrap.cwd or os.getcwd()
+    return [p or cwd for p in bootstrap.sys_path]
 
 
 def main() -> int:
@@ -464,40 +326,38 @@ def main() -> int:
         bootstrap = _read_bootstrap(stdin)
         if bootstrap is None:
             return 0
-        _check_versions(bootstrap.get("versions", {}))
         if os.environ.get(ray_compat.ENV_VAR) == "1":  # under `ddptrain run`: the user's code may import ray.*
             ray_compat.install()
         sys.path[:0] = [p for p in _user_sys_path(bootstrap) if p not in sys.path]
-        if bootstrap.get("cwd"):
+        if bootstrap.cwd:
             try:
-                os.chdir(bootstrap["cwd"])
+                os.chdir(bootstrap.cwd)
             except OSError as exc:
-                print(f"ddptrain agent: cannot enter {bootstrap['cwd']!r}: {exc}", file=sys.stderr)
-        shared: dict[str, Any] = {"run": bootstrap["run"], "payload": bootstrap["payload"]}
-        if bootstrap.get("start", "shared") == "shared" and bootstrap["payload"] is not None:
-            shared["user"] = load_user(bootstrap["payload"])
+                print(f"ddptrain agent: cannot enter {bootstrap.cwd!r}: {exc}", file=sys.stderr)
+        shared: dict[str, Any] = {"run": bootstrap.run, "store": bootstrap.store, "payload": bootstrap.payload}
+        if bootstrap.start == "shared" and bootstrap.payload is not None:
+            shared["user"] = load_user(bootstrap.payload)
             reason = _fork_unsafe_after_loading()
             if reason is not None:
                 _exec_clean(bootstrap, out_fd, reason)
     except BaseException:
-        write_frame(out_fd, b"F", AGENT_RANK, traceback.format_exc().encode())
+        write_all(out_fd, encode_event(AgentFailed(AGENT_RANK, traceback.format_exc())))
         return 1
     host = socket.gethostname()
     children: list[_Child] = []
     try:
-        for spec in bootstrap["workers"]:
+        for spec in bootstrap.workers:
             close = [out_fd, 0] + [fd for c in children for fd in (*c.fds, c.status_fd)]
             child = _fork_worker(spec, shared, close)
             children.append(child)
-            info = pickle.dumps({"pid": child.pid, "host": host})
-            write_frame(out_fd, b"S", child.rank, info)
-        _relay(out_fd, 0, children, bootstrap["grace_s"], bootstrap.get("heartbeat_s"))
+            write_all(out_fd, encode_event(WorkerStarted(child.rank, child.pid, host)))
+        _relay(out_fd, 0, children, bootstrap.grace_s, bootstrap.heartbeat_s)
     except BrokenPipeError:
-        _kill_all(children, bootstrap["grace_s"])
+        _kill_all(children, bootstrap.grace_s)
     except BaseException:
-        _kill_all(children, bootstrap["grace_s"])
+        _kill_all(children, bootstrap.grace_s)
         try:
-            write_frame(out_fd, b"F", AGENT_RANK, traceback.format_exc().encode())
+            write_all(out_fd, encode_event(AgentFailed(AGENT_RANK, traceback.format_exc())))
         except OSError:
             pass
         return 1
@@ -513,7 +373,7 @@ def entry(openblas_threads: str | None = None) -> None:
         os.environ["OPENBLAS_NUM_THREADS"] = openblas_threads
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
     exit_code = main()
-    _kill_group_strays()
+    kill_group_strays()
     sys.stderr.flush()
     os._exit(exit_code)  # skip interpreter teardown with torch loaded (about half a second)
 

@@ -4,34 +4,42 @@ A :class:`HostConnection` is a byte pipe to an agent process: its stdin, stdout 
 its exit status, and how to stop it. Today there are two: a local subprocess
 (``launcher.LocalConnection``) and an SSH channel (``ssh.SSHConnection``); a new kind of host
 (``srun``, ``kubectl exec``) is one more small class. :class:`AgentSession` does the rest once
-for all of them: the bootstrap frame, reading framed worker output and agent events, the
-agent's stderr (prefixed, and its tail kept for errors), heartbeats, one-byte requests, and
-the event that says the agent is gone.
+for all of them: the bootstrap frame, reading framed worker output and agent events (all in
+``ddptrain.protocol``), the agent's stderr (prefixed, and its tail kept for errors),
+heartbeats, requests, and the event that says the agent is gone.
 """
 
 from __future__ import annotations
 
-import pickle
 import sys
 import threading
 from collections.abc import Callable
-from typing import IO, Any, Protocol
+from typing import IO, Protocol
 
-from ddptrain._agent import AGENT_RANK, FRAME, read_frame
+from ddptrain._agent_start import versions
 from ddptrain._logs import LogSink
 from ddptrain.errors import LaunchError
+from ddptrain.protocol import (
+    AGENT_RANK,
+    AgentEvent,
+    AgentFailed,
+    AgentGone,
+    Bootstrap,
+    Kind,
+    Request,
+    decode_agent_event,
+    encode_bootstrap,
+    read_frame,
+)
 
 __all__ = ["AgentEvent", "AgentSession", "HostConnection"]
-
-# (kind, rank, payload): b"S" started, b"X" exited, b"F" agent failure, b"D" agent gone.
-AgentEvent = tuple[bytes, int, bytes]
 
 
 class HostConnection(Protocol):
     """A byte pipe to one agent process."""
 
     where: str  # "on this machine", "on host 'h0'": for messages
-    stdout: IO[bytes]  # framed output (see ``ddptrain._agent``)
+    stdout: IO[bytes]  # framed output (see ``ddptrain.protocol``)
     stderr: IO[bytes]  # the agent's own messages, line by line
 
     def write(self, data: bytes) -> None:
@@ -89,16 +97,16 @@ class AgentSession:
         tail = "\n".join(self._stderr_tail[-10:])
         return f"exit status {code}" + (f":\n{tail}" if tail else "")
 
-    def start(self, bootstrap: dict[str, Any], sink: LogSink, on_event: Callable[[AgentEvent], None]) -> None:
+    def start(self, bootstrap: Bootstrap, sink: LogSink, on_event: Callable[[AgentEvent], None]) -> None:
         """Send the bootstrap; from now on worker output goes to ``sink`` and agent events to
-        ``on_event``, ending with ``b"D"`` (preceded by ``b"F"`` if the agent never ran).
+        ``on_event``, ending with :class:`AgentGone` (after an :class:`AgentFailed` if the agent
+        never ran).
 
         Raises:
             LaunchError: The agent is gone before it got its work.
         """
-        payload = pickle.dumps(bootstrap)
         try:
-            self.connection.write(FRAME.pack(b"B", AGENT_RANK, len(payload)) + payload)
+            self.connection.write(encode_bootstrap(bootstrap, versions()))
         except OSError:
             raise LaunchError(f"{self.connection.where} the agent did not start ({self.exit_detail()})") from None
 
@@ -108,14 +116,19 @@ class AgentSession:
             while (frame := read_frame(self.connection.stdout)) is not None:
                 seen = True
                 kind, rank, data = frame
-                if kind in (b"O", b"E"):
+                if kind in (Kind.STDOUT, Kind.STDERR):
                     sink.write(rank, kind, data)
                 else:
-                    on_event((kind, rank, data))
+                    try:
+                        event = decode_agent_event(kind, rank, data)
+                    except Exception as exc:  # another version, or a damaged stream: say so, never hang
+                        where = self.connection.where
+                        event = AgentFailed(rank, f"{where} the agent sent an unreadable frame: {exc!r}")
+                    on_event(event)
             if not seen and not self._stop.is_set():  # the agent never ran: wrong python, missing ddptrain, ...
                 detail = self.exit_detail()
-                on_event((b"F", AGENT_RANK, f"{self.connection.where} the agent did not start ({detail})".encode()))
-            on_event((b"D", AGENT_RANK, repr(self.connection.exit_code()).encode()))
+                on_event(AgentFailed(AGENT_RANK, f"{self.connection.where} the agent did not start ({detail})"))
+            on_event(AgentGone(AGENT_RANK, self.connection.exit_code()))
 
         self._spawn(read_frames, "frames")
         if self._heartbeat_s is not None:
@@ -125,23 +138,23 @@ class AgentSession:
         assert self._heartbeat_s is not None
         while not self._stop.wait(self._heartbeat_s):
             try:
-                self.connection.write(b"H")
+                self.connection.write(Request.HEARTBEAT)
             except OSError:
                 return
 
     def ask(self, command: bytes) -> None:
-        """Send the agent a one-byte request (see ``Launcher.ask``)."""
+        """Send the agent a :class:`~ddptrain.protocol.Request`."""
         try:
             self.connection.write(command)
         except Exception:
             pass  # the agent is gone; that is reported elsewhere
 
     def shutdown(self, grace_s: float) -> None:
-        """Ask the agent to stop its workers (``b"K"``), then close the connection. Safe twice."""
+        """Ask the agent to stop its workers (``Request.KILL``), then close the connection. Safe twice."""
         if self._stop.is_set():
             return
         self._stop.set()
-        self.ask(b"K")
+        self.ask(Request.KILL)
         self.connection.close(grace_s)
         for thread in self._threads:
             thread.join(2.0)

@@ -15,7 +15,7 @@ from typing import Any
 
 import ddptrain
 from ddptrain import _env, dashboard, inspect_runs
-from ddptrain._agent import import_roots
+from ddptrain._agent_start import import_roots
 from ddptrain.errors import DdpTrainError
 from ddptrain.hosts import HostSpec, is_local, parse_hosts, with_ssh_config
 from ddptrain.ray_compat import install as install_ray_compat
@@ -32,7 +32,7 @@ import json, os, shutil, socket, sys
 address, port = sys.argv[1:3]
 roots = sys.argv[3:]
 del sys.argv[1:]
-# Import as the agent does (ddptrain._agent._BOOT): never from the working directory.
+# Import as the agent does (ddptrain._agent_start._BOOT): never from the working directory.
 sys.path[:] = roots + [p for p in sys.path if p and p not in roots]
 out = {"python": sys.executable, "python_version": sys.version.split()[0]}
 for name in ("ddptrain", "torch", "cloudpickle"):

@@ -88,7 +88,6 @@ class Attempt:
                     run=self.run.run_info(self.index),
                     log_dir=log_dir,
                     datasets=datasets,
-                    attempt=self.index,
                     console=progress,
                 )
             backend = self.run.backend_config.backend_cls()
@@ -195,12 +194,11 @@ class Attempt:
         """The staged folder of ``rank`` on this machine: copied back over SSH if its host
         cannot see the run directory."""
         launcher = self.group.launcher
-        unshared = getattr(launcher, "unshared_ranks", ())
-        if rank not in unshared or self.run.remote is not None:  # on remote storage: uploaded there
-            return staged
+        if launcher is None or rank not in launcher.unshared_ranks or self.run.remote is not None:
+            return staged  # seen here, or (on remote storage) uploaded there
         local = os.path.join(self.run.run_dir, storage.STAGING, f"fetched_a{self.index}_r{index}", f"rank_{rank}")
         with storage.naming_full_disk(local):
-            launcher.fetch_dir(rank, staged, local)  # type: ignore[union-attr]
+            launcher.fetch_dir(rank, staged, local)
         return local
 
     def _check_rounds(self) -> None:

@@ -9,20 +9,22 @@ catches anything the workers started (DataLoader workers included).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
-from typing import IO, Any, Protocol
+from collections.abc import Callable, Collection
+from typing import IO, Protocol
 
-from ddptrain._agent import AGENT_RANK, agent_command, import_roots
+from ddptrain._agent_start import agent_command, import_roots
 from ddptrain._logs import LogSink
-from ddptrain.agent_session import AgentEvent, AgentSession
+from ddptrain.agent_session import AgentSession
+from ddptrain.protocol import AGENT_RANK, AgentEvent, Bootstrap
 
-__all__ = ["Launcher", "LocalLauncher", "AgentEvent"]
+__all__ = ["GroupLauncher", "HostLauncher", "Launcher", "LocalLauncher", "AgentEvent"]
 
 _logger = logging.getLogger(__name__)
 
@@ -30,7 +32,11 @@ _logger = logging.getLogger(__name__)
 class Launcher(Protocol):
     """Starts a worker group and tears it down."""
 
-    def start(self, bootstrap: dict[str, Any], sink: LogSink, on_event: Callable[[AgentEvent], None]) -> None:
+    @property
+    def unshared_ranks(self) -> Collection[int]:
+        """Ranks on hosts that cannot see the run directory: their checkpoint files are fetched."""
+
+    def start(self, bootstrap: Bootstrap, sink: LogSink, on_event: Callable[[AgentEvent], None]) -> None:
         """Hand the bootstrap to the agents; worker output goes to ``sink``."""
 
     def shutdown(self, grace_s: float) -> None:
@@ -40,7 +46,34 @@ class Launcher(Protocol):
         """The address the driver's store listens on: the one these agents' workers use."""
 
     def ask(self, command: bytes) -> None:
-        """Send the agents a one-byte request: ``b"Q"`` (worker states), ``b"T"`` (and stacks)."""
+        """Send the agents a :class:`~ddptrain.protocol.Request` (worker states, stacks)."""
+
+    def fetch_dir(self, rank: int, remote: str, local: str) -> None:
+        """Copy a folder from the host of ``rank`` (one of ``unshared_ranks``) to this machine,
+        and delete it there."""
+
+
+class HostLauncher(Protocol):
+    """The agent of one host, as a :class:`GroupLauncher` drives it."""
+
+    def start(self, bootstrap: Bootstrap, sink: LogSink, on_event: Callable[[AgentEvent], None]) -> None:
+        """Hand the host's share of the bootstrap to its agent."""
+
+    def shutdown(self, grace_s: float) -> None:
+        """Stop the host's workers and agent. Safe to call twice."""
+
+    def ask(self, command: bytes) -> None:
+        """Send the agent a :class:`~ddptrain.protocol.Request`."""
+
+    def fetch_dir(self, rank: int, remote: str, local: str) -> None:
+        """Copy a folder of this host (where ``rank`` runs) to this machine, and delete it there."""
+
+    def prepare_storage(self, run_dir: str, run_id: str) -> str | None:
+        """``None`` if this host sees ``run_dir``; else the folder on the host where its workers
+        keep checkpoint files until they are fetched."""
+
+    def push_dir(self, local: str, remote: str) -> None:
+        """Copy a folder of this machine to ``remote`` on the host."""
 
 
 class LocalConnection:
@@ -111,6 +144,8 @@ class LocalLauncher:
         env: Environment of the agent and its workers.
     """
 
+    unshared_ranks: Collection[int] = frozenset()  # this machine sees every run directory
+
     def __init__(self, env: dict[str, str]) -> None:
         self._session = AgentSession(LocalConnection(env), heartbeat_s=None, label="ddptrain agent")
 
@@ -120,11 +155,20 @@ class LocalLauncher:
     def ask(self, command: bytes) -> None:
         self._session.ask(command)
 
-    def start(self, bootstrap: dict[str, Any], sink: LogSink, on_event: Callable[[AgentEvent], None]) -> None:
+    def start(self, bootstrap: Bootstrap, sink: LogSink, on_event: Callable[[AgentEvent], None]) -> None:
         self._session.start(bootstrap, sink, on_event)
 
     def shutdown(self, grace_s: float) -> None:
         self._session.shutdown(grace_s)
+
+    def prepare_storage(self, run_dir: str, run_id: str) -> None:
+        return None
+
+    def push_dir(self, local: str, remote: str) -> None:
+        raise RuntimeError("a local agent sees the run directory; nothing is copied to it")
+
+    def fetch_dir(self, rank: int, remote: str, local: str) -> None:
+        raise RuntimeError("a local agent sees the run directory; nothing is fetched from it")
 
 
 def _is_loopback(address: str) -> bool:
@@ -154,13 +198,13 @@ class GroupLauncher:
         launchers: ``(launcher, store address as seen from that host)`` by node rank.
     """
 
-    def __init__(self, launchers: list[tuple[Launcher, str]]) -> None:
+    def __init__(self, launchers: list[tuple[HostLauncher, str]]) -> None:
         self._launchers = launchers
         self._bind = _bind_address([address for _, address in launchers])
         if not _is_loopback(self._bind):  # local agents reach the store at that address too
             self._launchers = [(launcher, self._bind if _is_loopback(a) else a) for launcher, a in launchers]
-        self._by_rank: dict[int, Any] = {}
-        self.unshared_ranks: set[int] = set()  # ranks on hosts that cannot see the run directory
+        self._by_rank: dict[int, HostLauncher] = {}
+        self.unshared_ranks: set[int] = set()
 
     def bind_address(self) -> str:
         return self._bind
@@ -170,43 +214,45 @@ class GroupLauncher:
             launcher.ask(command)
 
     def fetch_dir(self, rank: int, remote: str, local: str) -> None:
-        """Copy a folder from the host of ``rank`` to this machine, and delete it there."""
-        self._by_rank[rank].fetch_dir(remote, local)
+        self._by_rank[rank].fetch_dir(rank, remote, local)
 
-    def _prepare_storage(self, launcher: Any, share: dict[str, Any]) -> None:
-        """For a host that cannot see the run directory: mark it, and give it the checkpoint to
-        resume from as a local copy in its staging folder (which the launcher removes when it
-        shuts down, or the next run on that host if this driver is killed first)."""
-        run = share["run"]
-        if not hasattr(launcher, "prepare_storage") or not run.get("run_dir"):
-            return  # a group that runs functions has no run directory to share
-        cache = launcher.prepare_storage(run["run_dir"], run["run_id"])
+    def _host_share(self, launcher: HostLauncher, share: Bootstrap) -> Bootstrap:
+        """A host's share as it must see the run: for a host that cannot see the run directory,
+        marked so, with the checkpoint to resume from copied into its staging folder (which the
+        launcher removes when it shuts down, or the next run on that host if this driver is
+        killed first)."""
+        run = share.run
+        if not run.run_dir:
+            return share  # a group that runs functions has no run directory to share
+        cache = launcher.prepare_storage(run.run_dir, run.run_id)
         if cache is None:
-            return
-        self.unshared_ranks.update(spec["rank"] for spec in share["workers"])
-        run["shared_storage"] = False
-        run["local_cache"] = cache
-        if run.get("checkpoint"):
-            copy = f"{cache}/resume/a{run['attempt']}/{os.path.basename(run['checkpoint'])}"
-            launcher.push_dir(run["checkpoint"], copy)
-            run["checkpoint"] = copy
+            return share
+        self.unshared_ranks.update(spec.rank for spec in share.workers)
+        checkpoint = run.checkpoint
+        if checkpoint:
+            checkpoint = f"{cache}/resume/a{run.attempt}/{os.path.basename(checkpoint)}"
+            launcher.push_dir(run.checkpoint, checkpoint)  # type: ignore[arg-type]
+        run = dataclasses.replace(run, shared_storage=False, local_cache=cache, checkpoint=checkpoint)
+        return dataclasses.replace(share, run=run)
 
-    def start(self, bootstrap: dict[str, Any], sink: LogSink, on_event: Callable[[AgentEvent], None]) -> None:
+    def start(self, bootstrap: Bootstrap, sink: LogSink, on_event: Callable[[AgentEvent], None]) -> None:
         for node, (launcher, address) in enumerate(self._launchers):
-            share = dict(bootstrap)
-            share["workers"] = [
-                {**spec, "env": {**spec["env"], "MASTER_ADDR": address}}
-                for spec in bootstrap["workers"]
-                if spec["node_rank"] == node
-            ]
-            share["run"] = {**bootstrap["run"], "store_host": address}
-            self._by_rank.update((spec["rank"], launcher) for spec in share["workers"])
-            self._prepare_storage(launcher, share)
-            first = min(spec["rank"] for spec in share["workers"])
+            workers = tuple(
+                dataclasses.replace(spec, env={**spec.env, "MASTER_ADDR": address})
+                for spec in bootstrap.workers
+                if spec.node_rank == node
+            )
+            share = dataclasses.replace(
+                bootstrap, workers=workers, store=dataclasses.replace(bootstrap.store, host=address)
+            )
+            self._by_rank.update((spec.rank, launcher) for spec in workers)
+            share = self._host_share(launcher, share)
+            first = min(spec.rank for spec in workers)
 
             def tagged(event: AgentEvent, first: int = first) -> None:
-                kind, rank, data = event
-                on_event((kind, first if rank == AGENT_RANK else rank, data))  # name the agent by its first rank
+                if event.rank == AGENT_RANK:  # name the agent by its first rank
+                    event = dataclasses.replace(event, rank=first)
+                on_event(event)
 
             launcher.start(share, sink, tagged)
 

@@ -84,9 +84,9 @@ def fit_local(run: Run, fn: Callable[[], Any], dataset_shards: dict[str, Any], e
             attempt=attempt,
             checkpoint=run.latest_checkpoint,
             dataset_shards=dataset_shards,
-            report_index=info["report_index"],
+            report_index=info.report_index,
             remote=run.remote,
-            run_path=info["run_path"],
+            run_path=info.run_path,
             local_sink=LocalReports(run, attempt),
         )
         previous = context._session

@@ -2,8 +2,8 @@
 
 A plan is built from the scaling config (and the run's worker env vars) before anything
 starts, so a bad host list is an error before any process exists. It starts the agents of one
-group (``new_launcher``) and writes each worker's spec; it knows nothing of run directories,
-reports or checkpoints.
+group (``new_launcher``) and writes each worker's spec and the agents' bootstrap; it knows
+nothing of run directories, reports or checkpoints.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from ddptrain import _env
 from ddptrain.config import ScalingConfig
 from ddptrain.errors import ConfigError, LaunchError
 from ddptrain.hosts import HostSpec, Placement, is_local, parse_hosts, place_workers, with_ssh_config
-from ddptrain.launcher import GroupLauncher, Launcher, LocalLauncher
+from ddptrain.launcher import GroupLauncher, HostLauncher, Launcher, LocalLauncher
+from ddptrain.protocol import Bootstrap, RunInfo, StoreAddress, WorkerSpec
 from ddptrain.ssh import SSHLauncher, gpu_slots
 
 __all__ = ["Plan"]
@@ -93,14 +94,14 @@ class Plan:
         if self.placement is None:
             return LocalLauncher(self.agent_env())
 
-        def start(host: HostSpec) -> tuple[Launcher, str]:
+        def start(host: HostSpec) -> tuple[HostLauncher, str]:
             if is_local(host):
                 return LocalLauncher(self.agent_env()), "127.0.0.1"
             python = host.python or sys.executable
             launcher = SSHLauncher(host, self.agent_env(remote=True), python, host.workdir or os.getcwd())
             return launcher, _env.driver_address() or launcher.local_address
 
-        results: dict[int, tuple[Launcher, str] | BaseException] = {}
+        results: dict[int, tuple[HostLauncher, str] | BaseException] = {}
 
         def start_into(node: int, host: HostSpec) -> None:
             try:
@@ -126,9 +127,31 @@ class Plan:
         return GroupLauncher([results[node] for node in range(len(self.placement.hosts))])  # type: ignore[misc]
 
     # ----------------------------------------------------------------- ranks and hosts
-    def worker_specs(self, attempt: int, store_host: str, store_port: int) -> list[dict[str, Any]]:
-        """Each worker's rank, devices and torchrun-style environment (``attempt``: the run's
-        attempt number, torchrun's ``TORCHELASTIC_RESTART_COUNT``)."""
+    def bootstrap(
+        self,
+        payload: bytes | None,
+        run: RunInfo,
+        store: StoreAddress,
+        datasets: dict[int, Any] | None,
+    ) -> Bootstrap:
+        """What the agents need to start this plan's workers for ``run`` (all hosts' workers;
+        each host's launcher sends its own share)."""
+        return Bootstrap(
+            payload=payload,
+            sys_path=tuple(sys.path),
+            cwd=os.getcwd(),
+            start=_env.worker_start(self.scaling_config.use_gpu),
+            grace_s=_env.shutdown_grace_s(),
+            workers=self.worker_specs(run.attempt, store.host, store.port, datasets),
+            run=run,
+            store=store,
+        )
+
+    def worker_specs(
+        self, attempt: int, store_host: str, store_port: int, datasets: dict[int, Any] | None = None
+    ) -> tuple[WorkerSpec, ...]:
+        """Each worker's rank, devices, torchrun-style environment and dataset shards
+        (``attempt``: the run's attempt number, torchrun's ``TORCHELASTIC_RESTART_COUNT``)."""
         world = self.scaling_config.num_workers
         gpus = self.scaling_config.num_gpus_per_worker
         nodes = self.placement.ranks if self.placement else [list(range(world))]
@@ -136,11 +159,11 @@ class Plan:
         for node_rank, ranks in enumerate(nodes):
             for local_rank, rank in enumerate(ranks):
                 if gpus >= 1:
-                    devices = [local_rank * int(gpus) + i for i in range(int(gpus))]
+                    devices: tuple[int, ...] = tuple(local_rank * int(gpus) + i for i in range(int(gpus)))
                 elif gpus > 0:
-                    devices = [int(local_rank * gpus)]
+                    devices = (int(local_rank * gpus),)
                 else:
-                    devices = []
+                    devices = ()
                 env = {
                     "RANK": str(rank),
                     "WORLD_SIZE": str(world),
@@ -158,17 +181,18 @@ class Plan:
                     "TORCHELASTIC_RESTART_COUNT": str(attempt),
                 }
                 specs.append(
-                    {
-                        "rank": rank,
-                        "local_rank": local_rank,
-                        "node_rank": node_rank,
-                        "world_size": world,
-                        "local_world_size": len(ranks),
-                        "devices": devices,
-                        "env": env,
-                    }
+                    WorkerSpec(
+                        rank=rank,
+                        local_rank=local_rank,
+                        node_rank=node_rank,
+                        world_size=world,
+                        local_world_size=len(ranks),
+                        devices=devices,
+                        env=env,
+                        datasets=datasets[rank] if datasets is not None else {},
+                    )
                 )
-        return specs
+        return tuple(specs)
 
     def remote_ranks(self) -> list[int]:
         """Ranks that run on other hosts than the driver's (over SSH)."""

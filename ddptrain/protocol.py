@@ -1,26 +1,61 @@
-"""Every message between the driver and its workers, as small frozen dataclasses.
+"""Every message between the driver, its agents and its workers, as small frozen dataclasses.
 
-Messages travel through the driver's store, pickled, signed with the run's secret and
-numbered per sender (``ddptrain.channel``); nothing is unpickled before its signature checks
-out. Workers send with plain ``pickle`` (data only); the driver's commands to workers may
-carry functions (``Execute``) and go with cloudpickle. ``VERSION`` changes whenever a
-message changes shape; the agent refuses a driver of another version (``_agent.versions``).
+Two transports carry them:
 
-Worker to driver: :class:`Hello`, :class:`CallResult`, :class:`Report`, :class:`Collective`,
-:class:`CheckpointsQuery`, :class:`Done`, :class:`Beat` (heartbeat connection).
-Driver to worker: :class:`Execute`, :class:`Train`, :class:`Exit`, :class:`Ack`,
-:class:`CollectiveResult`, :class:`CheckpointsReply`.
-Inside the driver: :class:`Lost` (a message someone removed from the store).
+- **The agent's pipe** (its stdin and stdout: a local pipe or an SSH channel). Frames of
+  ``FRAME`` (kind byte, rank, length) then the payload, written by :func:`encode_frame` and
+  read by :func:`read_frame`. Driver to agent: one :class:`Bootstrap` (kind
+  ``Kind.BOOTSTRAP``), then one-byte requests (:class:`Request`). Agent to driver: worker output
+  (``Kind.STDOUT``/``Kind.STDERR``, raw bytes), :class:`WorkerStarted`, :class:`WorkerExited`,
+  :class:`WorkerStates` (pickled), and :class:`AgentFailed` (plain text, so that even an agent
+  of another version can say why it stopped). :func:`decode_agent_event` turns a frame into an
+  event; the driver adds :class:`AgentGone` when the pipe ends.
+- **The driver's store**, once a worker has joined it. Messages are pickled, signed with the
+  run's secret and numbered per sender (``ddptrain.channel``); nothing is unpickled before its
+  signature checks out. Workers send with plain ``pickle`` (data only); the driver's commands
+  may carry functions (``Execute``) and go with cloudpickle.
+  Worker to driver: :class:`Hello`, :class:`CallResult`, :class:`Report`, :class:`Collective`,
+  :class:`CheckpointsQuery`, :class:`Done`, :class:`Beat` (heartbeat connection).
+  Driver to worker: :class:`Execute`, :class:`Train`, :class:`Exit`, :class:`Ack`,
+  :class:`CollectiveResult`, :class:`CheckpointsReply`.
+  Inside the driver: :class:`Lost` (a message someone removed from the store).
+
+``VERSION`` changes whenever a message changes shape; an agent refuses a driver of another
+version (``_agent.versions``) before it unpickles anything but the version table.
+
+This module imports nothing but the standard library: the agent reads it before it forks.
 """
 
 from __future__ import annotations
 
+import pickle
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
 
 __all__ = [
+    "AGENT_RANK",
+    "FRAME",
     "Ack",
+    "AgentEvent",
+    "AgentFailed",
+    "AgentGone",
+    "Bootstrap",
+    "Kind",
+    "Request",
+    "RunInfo",
+    "StoreAddress",
+    "WorkerExited",
+    "WorkerSpec",
+    "WorkerStarted",
+    "WorkerStates",
+    "decode_agent_event",
+    "decode_bootstrap",
+    "encode_bootstrap",
+    "encode_event",
+    "encode_frame",
+    "read_frame",
     "Beat",
     "CallResult",
     "CheckpointsQuery",
@@ -37,7 +72,7 @@ __all__ = [
     "VERSION",
 ]
 
-VERSION = 2
+VERSION = 3
 
 
 # ----------------------------------------------------------------- worker -> driver
@@ -161,3 +196,202 @@ class Lost:
     @property
     def rank(self) -> int:
         return 0 if self.error.rank is None else int(self.error.rank)
+
+
+# ================================================================= the agent's pipe
+# kind (1 byte), rank, payload length
+FRAME = struct.Struct(">cII")
+AGENT_RANK = 0xFFFFFFFF  # the rank of frames about the agent itself, not one of its workers
+
+
+class Kind:
+    """The kind byte of a frame."""
+
+    BOOTSTRAP = b"B"  # driver -> agent, once: a :class:`Bootstrap`
+    STDOUT = b"O"  # a worker's output, raw bytes
+    STDERR = b"E"
+    STARTED = b"S"  # :class:`WorkerStarted`
+    EXITED = b"X"  # :class:`WorkerExited`
+    STATES = b"P"  # :class:`WorkerStates`
+    FAILED = b"F"  # :class:`AgentFailed`, as UTF-8 text
+
+
+class Request:
+    """One-byte requests the driver writes to an agent's stdin after the bootstrap."""
+
+    KILL = b"K"  # stop every worker and exit
+    STATES = b"Q"  # answer with :class:`WorkerStates`
+    STACKS = b"T"  # the same, and make every worker print its Python stacks
+    HEARTBEAT = b"H"  # the driver is alive (agents on SSH hosts stop without it)
+
+
+def encode_frame(kind: bytes, rank: int, payload: bytes) -> bytes:
+    return FRAME.pack(kind, rank, len(payload)) + payload
+
+
+def _read_exactly(stream: IO[bytes], size: int) -> bytes:
+    chunks, missing = [], size
+    while missing:
+        chunk = stream.read(missing)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        missing -= len(chunk)
+    return b"".join(chunks)
+
+
+def read_frame(stream: IO[bytes]) -> tuple[bytes, int, bytes] | None:
+    """Read one frame ``(kind, rank, payload)``, or ``None`` at end of stream (short reads on
+    pipes are retried)."""
+    header = _read_exactly(stream, FRAME.size)
+    if len(header) < FRAME.size:
+        return None
+    kind, rank, length = FRAME.unpack(header)
+    payload = _read_exactly(stream, length)
+    if len(payload) < length:
+        return None
+    return kind, rank, payload
+
+
+# ----------------------------------------------------------------- driver -> agent
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One worker to start: its place in the group, its devices and its environment."""
+
+    rank: int
+    local_rank: int
+    node_rank: int
+    world_size: int
+    local_world_size: int
+    devices: tuple[int, ...]  # indices among the GPUs its host lets it see; empty on CPU
+    env: dict[str, str]  # torchrun's variables (RANK, MASTER_ADDR, ...)
+    datasets: dict[str, Any] = field(default_factory=dict)  # its dataset shard specs
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What a worker needs to know of the training run it takes part in (empty for a group
+    that only runs functions). Travels in the :class:`Bootstrap`, or to warm workers as the
+    argument of ``ddptrain.worker.begin_run``."""
+
+    run_id: str = ""
+    attempt: int = 0
+    name: str = ""
+    storage_path: str = ""
+    run_dir: str | None = None
+    checkpoint: str | None = None  # the checkpoint to resume from
+    # cloudpickled ``(RemoteRoot, checkpoint file system)``: unpickling a file system may start
+    # an I/O thread, which the agent must not have when it forks, so only workers unpickle it.
+    storage: bytes | None = None
+    run_path: str | None = None  # the run's path on remote storage
+    report_index: int = 0  # the number of the run's next report
+    argv: tuple[str, ...] = ()
+    log_level: str = "INFO"
+    shared_storage: bool = True  # False: this host cannot see ``run_dir`` (copy-back over SSH)
+    local_cache: str | None = None  # where such a host keeps its files meanwhile
+
+
+@dataclass(frozen=True)
+class StoreAddress:
+    """Where workers find the driver's store, as seen from their host, and the run's secret."""
+
+    host: str
+    port: int
+    secret: bytes
+    connect_timeout_s: float
+
+
+@dataclass(frozen=True)
+class Bootstrap:
+    """Everything an agent needs to start its host's workers."""
+
+    payload: bytes | None  # the pickled training function and config (``None``: none yet)
+    sys_path: tuple[str, ...]  # the driver's; '' stands for the working directory, ``cwd``
+    cwd: str | None
+    start: str  # "shared" or "clean" (see ``ddptrain._agent``)
+    grace_s: float  # SIGTERM to SIGKILL
+    workers: tuple[WorkerSpec, ...]
+    run: RunInfo
+    store: StoreAddress
+    heartbeat_s: float | None = None  # stop when the driver is silent this long (SSH hosts)
+
+
+def encode_bootstrap(bootstrap: Bootstrap, versions: dict[str, str]) -> bytes:
+    """A bootstrap frame: the version table as a plain dict first, so that an agent of another
+    version can refuse it before unpickling any class of this module."""
+    return encode_frame(Kind.BOOTSTRAP, AGENT_RANK, pickle.dumps((versions, pickle.dumps(bootstrap))))
+
+
+def decode_bootstrap(payload: bytes, check_versions: Callable[[dict[str, str]], None]) -> Bootstrap:
+    versions, inner = pickle.loads(payload)
+    check_versions(versions)
+    bootstrap = pickle.loads(inner)
+    if not isinstance(bootstrap, Bootstrap):
+        raise TypeError(f"expected a Bootstrap, got {type(bootstrap).__name__}")
+    return bootstrap
+
+
+# ----------------------------------------------------------------- agent -> driver
+@dataclass(frozen=True)
+class WorkerStarted:
+    rank: int
+    pid: int
+    host: str
+
+
+@dataclass(frozen=True)
+class WorkerExited:
+    """A worker's exit: its code, and its failure record if it wrote one (cloudpickled)."""
+
+    rank: int
+    exitcode: int
+    status: bytes
+    memory: dict[str, Any] | None = None  # its host's memory evidence, for a worker killed by SIGKILL
+
+
+@dataclass(frozen=True)
+class WorkerStates:
+    """The kernel's view of each live worker (``{rank: {"pid", "state", "wchan"}}``)."""
+
+    rank: int  # the agent's (see :class:`AgentFailed`)
+    states: dict[int, dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class AgentFailed:
+    """The agent could not start or run its workers (``text``: a traceback or a reason).
+
+    ``rank`` names the agent: ``AGENT_RANK`` as sent, its first worker's rank once a driver
+    of several agents has tagged it."""
+
+    rank: int
+    text: str
+
+
+@dataclass(frozen=True)
+class AgentGone:
+    """The agent's pipe ended (added by the driver): ``exitcode`` ``None`` if unknown."""
+
+    rank: int
+    exitcode: int | None
+
+
+AgentEvent = WorkerStarted | WorkerExited | WorkerStates | AgentFailed | AgentGone
+_EVENT_KINDS: dict[type, bytes] = {WorkerStarted: Kind.STARTED, WorkerExited: Kind.EXITED, WorkerStates: Kind.STATES}
+
+
+def encode_event(event: WorkerStarted | WorkerExited | WorkerStates | AgentFailed) -> bytes:
+    """The frame an agent writes for ``event``."""
+    if isinstance(event, AgentFailed):
+        return encode_frame(Kind.FAILED, event.rank, event.text.encode("utf-8", errors="replace"))
+    return encode_frame(_EVENT_KINDS[type(event)], event.rank, pickle.dumps(event))
+
+
+def decode_agent_event(kind: bytes, rank: int, payload: bytes) -> AgentEvent:
+    """The event of a frame that is not worker output."""
+    if kind == Kind.FAILED:
+        return AgentFailed(rank, payload.decode("utf-8", errors="replace"))
+    if kind not in _EVENT_KINDS.values():
+        raise ValueError(f"unknown frame kind {kind!r} from the agent")
+    event: AgentEvent = pickle.loads(payload)
+    return event

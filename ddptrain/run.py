@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 
-from ddptrain import _env, storage
+from ddptrain import _env, protocol, storage
 from ddptrain.callbacks import TrainRunContext
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.checkpoint_manager import CheckpointManager
@@ -132,25 +132,23 @@ class Run:
         self._run_json: dict[str, Any] = {}
 
     # ----------------------------------------------------------------- what workers get
-    def run_info(self, attempt: int) -> dict[str, Any]:
+    def run_info(self, attempt: int) -> protocol.RunInfo:
         """What a worker needs to know of this run (it travels with the bootstrap, or to warm
         workers as the argument of ``ddptrain.worker.begin_run``)."""
-        return {
-            "run_id": self.run_id,
-            "attempt": attempt,
-            "name": self.name,
-            "storage_path": self.storage_path,
-            "run_dir": self.run_dir,
-            "checkpoint": self.latest_checkpoint.path if self.latest_checkpoint else None,
-            # File system objects travel pickled: unpickling one starts an I/O thread, which the
-            # agent must not have when it forks workers; workers unpickle them.
-            "storage": cloudpickle.dumps((self.remote, self.latest_checkpoint._fs if self.latest_checkpoint else None)),
-            "run_path": self.remote.path(self.name) if self.remote else None,
+        return protocol.RunInfo(
+            run_id=self.run_id,
+            attempt=attempt,
+            name=self.name,
+            storage_path=self.storage_path,
+            run_dir=self.run_dir,
+            checkpoint=self.latest_checkpoint.path if self.latest_checkpoint else None,
+            storage=cloudpickle.dumps((self.remote, self.latest_checkpoint._fs if self.latest_checkpoint else None)),
+            run_path=self.remote.path(self.name) if self.remote else None,
             # Numbered on from the checkpoint index too: metrics.jsonl may have lost lines.
-            "report_index": len(self.metrics_history) + self._lost_reports,
-            "argv": list(sys.argv),
-            "log_level": self.run_config.logging_config.log_level if self.run_config.logging_config else "INFO",
-        }
+            report_index=len(self.metrics_history) + self._lost_reports,
+            argv=tuple(sys.argv),
+            log_level=self.run_config.logging_config.log_level if self.run_config.logging_config else "INFO",
+        )
 
     def dataset_shards(self) -> dict[int, Any] | None:
         """Each rank's shard specs for a new start (datasets given as functions are built again)."""

@@ -1,6 +1,6 @@
 """Starting one host's workers over SSH (driver side), with paramiko.
 
-One SSH connection per host runs the agent (``ddptrain._agent.agent_command``) without a pty;
+One SSH connection per host runs the agent (``ddptrain._agent_start.agent_command``) without a pty;
 the agent's stdin, stdout and stderr are the channel's. The driver first sends the forwarded
 environment over stdin (never on the command line, which every user of the host can see), then
 the bootstrap (function and secret); it reads framed output and exit events from stdout, and
@@ -11,6 +11,7 @@ vanished without closing the connection).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -22,12 +23,13 @@ from collections.abc import Callable
 from typing import IO, Any
 
 from ddptrain import _env
-from ddptrain._agent import agent_command
+from ddptrain._agent_start import agent_command
 from ddptrain._host_scripts import PID_LINE, PRESTART, STAGING_PREFIX, STORAGE_PREP, env_frame, one_line
 from ddptrain._logs import LogSink
-from ddptrain.agent_session import AgentEvent, AgentSession
+from ddptrain.agent_session import AgentSession
 from ddptrain.errors import ConfigError, LaunchError
 from ddptrain.hosts import HostSpec, is_local
+from ddptrain.protocol import AgentEvent, Bootstrap
 
 __all__ = ["SSHLauncher", "connect", "remote_command", "run_program"]
 
@@ -41,7 +43,7 @@ def remote_command(python: str, workdir: str | None, program: list[str] | None =
     It holds no environment value: the program gets its environment from ``env_frame`` (see
     ``ddptrain._host_scripts``), sent over the channel's stdin right after the command starts.
     The agent imports ddptrain from the host's installation (or a forwarded ``PYTHONPATH``),
-    never from the working directory (see ``ddptrain._agent._BOOT``).
+    never from the working directory (see ``ddptrain._agent_start._BOOT``).
     """
     parts = [f"cd {shlex.quote(workdir)} &&"] if workdir else []
     parts += ["exec", shlex.join([python, "-I", "-S", "-c", one_line(PRESTART), *(program or agent_command(python))])]
@@ -280,8 +282,8 @@ class SSHLauncher:
     def agent_pid(self) -> int | None:
         return self._connection.agent_pid
 
-    def start(self, bootstrap: dict[str, Any], sink: LogSink, on_event: Callable[[AgentEvent], None]) -> None:
-        bootstrap = {**bootstrap, "cwd": self.workdir, "heartbeat_s": _env.ssh_heartbeat_timeout_s()}
+    def start(self, bootstrap: Bootstrap, sink: LogSink, on_event: Callable[[AgentEvent], None]) -> None:
+        bootstrap = dataclasses.replace(bootstrap, cwd=self.workdir, heartbeat_s=_env.ssh_heartbeat_timeout_s())
         self._session.start(bootstrap, sink, on_event)
 
     # ----------------------------------------------------------------- files (no shared storage)
@@ -329,7 +331,7 @@ class SSHLauncher:
         self.cache_dir = cache  # removed from the host when the launcher shuts down
         return cache
 
-    def fetch_dir(self, remote: str, local: str) -> None:
+    def fetch_dir(self, rank: int, remote: str, local: str) -> None:
         """Copy a folder from the host to this machine (recursively), then delete it there.
 
         Raises:
@@ -347,7 +349,7 @@ class SSHLauncher:
                 )
             source = f"{remote}/{entry.filename}"
             if stat.S_ISDIR(entry.st_mode or 0):
-                self.fetch_dir(source, target)
+                self.fetch_dir(rank, source, target)
             else:
                 sftp.get(source, target)
         self._client.exec_command(f"rm -rf -- {shlex.quote(remote)}")[1].channel.recv_exit_status()

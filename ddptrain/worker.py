@@ -8,6 +8,7 @@ agent relays to the driver together with the exit code, and the worker exits wit
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import io
 import logging
@@ -78,9 +79,9 @@ def restore_blas_threads() -> None:
                 break
 
 
-def _check_cuda_usable(spec: dict[str, Any]) -> None:
+def _check_cuda_usable(spec: protocol.WorkerSpec) -> None:
     """A GPU worker must be able to initialize CUDA: fail here, before the user's code, if not."""
-    if not spec["devices"]:
+    if not spec.devices:
         return
     import torch
 
@@ -131,38 +132,36 @@ def _setup_logging(level: str) -> None:
     logger.propagate = False
 
 
-def _make_session(spec: dict[str, Any], run: dict[str, Any]) -> context._Session:
-    """This worker's session in ``run`` (``{}``: a group that runs functions, not a training run)."""
-
-    name = run.get("name", "")
-    storage = context.StorageContext(run.get("storage_path", ""), name)
+def _make_session(spec: protocol.WorkerSpec, run: protocol.RunInfo) -> context._Session:
+    """This worker's session in ``run`` (an empty one: a group that runs functions)."""
+    storage = context.StorageContext(run.storage_path, run.name)
     ctx = context.TrainContext(
-        experiment_name=name,
-        world_size=spec["world_size"],
-        world_rank=spec["rank"],
-        local_rank=spec["local_rank"],
-        local_world_size=spec["local_world_size"],
-        node_rank=spec["node_rank"],
+        experiment_name=run.name,
+        world_size=spec.world_size,
+        world_rank=spec.rank,
+        local_rank=spec.local_rank,
+        local_world_size=spec.local_world_size,
+        node_rank=spec.node_rank,
         storage=storage,
     )
-    latest = run.get("checkpoint")
-    remote, checkpoint_fs = cloudpickle.loads(run["storage"]) if run.get("storage") else (None, None)
+    latest = run.checkpoint
+    remote, checkpoint_fs = cloudpickle.loads(run.storage) if run.storage else (None, None)
     if latest and checkpoint_fs is not None:
         checkpoint: Checkpoint | None = Checkpoint._at(latest, checkpoint_fs)
     else:
         checkpoint = Checkpoint(latest) if latest else None
-    shards = open_shards(spec.get("datasets") or {})  # maps the driver's shared memory
+    shards = open_shards(spec.datasets)  # maps the driver's shared memory
     return context._Session(
         context=ctx,
-        run_dir=run.get("run_dir"),
+        run_dir=run.run_dir,
         remote=remote,
-        run_path=run.get("run_path"),
-        attempt=run.get("attempt", 0),
+        run_path=run.run_path,
+        attempt=run.attempt,
         checkpoint=checkpoint,
         dataset_shards=shards,
-        devices=spec["devices"],
-        report_index=run.get("report_index", 0),
-        local_cache=None if run.get("shared_storage", True) else run["local_cache"],
+        devices=list(spec.devices),
+        report_index=run.report_index,
+        local_cache=None if run.shared_storage else run.local_cache,
     )
 
 
@@ -170,7 +169,7 @@ def _make_session(spec: dict[str, Any], run: dict[str, Any]) -> context._Session
 _state: dict[str, Any] = {}
 
 
-def begin_run(run: dict[str, Any], payload: bytes | None, datasets: dict[int, Any] | None, master_port: int) -> None:
+def begin_run(run: protocol.RunInfo, payload: bytes | None, datasets: dict[int, Any] | None, master_port: int) -> None:
     """Switch a warm worker to a new run (called by the driver through ``execute``).
 
     Args:
@@ -180,13 +179,12 @@ def begin_run(run: dict[str, Any], payload: bytes | None, datasets: dict[int, An
         master_port: The port of the store the run's process group meets at (a fresh one:
             torch would find an earlier group's addresses in the old one).
     """
-
-    spec = dict(_state["spec"])
-    spec["datasets"] = (datasets or {}).get(spec["rank"], {})
+    spec: protocol.WorkerSpec = _state["spec"]
+    spec = dataclasses.replace(spec, datasets=(datasets or {}).get(spec.rank, {}))
     os.environ["MASTER_PORT"] = str(master_port)
-    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(run.get("attempt", 0))
-    sys.argv = list(run.get("argv") or sys.argv)
-    logging.getLogger("ddptrain").setLevel(run.get("log_level", "INFO"))
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(run.attempt)
+    sys.argv = list(run.argv or sys.argv)
+    logging.getLogger("ddptrain").setLevel(run.log_level)
     _state["user"] = load_user(payload) if payload is not None else None
     session = _make_session(spec, run)
     session.channel = _state["channel"]
@@ -229,20 +227,22 @@ def _leave_process_group() -> None:
         dist.destroy_process_group()
 
 
-def run(spec: dict[str, Any], shared: dict[str, Any], status_fd: int) -> int:
+def run(spec: protocol.WorkerSpec, shared: dict[str, Any], status_fd: int) -> int:
     """Run one worker to completion; returns its exit code.
 
-    ``shared`` holds the run's settings and either the user's function already loaded by the
-    agent (``"user"``) or its pickled form (``"payload"``), which the worker loads itself.
+    ``shared`` holds the run (``"run"``, a :class:`~ddptrain.protocol.RunInfo`), the store's
+    address (``"store"``), and either the user's function already loaded by the agent
+    (``"user"``) or its pickled form (``"payload"``), which the worker loads itself.
     """
-    run_info = shared["run"]
+    run_info: protocol.RunInfo = shared["run"]
+    address: protocol.StoreAddress = shared["store"]
     # `ddptrain stack` and the driver's stall warnings ask for every thread's stack this way.
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
-    os.environ.update(spec["env"])
+    os.environ.update(spec.env)
     restore_blas_threads()
-    sys.argv = list(run_info.get("argv") or sys.argv)
-    _setup_logging(run_info.get("log_level", "INFO"))
-    rank = spec["rank"]
+    sys.argv = list(run_info.argv or sys.argv)
+    _setup_logging(run_info.log_level)
+    rank = spec.rank
     try:
         _check_cuda_usable(spec)
         if "user" in shared:
@@ -252,15 +252,15 @@ def run(spec: dict[str, Any], shared: dict[str, Any], status_fd: int) -> int:
         else:
             user = None  # a group that runs functions until it is given a run
         _state.update(spec=spec, user=user)
-        store = channel.connect(run_info["store_host"], run_info["store_port"], run_info["connect_timeout_s"])
+        store = channel.connect(address.host, address.port, address.connect_timeout_s)
         store.set_timeout(channel._LONG_WAIT)
-        keys = channel.Keys(run_info["secret"])
-        ch = channel.WorkerChannel(store, keys, run_info["secret"], rank)
+        keys = channel.Keys(address.secret)
+        ch = channel.WorkerChannel(store, keys, address.secret, rank)
         session = _make_session(spec, run_info)
         session.channel = _state["channel"] = ch
         context._set_session(session)
         ch.send(protocol.Hello(rank, os.getpid(), socket.gethostname()))
-        ch.start_heartbeat(run_info["store_host"], run_info["store_port"], HEARTBEAT_S)
+        ch.start_heartbeat(address.host, address.port, HEARTBEAT_S)
     except BaseException as exc:
         _write_status(status_fd, failure_record(exc))
         return 1

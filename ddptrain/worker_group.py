@@ -15,6 +15,7 @@ and code that drives workers itself (the ``TrainingOperator`` API) starts one wi
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
@@ -30,8 +31,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import cloudpickle
 
 from ddptrain import _env, protocol
-from ddptrain._agent import AGENT_RANK
-from ddptrain._agent import versions as agent_versions
 from ddptrain._logs import LogSink
 from ddptrain.channel import DriverChannel, Keys, LostMessageError, open_store
 from ddptrain.errors import (
@@ -52,7 +51,7 @@ if TYPE_CHECKING:
 
     from ddptrain.backend import BackendConfig
     from ddptrain.config import RunConfig, ScalingConfig
-    from ddptrain.launcher import AgentEvent, Launcher
+    from ddptrain.launcher import Launcher
     from ddptrain.watch import Watch
 
 __all__ = ["GroupFailed", "WorkerGroup", "WorkerMetadata"]
@@ -162,7 +161,7 @@ class WorkerGroup:
         plan.check_gpus()
         group = cls(plan)
         try:
-            group.start(payload=None, run={}, log_dir=Path(log_dir) if log_dir is not None else None)
+            group.start(payload=None, run=protocol.RunInfo(), log_dir=Path(log_dir) if log_dir is not None else None)
             config = backend_config or TorchConfig()
             backend = config.backend_cls()
             backend.on_start(group, config)
@@ -192,20 +191,19 @@ class WorkerGroup:
         self,
         *,
         payload: bytes | None,
-        run: dict[str, Any],
+        run: protocol.RunInfo,
         log_dir: Path | None,
         datasets: dict[int, Any] | None = None,
-        attempt: int = 0,
         console: Any = None,
     ) -> None:
         """Start the workers and wait until each has joined the driver's store.
 
         Args:
             payload: The pickled user function the workers load before their first command.
-            run: What the workers' first run is (``ddptrain.worker.run_info``); ``{}`` for none.
+            run: The workers' first run (``Run.run_info``); an empty one for a group that only
+                runs functions.
             log_dir: Where each rank's output goes (``None``: the console only).
             datasets: Each rank's dataset shard specs.
-            attempt: The run's attempt number (``TORCHELASTIC_RESTART_COUNT``).
             console: Writes worker lines to the console (``Progress.console_write``).
         """
         if self.launcher is None:
@@ -221,28 +219,10 @@ class WorkerGroup:
             on_error=lambda error: self.events.put(("sink", error)),
             console=console,
         )
-        workers = self.plan.worker_specs(attempt, self._store.host, self._store.port)
-        for spec in workers:
-            if datasets is not None:
-                spec["datasets"] = datasets[spec["rank"]]
-        bootstrap = {
-            "payload": payload,
-            "sys_path": list(sys.path),  # '' stands for the working directory, given as "cwd"
-            "cwd": os.getcwd(),
-            "start": _env.worker_start(self.plan.scaling_config.use_gpu),
-            "grace_s": _env.shutdown_grace_s(),
-            "versions": agent_versions(),
-            "workers": workers,
-            "run": {
-                "log_level": "INFO",
-                **run,
-                "store_host": self._store.host,
-                "store_port": self._store.port,
-                "secret": secret,
-                "connect_timeout_s": _env.store_connect_timeout_s(),
-                "argv": list(sys.argv),
-            },
-        }
+        if not run.argv:
+            run = dataclasses.replace(run, argv=tuple(sys.argv))
+        store = protocol.StoreAddress(self._store.host, self._store.port, secret, _env.store_connect_timeout_s())
+        bootstrap = self.plan.bootstrap(payload, run, store, datasets)
         self.launcher.start(bootstrap, self.sink, lambda event: self.events.put(("agent", event)))
         try:
             self.pump_until(
@@ -389,47 +369,42 @@ class WorkerGroup:
             _logger.warning("ddptrain: a worker sent %r outside a training run; ignored", message)
         return None
 
-    def _handle_agent(self, event: AgentEvent) -> WorkerFailure | None:
-        kind, rank, payload = event
-        if kind == b"P":
+    def _handle_agent(self, event: protocol.AgentEvent) -> WorkerFailure | None:
+        if isinstance(event, protocol.WorkerStates):
             if self.watch is not None:
-                self.watch.on_states(pickle.loads(payload))
+                self.watch.on_states(event.states)
             return None
-        if kind == b"S":
-            info = pickle.loads(payload)
-            self.hosts.setdefault(rank, (info["pid"], info["host"]))
+        if isinstance(event, protocol.WorkerStarted):
+            self.hosts.setdefault(event.rank, (event.pid, event.host))
             return None
-        if kind == b"X":
-            info = pickle.loads(payload)
-            self.exited.add(rank)
-            exitcode = info["exitcode"]
-            if self.exit_expected and exitcode == 0 and not info["status"]:
-                return None
-            if info["status"]:
-                record = pickle.loads(info["status"])
-                return self.failure(
-                    rank, exitcode, failure_from_record(record), record["traceback"], record.get("time")
-                )
-            if self.exit_expected:
-                return None
-            return self.failure(rank, exitcode, WorkerDiedError(rank, exitcode, info.get("memory")))
+        if isinstance(event, protocol.WorkerExited):
+            return self._worker_exited(event)
         # Agent events name the agent by its first rank (AGENT_RANK: the only agent).
-        agent_ranks = self.plan.ranks_of_agent(None if rank == AGENT_RANK else rank)
-        if kind == b"F":
-            text = payload.decode("utf-8", errors="replace")
-            error = LaunchError(f"The ddptrain agent could not start the workers:\n{text}")
-            return self.failure(agent_ranks[0], None, error, text)
+        agent_ranks = self.plan.ranks_of_agent(None if event.rank == protocol.AGENT_RANK else event.rank)
+        if isinstance(event, protocol.AgentFailed):
+            error = LaunchError(f"The ddptrain agent could not start the workers:\n{event.text}")
+            return self.failure(agent_ranks[0], None, error, event.text)
         missing = sorted(set(agent_ranks) - self.exited)
-        if kind == b"D" and missing and not self.exit_expected:
-            code = payload.decode()
-            how = "connection lost" if code == "None" else describe_exitcode(int(code))
-            hint = " (SIGKILL often means the kernel's out-of-memory killer)" if code == "-9" else ""
+        if missing and not self.exit_expected:
+            code = event.exitcode
+            how = "connection lost" if code is None else describe_exitcode(code)
+            hint = " (SIGKILL often means the kernel's out-of-memory killer)" if code == -9 else ""
             error = LaunchError(
                 f"The ddptrain agent that runs rank(s) {missing} on {self.plan.host_of(missing[0])} "
                 f"died ({how}){hint}; its workers died with it."
             )
             return self.failure(missing[0], None, error)
         return None
+
+    def _worker_exited(self, event: protocol.WorkerExited) -> WorkerFailure | None:
+        rank, exitcode = event.rank, event.exitcode
+        self.exited.add(rank)
+        if event.status:  # it wrote a failure record
+            record = pickle.loads(event.status)
+            return self.failure(rank, exitcode, failure_from_record(record), record["traceback"], record.get("time"))
+        if self.exit_expected:
+            return None
+        return self.failure(rank, exitcode, WorkerDiedError(rank, exitcode, event.memory))
 
     def _pid_host(self, rank: int) -> tuple[int | None, str]:
         pid, host = self.hosts.get(rank, (None, self.plan.hostname))
