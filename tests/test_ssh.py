@@ -599,11 +599,11 @@ def test_fetched_names_must_stay_inside_the_destination(ssh, tmp_path: Path) -> 
     launcher = None
     try:
         launcher = SSHLauncher(with_ssh_config(HostSpec("liar"), str(ssh.ssh_config)), {}, sys.executable, None)
-        launcher.fetch_dir(str(remote / "clean"), str(local / "clean"))  # an honest listing: copied, then removed
+        launcher.fetch_dir(0, str(remote / "clean"), str(local / "clean"))  # an honest listing: copied, then removed
         assert (local / "clean" / "model.pt").read_text() == "weights"
         assert not (remote / "clean").exists()
         with pytest.raises(LaunchError, match=r"host 'liar' listed '\.\./escape' .*not a plain file name"):
-            launcher.fetch_dir(str(remote / "evil"), str(local / "evil"))
+            launcher.fetch_dir(0, str(remote / "evil"), str(local / "evil"))
         assert not (local / "escape").exists()
         assert (remote / "evil" / "escape").exists()  # nothing deleted on the host either
     finally:
