@@ -1,10 +1,9 @@
 """``WorkerGroup``: worker processes started once, running functions on request.
 
 A group owns what lives as long as its workers: the agents (a :class:`Launcher`), the driver's
-store and its signed channel, the log sink, and one event queue fed by the channel thread
-(worker messages), the launcher threads (agent events) and the log sink (a write error). The
-driver thread drains that queue in :meth:`WorkerGroup.pump_until`; the first worker failure
-raises :class:`GroupFailed`, after which the group is dead and is shut down.
+store and its signed channel, and the log sink. What happens to its workers arrives through
+its event pump (``ddptrain.group_events``): the first worker failure raises
+:class:`GroupFailed`, after which the group is dead and is shut down.
 
 A training run (``fit()``) uses a group for one attempt and, inside
 ``ddptrain.reuse_workers()``, hands it on warm to the next ``fit()`` with the same plan.
@@ -18,11 +17,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import pickle
-import queue
 import secrets
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,17 +28,9 @@ import cloudpickle
 
 from ddptrain import _env, protocol
 from ddptrain._logs import LogSink
-from ddptrain.channel import DriverChannel, Keys, LostMessageError, open_store
-from ddptrain.errors import (
-    LaunchError,
-    WorkerDiedError,
-    WorkerError,
-    WorkerFailure,
-    WorkerGroupError,
-    describe_exitcode,
-    format_failures,
-    is_disk_full,
-)
+from ddptrain.channel import DriverChannel, Keys, open_store
+from ddptrain.errors import LaunchError, WorkerGroupError
+from ddptrain.group_events import GroupEvents, GroupFailed, failure_from_record
 from ddptrain.plan import Plan
 from ddptrain.torch.config import TorchConfig
 
@@ -52,29 +40,11 @@ if TYPE_CHECKING:
     from ddptrain.backend import BackendConfig
     from ddptrain.config import RunConfig, ScalingConfig
     from ddptrain.launcher import Launcher
-    from ddptrain.watch import Watch
 
 __all__ = ["GroupFailed", "WorkerGroup", "WorkerMetadata"]
 
 _logger = logging.getLogger(__name__)
-_PUMP_S = 0.5
-_TICK_S = 0.1
 T = TypeVar("T")
-
-
-class GroupFailed(WorkerGroupError):
-    """The worker group failed; ``failures`` says how (first failure first). The group is dead."""
-
-    def __init__(self, failures: list[WorkerFailure]) -> None:
-        ordered = sorted(failures, key=lambda f: (f.timestamp, f.rank))
-        super().__init__(format_failures(ordered, None), {f.rank: f.exception for f in ordered}, ordered)
-        self.__cause__ = ordered[0].exception
-
-    @property
-    def lost_ranks(self) -> list[int]:
-        """Ranks whose process died or became unreachable, as opposed to ranks whose code raised."""
-        lost = (WorkerDiedError, LaunchError, LostMessageError)
-        return sorted(f.rank for f in self.failures if isinstance(f.exception, lost))
 
 
 @dataclass(frozen=True)
@@ -94,18 +64,7 @@ class WorkerMetadata:
         return self.hostname
 
 
-def failure_from_record(record: dict[str, Any]) -> BaseException:
-    """The worker's exception from its failure record, or a stand-in with its traceback."""
-    if record.get("exception"):
-        try:
-            exc: BaseException = pickle.loads(record["exception"])
-            return exc
-        except Exception:
-            pass
-    return WorkerError(record.get("type", "Exception"), record.get("message", ""), record.get("traceback", ""))
-
-
-class WorkerGroup:
+class WorkerGroup(GroupEvents):
     """The workers of one plan, from start to shutdown.
 
     Args:
@@ -114,29 +73,14 @@ class WorkerGroup:
     """
 
     def __init__(self, plan: Plan, launcher: Launcher | None = None) -> None:
-        self.plan = plan
+        super().__init__(plan)
         self.launcher = launcher
         self.world_size = plan.world_size
-        self.events: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self.hosts: dict[int, tuple[int, str]] = {}
-        self.connected: set[int] = set()
-        self.exited: set[int] = set()
-        self.done: dict[int, tuple[bytes | None, str | None]] = {}  # ranks whose function returned
-        self.exit_expected = False
-        self.finishing = False  # every rank returned; failures from here on are not retried
-        self.sink: LogSink | None = None
         self.channel: DriverChannel | None = None
-        self.handler: Callable[[Any], WorkerFailure | None] | None = None  # a run's messages
-        self.on_failure: Callable[[], None] | None = None  # first failure seen (e.g. start the next group)
-        self.on_tick: Callable[[], None] | None = None  # a run's periodic checks
-        self.watch: Watch | None = None
         self._store: dist.TCPStore | None = None
         self._rendezvous: dist.TCPStore | None = None  # a warm run's process-group store
-        self._results: dict[int, dict[int, tuple[bool, Any]]] = {}
         self._next_call = 0
-        self._next_tick = 0.0
         self._closed = False
-        self._failed = False  # a call or a worker failed: the group takes no more work
         self.backend: tuple[Any, BackendConfig] | None = None  # set up by `launch`, torn down by `shutdown`
 
     # ----------------------------------------------------------------- public entry point
@@ -296,151 +240,6 @@ class WorkerGroup:
         self.finishing = False
         self._rendezvous = open_store(self.launcher.bind_address())
         return int(self._rendezvous.port)
-
-    # ----------------------------------------------------------------- event pump
-    def pump_until(self, done: Callable[[], bool], timeout_s: float | None = None, waiting_for: str = "") -> None:
-        """Handle events until ``done()``; raises GroupFailed on a failure, TimeoutError after
-        ``timeout_s``."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while not done():
-            try:
-                event = self.events.get(timeout=_PUMP_S)
-            except queue.Empty:
-                event = None
-            if event is not None:
-                self._handle(event)
-            now = time.monotonic()
-            if now >= self._next_tick:  # not per event: a fast rank 0 may be far ahead
-                self._next_tick = now + _TICK_S
-                if self.on_tick is not None:
-                    self.on_tick()
-                if self.watch is not None:
-                    self.watch.check(self.sink.last_write if self.sink is not None else 0.0)
-            if deadline is not None and time.monotonic() > deadline and not done():
-                raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {waiting_for}")
-
-    def fail(self, failures: list[WorkerFailure]) -> GroupFailed:
-        """The error that ends this group (``on_failure`` runs first: a restart may start early).
-
-        From here on the group is dead: :meth:`shutdown` kills it without asking its workers
-        anything (a rank may be stuck in a collective with the one that failed)."""
-        self._failed = True
-        if self.on_failure is not None and not self.finishing and not any(is_disk_full(f.exception) for f in failures):
-            self.on_failure()
-        return GroupFailed(failures)
-
-    def _handle(self, event: tuple[str, Any]) -> None:
-        failure = self._dispatch(event)
-        if failure is None:
-            return
-        failures = [failure]
-        # Gather the other ranks that failed on their own at about the same time.
-        deadline = time.monotonic() + 0.2
-        while time.monotonic() < deadline:
-            try:
-                more = self._dispatch(self.events.get(timeout=0.05))
-            except queue.Empty:
-                continue
-            if more is not None and more.rank not in {f.rank for f in failures}:
-                failures.append(more)
-        raise self.fail(failures)
-
-    def _dispatch(self, event: tuple[str, Any]) -> WorkerFailure | None:
-        source, item = event
-        if source == "sink":  # a log file could not be written (a full disk): the driver's failure
-            raise item
-        return self._handle_message(item) if source == "msg" else self._handle_agent(item)
-
-    def _handle_message(self, message: Any) -> WorkerFailure | None:
-        if self.watch is not None:
-            self.watch.activity()
-        if isinstance(message, protocol.Hello):
-            self.connected.add(message.rank)
-            self.hosts[message.rank] = (message.pid, message.host)
-        elif isinstance(message, protocol.CallResult):
-            self._results.setdefault(message.call_id, {})[message.rank] = (message.ok, message.value)
-        elif isinstance(message, protocol.Done):
-            self.done[message.rank] = (message.returned, message.note)
-        elif isinstance(message, protocol.Lost):
-            return self.failure(message.rank, None, message.error)
-        elif self.handler is not None:
-            return self.handler(message)
-        else:
-            _logger.warning("ddptrain: a worker sent %r outside a training run; ignored", message)
-        return None
-
-    def _handle_agent(self, event: protocol.AgentEvent) -> WorkerFailure | None:
-        if isinstance(event, protocol.WorkerStates):
-            if self.watch is not None:
-                self.watch.on_states(event.states)
-            return None
-        if isinstance(event, protocol.WorkerStarted):
-            self.hosts.setdefault(event.rank, (event.pid, event.host))
-            return None
-        if isinstance(event, protocol.WorkerExited):
-            return self._worker_exited(event)
-        # Agent events name the agent by its first rank (AGENT_RANK: the only agent).
-        agent_ranks = self.plan.ranks_of_agent(None if event.rank == protocol.AGENT_RANK else event.rank)
-        if isinstance(event, protocol.AgentFailed):
-            error = LaunchError(f"The ddptrain agent could not start the workers:\n{event.text}")
-            return self.failure(agent_ranks[0], None, error, event.text)
-        missing = sorted(set(agent_ranks) - self.exited)
-        if missing and not self.exit_expected:
-            code = event.exitcode
-            how = "connection lost" if code is None else describe_exitcode(code)
-            hint = " (SIGKILL often means the kernel's out-of-memory killer)" if code == -9 else ""
-            error = LaunchError(
-                f"The ddptrain agent that runs rank(s) {missing} on {self.plan.host_of(missing[0])} "
-                f"died ({how}){hint}; its workers died with it."
-            )
-            return self.failure(missing[0], None, error)
-        return None
-
-    def _worker_exited(self, event: protocol.WorkerExited) -> WorkerFailure | None:
-        rank, exitcode = event.rank, event.exitcode
-        self.exited.add(rank)
-        if event.status:  # it wrote a failure record
-            record = pickle.loads(event.status)
-            return self.failure(rank, exitcode, failure_from_record(record), record["traceback"], record.get("time"))
-        if self.exit_expected:
-            return None
-        return self.failure(rank, exitcode, WorkerDiedError(rank, exitcode, event.memory))
-
-    def _pid_host(self, rank: int) -> tuple[int | None, str]:
-        pid, host = self.hosts.get(rank, (None, self.plan.hostname))
-        if self.plan.placement is not None:
-            host = self.plan.host_of(rank)  # the host list's name for it
-        return pid, host
-
-    def where(self, rank: int) -> str:
-        pid, host = self._pid_host(rank)
-        return f"rank {rank} (host {host}, pid {pid})"
-
-    def failure(
-        self, rank: int, exitcode: int | None, exc: BaseException, traceback_str: str = "", at: float | None = None
-    ) -> WorkerFailure:
-        """What the driver knows of a failure of ``rank`` (``at``: when the worker saw it, if it
-        said; else now)."""
-        pid, host = self._pid_host(rank)
-        returned = sorted(r for r in self.done if r != rank)
-        note = ""
-        if returned and not self.finishing:
-            note = (
-                f"rank(s) {returned} had already returned from the training function; a rank that returns "
-                "early makes its peers' collectives fail"
-            )
-        return WorkerFailure(
-            rank=rank,
-            host=host,
-            pid=pid,
-            exitcode=exitcode,
-            exception=exc,
-            traceback_str=traceback_str,
-            log_path=self.sink.path(rank) if self.sink is not None else None,
-            timestamp=at if at is not None else time.time(),
-            log_tail=self.sink.tail(rank) if self.sink is not None else [],
-            note=note,
-        )
 
     # ----------------------------------------------------------------- running functions
     def call(
