@@ -113,7 +113,7 @@ def _fork_worker(spec: WorkerSpec, shared: dict[str, Any], close_fds: list[int])
                 os.close(fd)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.SIG_DFL)
-            from ddptrain import worker
+            from ddptrain import worker  # loaded by main() already: a lookup
 
             worker.reopen_std_streams()
             code = worker.run(spec, shared, status_w)
@@ -318,7 +318,8 @@ def main() -> int:
     os.dup2(2, 1)
     stdin = os.fdopen(0, "rb", buffering=0)
     try:
-        # Imported once here, while the driver prepares the run, and shared by every worker.
+        # Imported once here, while the driver prepares the run, and shared by every worker;
+        # here rather than at the top so that a failure to import reaches the driver as a frame.
         import torch  # noqa: F401
 
         from ddptrain import worker  # noqa: F401

@@ -15,6 +15,9 @@ from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
+from ddptrain.checkpoint import Checkpoint
+from ddptrain.context import get_context, report
+
 __all__: list[str] = []
 
 
@@ -96,9 +99,6 @@ def check_frequency(frequency: int) -> int:
 def report_round(metrics: dict[str, Any], save_model: Callable[[str], None] | None) -> None:
     """``ddptrain.report`` one round from every worker; with ``save_model``, rank 0 also
     writes the model into a fresh folder (``save_model(folder)``) reported as the checkpoint."""
-    from ddptrain.checkpoint import Checkpoint
-    from ddptrain.context import get_context, report
-
     if save_model is None or get_context().get_world_rank() != 0:
         report(metrics)
         return

@@ -200,7 +200,7 @@ class DataParallelTrainer:
 
     def _new_run(self, payload: bytes, datasets: DatasetIngest | None) -> Run:
         """The driver's state of one ``fit()`` (``payload``: the pickled function, for workers)."""
-        from ddptrain.run import Run
+        from ddptrain.run import Run  # imports torch (seconds): `import ddptrain` stays light until fit()
 
         run = Run(
             payload=payload,
@@ -234,7 +234,7 @@ class DataParallelTrainer:
     def _fit_local(self) -> Result:
         """Local mode: run the function in this process, as rank 0 of 1, with the run's
         storage (metrics, checkpoints, retention, resume) as for a worker group."""
-        from ddptrain.local_run import fit_local
+        from ddptrain.local_run import fit_local  # imports torch, as above
 
         self._check_before_start()
         run = self._new_run(b"", None)  # the function runs here: nothing to pickle

@@ -82,6 +82,7 @@ def connect(host: HostSpec, timeout_s: float) -> Any:
     key to that file; ``@revoked`` keys are always refused, ``@cert-authority`` lines are skipped
     (see ``ddptrain._known_hosts``). Passwords are never asked for.
     """
+    # paramiko (and the known-hosts reader built on it) load only when a host list is used.
     import paramiko
 
     from ddptrain import _known_hosts

@@ -321,7 +321,7 @@ class Dataset:
     # ----------------------------------------------------------------- reading
     def iterator(self) -> DataIterator:
         """A :class:`DataIterator` over every row."""
-        from ddptrain.data.iterator import DataIterator
+        from ddptrain.data.iterator import DataIterator  # iterator.py imports this module
 
         return DataIterator(self)
 

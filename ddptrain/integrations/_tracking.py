@@ -11,6 +11,9 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ddptrain.context import ContextError, get_context
+from ddptrain.storage import write_json_atomic
+
 __all__ = ["NoOp", "Caller", "caller", "flatten", "load_id", "missing", "save_id"]
 
 _logger = logging.getLogger(__name__)
@@ -65,8 +68,6 @@ class Caller:
 
 def caller() -> Caller:
     """This worker's rank, run name and run directory (all ``None`` outside a training function)."""
-    from ddptrain.context import ContextError, get_context
-
     try:
         ctx = get_context()
     except ContextError:
@@ -124,8 +125,6 @@ def save_id(where: Caller, library: str, data: dict[str, Any]) -> None:
     path = _id_file(where, library)
     if path is None:
         return
-    from ddptrain.storage import write_json_atomic
-
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         write_json_atomic(path, data)

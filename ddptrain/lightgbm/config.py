@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ddptrain import _gbdt
 from ddptrain.backend import Backend, BackendConfig
+from ddptrain.context import get_context
 from ddptrain.errors import ConfigError, LaunchError
 
 if TYPE_CHECKING:
@@ -124,7 +125,6 @@ def _network_context() -> Iterator[None]:
 def _reserve_port(base_port: int | None) -> tuple[str, int]:
     """Runs in each worker: hold a port of this host for LightGBM; returns the address the
     other workers reach this one at and the port."""
-    from ddptrain.context import get_context
 
     ctx = get_context()
     port = 0 if base_port is None else base_port + ctx.get_local_rank()
@@ -149,7 +149,6 @@ def _reserve_port(base_port: int | None) -> tuple[str, int]:
 
 def _set_params(machines: str, ports: list[int], tree_learner: str) -> None:
     """Runs in each worker: its parameters for ``get_network_params``."""
-    from ddptrain.context import get_context
 
     rank = get_context().get_world_rank()
     with _state_lock:

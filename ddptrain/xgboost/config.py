@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ddptrain.backend import Backend, BackendConfig
+from ddptrain.context import get_context
 from ddptrain.errors import ConfigError, LaunchError
 from ddptrain.xgboost._tracker import TrackerProcess
 
@@ -91,7 +92,6 @@ def _communicator_context() -> Iterator[None]:
 
 def _set_args(common: dict[str, Any], tracker_uris: list[str]) -> None:
     """Runs in each worker: its CommunicatorContext arguments."""
-    from ddptrain.context import get_context
 
     global _args
     rank = get_context().get_world_rank()
