@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ddptrain.data import _tf
-from ddptrain.data._batching import BATCH_FORMATS, batch_plan, gather, prefetch, to_pandas
+from ddptrain.data._batching import BATCH_FORMATS, to_pandas
+from ddptrain.data._passes import PassOptions, PassStats, run_pass
 from ddptrain.data.dataset import Dataset, Schema, check_positive_int, row_dicts
 
 if TYPE_CHECKING:
@@ -21,14 +20,6 @@ __all__ = ["DataIterator"]
 _ROWS_PER_CHUNK = 1024
 
 
-@dataclass
-class _Stats:
-    passes: int = 0
-    batches: int = 0
-    rows: int = 0
-    wait_s: float = 0.0
-
-
 class _Iterable:
     """An iterable that starts a new pass over the shard each time it is iterated."""
 
@@ -37,22 +28,6 @@ class _Iterable:
 
     def __iter__(self) -> Iterator[Any]:
         return self._start()
-
-
-def _check_options(
-    batch_size: int | None, drop_last: bool, buffer: int | None, seed: int | None, prefetch_batches: int
-) -> None:
-    if batch_size is not None:
-        check_positive_int("batch_size", batch_size)
-    if not isinstance(drop_last, bool):
-        raise ValueError(f"`drop_last` must be True or False, got {drop_last!r}.")
-    if buffer is not None:
-        check_positive_int("local_shuffle_buffer_size", buffer)
-        if batch_size is None:
-            raise ValueError("`local_shuffle_buffer_size` needs a `batch_size`; set one (e.g. `batch_size=256`).")
-    if seed is not None:
-        check_positive_int("local_shuffle_seed", seed, 0)
-    check_positive_int("prefetch_batches", prefetch_batches, 0)
 
 
 class DataIterator:
@@ -80,7 +55,7 @@ class DataIterator:
     def __init__(self, dataset: Dataset, description: str | None = None) -> None:
         self._dataset = dataset
         self._description = description or "dataset"
-        self._stats = _Stats()
+        self._stats = PassStats()
 
     # ----------------------------------------------------------------- facts
     def count(self) -> int:
@@ -112,77 +87,17 @@ class DataIterator:
     # ----------------------------------------------------------------- one pass
     def _pass(
         self,
-        batch_size: int | None,
-        drop_last: bool,
-        buffer: int | None,
-        seed: int | None,
+        options: PassOptions,
         finish: Callable[[dict[str, np.ndarray]], Any] | None,
-        prefetch_batches: int,
+        *,
         costly: bool,
         per_column: Callable[[np.ndarray], Any] | None = None,
     ) -> Iterator[Any]:
-        """Batches of one pass, counted and timed in :meth:`stats`.
-
-        Each batch is ``{column: per_column(rows)}``, then given to ``finish``. A background
-        thread prepares ``prefetch_batches`` batches ahead when preparing one does real work
-        (a shuffle gather, or ``costly`` formatting); batches of rows in order are views that
-        cost less than handing them over from a thread would.
-        """
-        self._stats.passes += 1
-        if buffer is None and not (prefetch_batches > 0 and costly):
-            return self._in_order(batch_size, drop_last, finish, per_column)
-        columns = self._dataset._columns
-        num_rows = self._dataset.count()
-
-        def produce() -> Iterator[tuple[int, Any]]:
-            for selection in batch_plan(num_rows, batch_size, drop_last, buffer, seed):
-                batch = gather(columns, selection)
-                if per_column is not None:
-                    batch = {name: per_column(values) for name, values in batch.items()}
-                rows = len(next(iter(batch.values()))) if batch else 0
-                yield rows, (finish(batch) if finish is not None else batch)
-
-        return self._timed(prefetch(produce, prefetch_batches) if prefetch_batches > 0 else produce())
-
-    def _timed(self, source: Iterator[tuple[int, Any]]) -> Iterator[Any]:
-        stats, clock = self._stats, time.perf_counter
-        started = clock()
-        for rows, out in source:
-            stats.wait_s += clock() - started
-            stats.batches += 1
-            stats.rows += rows
-            yield out
-            started = clock()
-
-    def _in_order(
-        self,
-        batch_size: int | None,
-        drop_last: bool,
-        finish: Callable[[dict[str, np.ndarray]], Any] | None,
-        per_column: Callable[[np.ndarray], Any] | None,
-    ) -> Iterator[Any]:
-        """The fast path: batches of consecutive rows, made of views on the shard."""
-        columns = list(self._dataset._columns.items())
-        num_rows = self._dataset.count()
-        size = batch_size or max(num_rows, 1)
-        stats, clock = self._stats, time.perf_counter
-        started = clock()
-        for start in range(0, num_rows, size):
-            stop = start + size
-            if stop > num_rows:
-                if drop_last:
-                    return
-                stop = num_rows
-            if per_column is None:
-                batch = {name: column[start:stop] for name, column in columns}
-            else:
-                batch = {name: per_column(column[start:stop]) for name, column in columns}
-            out = batch if finish is None else finish(batch)
-            stats.wait_s += clock() - started
-            stats.batches += 1
-            stats.rows += stop - start
-            yield out
-            started = clock()
+        """One pass over this shard, counted in :meth:`stats` (see ``_passes.run_pass``)."""
+        dataset = self._dataset
+        return run_pass(
+            dataset._columns, dataset.count(), self._stats, options, finish, costly=costly, per_column=per_column
+        )
 
     # ----------------------------------------------------------------- Ray's methods
     def iter_batches(
@@ -213,24 +128,14 @@ class DataIterator:
         Returns:
             An iterable; each ``for`` over it is a new pass over the shard.
         """
-        _check_options(batch_size, drop_last, local_shuffle_buffer_size, local_shuffle_seed, prefetch_batches)
+        options = PassOptions(batch_size, drop_last, local_shuffle_buffer_size, local_shuffle_seed, prefetch_batches)
         fmt = "default" if batch_format is None else batch_format
         if fmt not in BATCH_FORMATS:
             raise ValueError(
                 f"`batch_format` must be one of {', '.join(map(repr, BATCH_FORMATS))}, got {batch_format!r}."
             )
         finish = to_pandas if fmt == "pandas" else None
-        return _Iterable(
-            lambda: self._pass(
-                batch_size,
-                drop_last,
-                local_shuffle_buffer_size,
-                local_shuffle_seed,
-                finish,
-                prefetch_batches,
-                costly=finish is not None,
-            )
-        )
+        return _Iterable(lambda: self._pass(options, finish, costly=finish is not None))
 
     def iter_torch_batches(
         self,
@@ -266,8 +171,8 @@ class DataIterator:
             local_shuffle_seed: As in :meth:`iter_batches`.
             pin_memory: Copy batches through pinned memory to a CUDA device (ignored for the CPU).
         """
-        _check_options(batch_size, drop_last, local_shuffle_buffer_size, local_shuffle_seed, prefetch_batches)
-        from ddptrain.data import _torch
+        options = PassOptions(batch_size, drop_last, local_shuffle_buffer_size, local_shuffle_seed, prefetch_batches)
+        from ddptrain.data import _torch  # imports torch, which `import ddptrain` must not
 
         if collate_fn is not None and dtypes is not None:
             raise ValueError(
@@ -282,18 +187,7 @@ class DataIterator:
         convert = None if plain else collate_fn or _torch.tensor_converter(columns, dtypes)
         to_device = target is not None and target.type != "cpu"
         finish = _torch.moved(convert, target, pin_memory) if to_device and target is not None else convert
-        return _Iterable(
-            lambda: self._pass(
-                batch_size,
-                drop_last,
-                local_shuffle_buffer_size,
-                local_shuffle_seed,
-                finish,
-                prefetch_batches,
-                costly=to_device or not plain,
-                per_column=per_column,
-            )
-        )
+        return _Iterable(lambda: self._pass(options, finish, costly=to_device or not plain, per_column=per_column))
 
     def iter_rows(self, *, prefetch_batches: int = 1, prefetch_blocks: int = 0) -> Iterator[dict[str, Any]]:
         """The rows one by one, as dicts (Python scalars for scalar columns)."""
@@ -329,7 +223,7 @@ class DataIterator:
         ``DataLoader`` with ``batch_size=None`` and no worker processes): each DataLoader
         worker process would read the whole shard again.
         """
-        from ddptrain.data import _torch
+        from ddptrain.data import _torch  # imports torch, which `import ddptrain` must not
 
         known = self._dataset.columns()
         if label_column is not None and label_column not in known:

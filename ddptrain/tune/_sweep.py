@@ -1,6 +1,7 @@
 """The sweep loop: create trials, run each in its own thread as a real ``fit()``, route reports
 to the scheduler and searcher, bound concurrency by resources (driver side; what a trial
-reserves, here or on a host list, is counted in ``ddptrain.tune._resources``).
+reserves, here or on a host list, is counted in ``ddptrain.tune._resources``, and what runs in
+a trial's thread is ``ddptrain.tune._trial_run``).
 
 Why threads: a trial's "driver" is ddptrain's own driver loop (``fit()``), which spends its
 time waiting on its store and its agent's pipe; its workers are separate processes. Running
@@ -29,8 +30,8 @@ from ddptrain import _env, storage
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.config import CheckpointConfig, FailureConfig, RunConfig
 from ddptrain.progress import quiet
-from ddptrain.result import Result, read_metrics
 from ddptrain.tune._resources import Grant, Resources
+from ddptrain.tune._trial_run import call_function, fit_trainer, pick_up_checkpoints
 from ddptrain.tune.progress import StatusReporter
 from ddptrain.tune.schedulers import TrialScheduler
 from ddptrain.tune.search.basic_variant import BasicVariantGenerator
@@ -241,10 +242,10 @@ class Sweep:
             trial.write_params()
             if isinstance(self.trainable, TrainerTrainable):
                 with quiet():  # the sweep's own table says how each trial is doing
-                    self._fit_trainer(session, prepared, grant)
+                    fit_trainer(self.trainable, trial, prepared, grant, self.run_config, self.path)
                 fitted = True
             else:
-                self._call_function(trial)
+                call_function(self.trainable, trial, self.run_config.failure_config or FailureConfig())
             status = "TERMINATED"
         except TrialStopped:
             status = "RUNNING" if self._interrupted else "TERMINATED"
@@ -255,7 +256,7 @@ class Sweep:
             session.in_trainable = False
             _set_session(None)
         if isinstance(self.trainable, TrainerTrainable) and not fitted:
-            self._pick_up_checkpoints(trial)
+            pick_up_checkpoints(trial)
         with self._cond:
             trial.status = status
             trial.end_time = time.time()
@@ -266,89 +267,6 @@ class Sweep:
             self.reporter.trial_changed(trial)
             self._save(force=True)
             self._cond.notify_all()
-
-    def _trial_run_config(self, trial: Trial, trainer_callbacks: list[Any], gpu_ids: list[int]) -> RunConfig:
-        from ddptrain.tune.integration.ray_train import TuneReportCallback
-
-        base = self.run_config
-        runtime_env = dict(base.worker_runtime_env or {})
-        if gpu_ids:
-            env_vars = dict(runtime_env.get("env_vars") or {})
-            env_vars["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpu_ids)
-            runtime_env["env_vars"] = env_vars
-        return RunConfig(
-            name=os.path.basename(trial.path),
-            storage_path=self.path,
-            failure_config=base.failure_config,
-            checkpoint_config=base.checkpoint_config,
-            callbacks=[*trainer_callbacks, TuneReportCallback(add_checkpoint_path=False)],
-            worker_runtime_env=runtime_env,
-            logging_config=base.logging_config,
-        )
-
-    def _fit_trainer(self, session: TrialSession, prepared: PreparedTrial, grant: Grant) -> None:
-        from ddptrain.tune.integration.ray_train import TuneReportCallback
-
-        assert isinstance(self.trainable, TrainerTrainable) and prepared.trainer is not None
-        trial = session.trial
-        if os.path.exists(os.path.join(trial.path, "run.json")):  # restored: the fit resumes the run
-            trial.iteration = len(read_metrics(trial.path))
-        # The sweep adds its own TuneReportCallback: one the user added would report twice.
-        callbacks = [
-            c for c in self.trainable.trainer.run_config.callbacks or [] if not isinstance(c, TuneReportCallback)
-        ]
-        callbacks += [
-            c
-            for c in self.run_config.callbacks or []
-            if all(c is not o for o in callbacks) and not isinstance(c, TuneReportCallback)
-        ]
-        run_config = self._trial_run_config(trial, callbacks, session.gpu_ids)
-        result = self.trainable.run(prepared, run_config, grant.hosts)
-        trial.checkpoint = result.checkpoint
-        trial.best_checkpoints = result.best_checkpoints
-        trial.return_value = result.return_value
-
-    @staticmethod
-    def _pick_up_checkpoints(trial: Trial) -> None:
-        """A stopped or failed trainer trial: its committed checkpoints, from its run directory."""
-        if not os.path.exists(os.path.join(trial.path, "run.json")):
-            return
-        try:
-            result = Result.from_path(trial.path)
-        except Exception as exc:  # a broken index: the trial's own error says more
-            _logger.warning("ddptrain.tune: cannot read the checkpoints of %s: %r", trial.path, exc)
-            return
-        trial.checkpoint = result.checkpoint
-        trial.best_checkpoints = result.best_checkpoints
-
-    def _call_function(self, trial: Trial) -> None:
-        assert isinstance(self.trainable, FunctionTrainable)
-        failure_config = self.run_config.failure_config or FailureConfig()
-        if trial.checkpoint is not None:  # restored: reports go on from the checkpoint's iteration
-            number = os.path.basename(trial.checkpoint.path).removeprefix("checkpoint_")
-            if number.isdigit():
-                trial.iteration = int(number)
-                trial.truncate_results(trial.iteration)
-        elif trial.iteration or trial.last_result:  # restored without a checkpoint: from scratch
-            trial.iteration = 0
-            trial.truncate_results(0)
-        while True:
-            try:
-                trial.return_value = self.trainable.run(trial.config)
-                return
-            except Exception as exc:
-                trial.num_failures += 1
-                allowed = failure_config.max_failures
-                if allowed != -1 and trial.num_failures > allowed:
-                    raise
-                _logger.warning(
-                    "ddptrain.tune: trial %s failed (%r); restarting it from %s (failure %d of %s allowed)",
-                    trial.trial_id,
-                    exc,
-                    trial.checkpoint.path if trial.checkpoint else "scratch",
-                    trial.num_failures,
-                    "unlimited" if allowed == -1 else allowed,
-                )
 
     def _on_report(self, trial: Trial, metrics: dict[str, Any], checkpoint: Checkpoint | None) -> bool:
         """One report of a trial (in the trial's thread): record it, ask whether to stop."""

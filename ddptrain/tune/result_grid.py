@@ -9,6 +9,7 @@ from typing import Any
 
 from ddptrain.errors import DdpTrainError
 from ddptrain.result import Result
+from ddptrain.tune.progress import _flatten
 from ddptrain.tune.trial import Trial
 
 __all__ = ["ResultGrid", "TuneResult", "TuneError", "best_trial"]
@@ -154,8 +155,6 @@ class ResultGrid:
             import pandas as pd
         except ImportError:
             raise ImportError("`get_dataframe()` needs pandas: `pip install pandas`.") from None
-        from ddptrain.tune.progress import _flatten
-
         rows = []
         for trial in self._trials:
             row = dict(trial.last_result)

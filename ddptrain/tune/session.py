@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import ddptrain
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.errors import DdpTrainError
 from ddptrain.tune.trial import Trial
@@ -124,8 +125,6 @@ def _get_session() -> TrialSession | None:
 
 
 def _in_training_worker() -> bool:
-    import ddptrain
-
     try:
         ddptrain.get_context()
     except DdpTrainError:
@@ -152,8 +151,6 @@ def report(metrics: dict[str, Any], *, checkpoint: Checkpoint | None = None, **k
     session = _get_session()
     if session is None:
         if _in_training_worker():
-            import ddptrain
-
             ddptrain.report(metrics, checkpoint=checkpoint, **kwargs)
             return
         raise RuntimeError(
@@ -168,8 +165,6 @@ def get_checkpoint() -> Checkpoint | None:
     Inside a training function it is ``ddptrain.get_checkpoint()``."""
     session = _get_session()
     if session is None:
-        import ddptrain
-
         return ddptrain.get_checkpoint()
     return session.trial.checkpoint
 
