@@ -82,10 +82,9 @@ def connect(host: HostSpec, timeout_s: float) -> Any:
     key to that file; ``@revoked`` keys are always refused, ``@cert-authority`` lines are skipped
     (see ``ddptrain._known_hosts``). Passwords are never asked for.
     """
-    # paramiko (and the known-hosts reader built on it) load only when a host list is used.
-    import paramiko
+    import paramiko  # loaded only when a host list is used, as the known-hosts reader below
 
-    from ddptrain import _known_hosts
+    from ddptrain import _known_hosts  # built on paramiko
 
     client = paramiko.SSHClient()
     known_hosts = _env.ssh_known_hosts()

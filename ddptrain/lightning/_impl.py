@@ -19,6 +19,7 @@ from typing import Any
 from ddptrain import context
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.errors import ConfigError
+from ddptrain.torch.train_loop_utils import get_device
 
 __all__ = ["build_classes", "PACKAGES", "CHECKPOINT_NAME"]
 
@@ -44,8 +45,6 @@ def _warn_ignored_arguments(strategy_name: str, kwargs: dict[str, Any]) -> None:
 
 
 def _root_device() -> Any:
-    from ddptrain.torch.train_loop_utils import get_device
-
     return get_device()
 
 
