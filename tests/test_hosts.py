@@ -31,7 +31,7 @@ def test_host_file_with_comments_options_and_blank_lines(tmp_path: Path) -> None
     ("line", "message"),
     [
         ("gpu-1 slots=four", "hosts:1: `slots` must be a whole number, got 'four'"),
-        ("gpu-1 gpus=2", "hosts:1: unknown option 'gpus'"),
+        ("gpu-1 cores=2", "hosts:1: unknown option 'cores'"),
         ("gpu-1 slots", "expected `option=value`"),
         ("gpu-1 port=70000", "`port` out of range"),
         ("gpu-1 'unclosed", "cannot parse"),
