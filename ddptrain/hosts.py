@@ -5,16 +5,22 @@ A host file has one host per line, DeepSpeed's ``host slots=N`` plus ddptrain's 
     # name          options
     gpu-box-1       slots=4
     gpu-box-2       slots=4 user=alice port=2222 python=/opt/venv/bin/python workdir=/srv/train
+    gpu-box-3       gpus=0,1,3
     localhost       slots=2
 
 Blank lines and ``#`` comments are ignored. ``slots`` is how many workers the host runs
-(default: its GPU count with ``use_gpu``, else 1). The driver's own machine may be listed as
-``localhost`` (or its host name); it is then run without SSH.
+(default: its GPU count with ``use_gpu``, else 1). ``gpus`` are the GPU ids (as ``nvidia-smi``
+numbers them) its workers may use with ``use_gpu``: the host's agent runs with
+``CUDA_VISIBLE_DEVICES`` set to them, and without ``slots`` the host runs one worker per
+``gpus_per_worker`` of them. The driver's own machine may be listed as ``localhost`` (or its
+host name); it is then run without SSH.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import shlex
 import socket
 from dataclasses import dataclass, replace
@@ -23,9 +29,18 @@ from typing import Any
 
 from ddptrain.errors import ConfigError
 
-__all__ = ["HostSpec", "Placement", "parse_hostfile", "parse_hosts", "place_workers", "is_local"]
+__all__ = [
+    "HostSpec",
+    "Placement",
+    "gpus_needed",
+    "is_local",
+    "parse_hostfile",
+    "parse_hosts",
+    "place_workers",
+    "slots_for_gpus",
+]
 
-_OPTIONS = ("slots", "user", "port", "python", "workdir", "key")
+_OPTIONS = ("slots", "user", "port", "python", "workdir", "key", "gpus")
 
 
 @dataclass(frozen=True)
@@ -41,6 +56,9 @@ class HostSpec:
         workdir: Working directory of the workers (default: the driver's working directory).
         key: Private key file (default: ``~/.ssh/config``, then the SSH agent and ``~/.ssh/id_*``).
         address: Where to connect, after ``~/.ssh/config`` (``HostName``).
+        gpus: GPU ids the workers may use with ``use_gpu`` (host file: ``gpus=0,1,3``), as the
+            host numbers them; ``None``: every GPU of the host. Their agent gets
+            ``CUDA_VISIBLE_DEVICES`` set to these ids, overriding ``RunConfig`` env vars there.
     """
 
     name: str
@@ -51,6 +69,44 @@ class HostSpec:
     workdir: str | None = None
     key: str | None = None
     address: str | None = None
+    gpus: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.gpus is None:
+            return
+        problem = _gpus_problem(self.gpus)
+        if problem:
+            raise ConfigError(f"host {self.name!r}: {problem}, got {self.gpus!r}.")
+        object.__setattr__(self, "gpus", tuple(self.gpus))  # a list given in Python stays hashable
+
+
+def _gpus_problem(gpus: Any) -> str | None:
+    """What is wrong with a ``gpus`` value (``None``: nothing)."""
+    if not isinstance(gpus, (tuple, list)) or not all(type(g) is int and g >= 0 for g in gpus):
+        return "`gpus` must be GPU ids, whole numbers >= 0 (in a host file: `gpus=0,1,3`)"
+    if len(set(gpus)) != len(gpus):
+        return "`gpus` lists a GPU id more than once"
+    return None
+
+
+def _parse_gpus(value: str, where: str) -> tuple[int, ...]:
+    ids = tuple(int(part) if re.fullmatch("[0-9]+", part) else -1 for part in value.split(","))
+    problem = _gpus_problem(ids)
+    if problem:
+        raise ConfigError(f"{where}: {problem}, got {value!r}.")
+    return ids
+
+
+def slots_for_gpus(count: int, gpus_per_worker: float) -> int:
+    """Workers that ``count`` GPUs hold at ``gpus_per_worker`` each (below 1, workers share a GPU)."""
+    if gpus_per_worker >= 1:
+        return int(count // gpus_per_worker)
+    return int(count / gpus_per_worker)
+
+
+def gpus_needed(workers: int, gpus_per_worker: float) -> int:
+    """GPU ids that ``workers`` workers of one host need (the inverse of :func:`slots_for_gpus`)."""
+    return math.ceil(workers * gpus_per_worker - 1e-9)
 
 
 def _parse_line(text: str, where: str) -> HostSpec:
@@ -75,6 +131,8 @@ def _parse_line(text: str, where: str) -> HostSpec:
             if number < low or (key == "port" and number > 65535):
                 raise ConfigError(f"{where}: `{key}` out of range, got {number}.")
             values[key] = number
+        elif key == "gpus":
+            values[key] = _parse_gpus(value, where)
         else:
             values[key] = os.path.expanduser(value) if key in ("key",) else value
     return HostSpec(name=name, **values)

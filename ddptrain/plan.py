@@ -73,10 +73,16 @@ class Plan:
         return (repr(self.scaling_config), sorted(self.agent_env().items()), tuple(sys.path), os.getcwd())
 
     # ----------------------------------------------------------------- starting agents
-    def agent_env(self, remote: bool = False) -> dict[str, str]:
+    def agent_env(self, remote: bool = False, host: HostSpec | None = None) -> dict[str, str]:
         """Environment of an agent and its workers: the driver's own for a local agent; for a
         remote one only the variables meant for workers (the driver's PATH or HOME may not
-        exist there)."""
+        exist there).
+
+        A GPU group's agent on a ``host`` with ``gpus=`` sees only those GPUs: its workers'
+        devices (indices by local rank) then number them from 0. This overrides a
+        ``CUDA_VISIBLE_DEVICES`` of the run's env vars on that host, since the host list is what
+        says which GPUs of that host the run may use (a sweep hands each trial its own ones).
+        """
         env = _env.forwarded_env() if remote else dict(os.environ)
         env.update(self.env_vars)
         env.setdefault("OMP_NUM_THREADS", str(self.scaling_config._omp_num_threads()))
@@ -87,6 +93,8 @@ class Plan:
         env[_env.WORKER_MARKER] = "1"
         if self.scaling_config.use_gpu:
             env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+            if host is not None and host.gpus is not None:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu) for gpu in host.gpus)
         return env
 
     def new_launcher(self) -> Launcher:
@@ -96,9 +104,9 @@ class Plan:
 
         def start(host: HostSpec) -> tuple[HostLauncher, str]:
             if is_local(host):
-                return LocalLauncher(self.agent_env()), "127.0.0.1"
+                return LocalLauncher(self.agent_env(host=host)), "127.0.0.1"
             python = host.python or sys.executable
-            launcher = SSHLauncher(host, self.agent_env(remote=True), python, host.workdir or os.getcwd())
+            launcher = SSHLauncher(host, self.agent_env(remote=True, host=host), python, host.workdir or os.getcwd())
             return launcher, _env.driver_address() or launcher.local_address
 
         results: dict[int, tuple[HostLauncher, str] | BaseException] = {}

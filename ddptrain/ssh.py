@@ -28,7 +28,7 @@ from ddptrain._host_scripts import PID_LINE, PRESTART, STAGING_PREFIX, STORAGE_P
 from ddptrain._logs import LogSink
 from ddptrain.agent_session import AgentSession
 from ddptrain.errors import ConfigError, LaunchError
-from ddptrain.hosts import HostSpec, is_local
+from ddptrain.hosts import HostSpec, gpus_needed, is_local, slots_for_gpus
 from ddptrain.protocol import AgentEvent, Bootstrap
 
 __all__ = ["SSHLauncher", "connect", "remote_command", "run_program"]
@@ -147,38 +147,52 @@ def connect(host: HostSpec, timeout_s: float) -> Any:
 _GPU_PROBE = "nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true"
 
 
+def gpu_count(host: HostSpec) -> int:
+    """How many GPUs ``host`` has: torch's count here, ``nvidia-smi -L`` over SSH elsewhere."""
+    if is_local(host):
+        import torch
+
+        return torch.cuda.device_count()
+    client = connect(host, _env.ssh_connect_timeout_s())
+    try:
+        _, stdout, _ = client.exec_command(_GPU_PROBE, timeout=30)
+        return int(stdout.read().decode().strip() or 0)
+    finally:
+        client.close()
+
+
 def gpu_slots(hosts: list[HostSpec], gpus_per_worker: float) -> list[HostSpec]:
-    """Hosts without ``slots`` get one slot per ``gpus_per_worker`` GPUs, probed on the host.
+    """Hosts without ``slots`` get one slot per ``gpus_per_worker`` GPUs: of their ``gpus``,
+    else probed on the host.
 
     Raises:
-        ConfigError: A host without ``slots`` has no GPU.
+        ConfigError: A host without ``slots`` has no GPU, or a host's ``gpus`` are fewer than
+            its ``slots`` need.
     """
     from dataclasses import replace
 
-    probed: list[HostSpec] = []
+    counted: list[HostSpec] = []
     for host in hosts:
         if host.slots is not None:
-            probed.append(host)
+            needed = gpus_needed(host.slots, gpus_per_worker)
+            if host.gpus is not None and len(host.gpus) < needed:
+                raise ConfigError(
+                    f"host {host.name!r} runs {host.slots} worker(s) at {gpus_per_worker:g} GPU(s) each, which "
+                    f"need {needed} GPU(s), but its `gpus` lists {len(host.gpus)} "
+                    f"({','.join(map(str, host.gpus))}). List more `gpus=` or lower its `slots=`."
+                )
+            counted.append(host)
             continue
-        if is_local(host):
-            import torch
-
-            count = torch.cuda.device_count()
-        else:
-            client = connect(host, _env.ssh_connect_timeout_s())
-            try:
-                _, stdout, _ = client.exec_command(_GPU_PROBE, timeout=30)
-                count = int(stdout.read().decode().strip() or 0)
-            finally:
-                client.close()
-        slots = int(count // max(gpus_per_worker, 1e-9)) if gpus_per_worker >= 1 else int(count / gpus_per_worker)
+        count = len(host.gpus) if host.gpus is not None else gpu_count(host)
+        slots = slots_for_gpus(count, gpus_per_worker)
         if slots < 1:
+            where = "its `gpus` list" if host.gpus is not None else "nvidia-smi"
             raise ConfigError(
-                f"host {host.name!r} has no GPU that `use_gpu=True` could use (nvidia-smi lists {count}); "
+                f"host {host.name!r} has no GPU that `use_gpu=True` could use ({where} lists {count}); "
                 "give it `slots=` in the host list, or remove it."
             )
-        probed.append(replace(host, slots=slots))
-    return probed
+        counted.append(replace(host, slots=slots))
+    return counted
 
 
 def _child_path(folder: str, name: str) -> str | None:

@@ -313,3 +313,56 @@ def test_gpu_memory_is_released_after_fit(storage: str) -> None:
 def test_more_gpu_workers_than_gpus_is_a_clear_error(storage: str) -> None:
     with pytest.raises(train.ConfigError, match=r"asks for \d+ GPU\(s\).*torch sees \d+"):
         fit_gpu(devices_func, storage, num_workers=_gpus() + 1)
+
+
+# ----------------------------------------------------------------- a host list's `gpus=`
+def _host_gpu_ids() -> list[int]:
+    """This machine's GPU ids as a host list names them (``CUDA_VISIBLE_DEVICES`` if set)."""
+    import os
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return [int(i) for i in visible.split(",")] if visible else list(range(_gpus()))
+
+
+def gpus_seen() -> dict:
+    import os
+
+    x = torch.ones(2, device=get_device()) * 2
+    return {
+        "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "count": torch.cuda.device_count(),
+        "device": str(x.device),
+    }
+
+
+@needs_one_gpu
+def test_a_workers_gpu_is_the_one_its_host_lists(storage: str) -> None:
+    last = _host_gpu_ids()[-1]
+    result = TorchTrainer(
+        gpus_seen,
+        scaling_config=train.ScalingConfig(num_workers=1, use_gpu=True, hosts=[f"localhost gpus={last}"]),
+        run_config=train.RunConfig(storage_path=storage, worker_runtime_env={"env_vars": {"CUDA_VISIBLE_DEVICES": ""}}),
+    ).fit()
+    assert result.return_values == [{"visible": str(last), "count": 1, "device": "cuda:0"}]
+
+
+@needs_two_gpus
+def test_gpu_trials_on_one_host_get_their_own_gpus(storage: str) -> None:
+    from ddptrain import tune
+
+    first, second = _host_gpu_ids()[:2]
+    trainer = TorchTrainer(
+        gpus_seen,
+        scaling_config=train.ScalingConfig(num_workers=1, use_gpu=True, hosts=[f"localhost gpus={first},{second}"]),
+    )
+    tuner = tune.Tuner(
+        trainer,
+        param_space={"train_loop_config": {"trial": tune.grid_search([0, 1, 2, 3])}},
+        tune_config=tune.TuneConfig(total_cpus=1),
+        run_config=train.RunConfig(name="gpus", storage_path=storage),
+    )
+    results = tuner.fit()
+    assert results.num_errors == 0
+    seen = [r.return_value for r in results]
+    assert {s["visible"] for s in seen} <= {str(first), str(second)}
+    assert all(s["count"] == 1 and s["device"] == "cuda:0" for s in seen)

@@ -1,13 +1,19 @@
-"""Host lists: the file format, ~/.ssh/config lookups, and placement of ranks on hosts."""
+"""Host lists: the file format, ~/.ssh/config lookups, placement of ranks on hosts, and the
+GPUs (``gpus=``) each host's workers see."""
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import pytest
 
+import ddptrain as train
 from ddptrain.errors import ConfigError
 from ddptrain.hosts import HostSpec, parse_hostfile, parse_hosts, place_workers, with_ssh_config
+from ddptrain.plan import Plan
+from ddptrain.ssh import gpu_slots
 
 
 def test_host_file_with_comments_options_and_blank_lines(tmp_path: Path) -> None:
@@ -31,12 +37,17 @@ def test_host_file_with_comments_options_and_blank_lines(tmp_path: Path) -> None
     ("line", "message"),
     [
         ("gpu-1 slots=four", "hosts:1: `slots` must be a whole number, got 'four'"),
-        ("gpu-1 gpus=2", "hosts:1: unknown option 'gpus'"),
+        ("gpu-1 cores=2", "hosts:1: unknown option 'cores'"),
         ("gpu-1 slots", "expected `option=value`"),
         ("gpu-1 port=70000", "`port` out of range"),
         ("gpu-1 'unclosed", "cannot parse"),
         ("gpu-1\ngpu-1 slots=2", "listed twice"),
         ("# nothing\n\n", "no hosts listed"),
+        ("gpu-1 gpus=0,1,0", "hosts:1: `gpus` lists a GPU id more than once, got '0,1,0'"),
+        ("gpu-1 gpus=-1", "hosts:1: `gpus` must be GPU ids, whole numbers >= 0 .*, got '-1'"),
+        ("gpu-1 gpus=0,,1", "hosts:1: `gpus` must be GPU ids.*, got '0,,1'"),
+        ("gpu-1 gpus=cuda:0", "hosts:1: `gpus` must be GPU ids.*, got 'cuda:0'"),
+        ("gpu-1 slots=1\ngpu-2 gpus=", "hosts:2: expected `option=value`"),
     ],
 )
 def test_bad_host_files_name_the_line(tmp_path: Path, line: str, message: str) -> None:
@@ -85,3 +96,86 @@ def test_pack_fills_hosts_in_order_and_spread_deals_round_robin() -> None:
 def test_too_few_slots_is_a_clear_error() -> None:
     with pytest.raises(ConfigError, match=r"needs 5 slots, but the hosts have 3 \(a=2, b=1\)"):
         place_workers([HostSpec("a", slots=2), HostSpec("b")], 5)
+
+
+# ----------------------------------------------------------------- gpus=
+def test_gpus_lists_the_ids_a_host_lends(tmp_path: Path) -> None:
+    file = tmp_path / "hosts"
+    file.write_text("box1 gpus=0,1,3\nbox2 slots=1 gpus=2 user=me\n")
+    box1, box2 = parse_hostfile(file)
+    assert (box1.slots, box1.gpus) == (None, (0, 1, 3))
+    assert box2 == HostSpec("box2", slots=1, user="me", gpus=(2,))
+    assert parse_hosts(["a gpus=5"])[0].gpus == (5,)
+    assert HostSpec("b", gpus=[3, 1]).gpus == (3, 1)  # a list given in Python, kept in its order
+    assert parse_hosts(["c"])[0].gpus is None  # every GPU of the host
+
+
+@pytest.mark.parametrize("gpus", [(0, 0), (-1,), (True,), ("0",), "0,1"])
+def test_a_bad_gpus_of_a_host_spec_names_the_host(gpus: object) -> None:
+    with pytest.raises(ConfigError, match=r"host 'box': `gpus` (must be GPU ids|lists a GPU id more than once)"):
+        HostSpec("box", gpus=gpus)  # type: ignore[arg-type]
+
+
+def test_gpus_give_a_host_its_gpu_slots_without_a_probe() -> None:
+    # Not a real host: reaching it to count its GPUs would fail.
+    unknown = "no-such-host.invalid"
+    assert [h.slots for h in gpu_slots([HostSpec(unknown, gpus=(0, 1, 3))], 1)] == [3]
+    assert [h.slots for h in gpu_slots([HostSpec(unknown, gpus=(0, 1, 3))], 2)] == [1]
+    assert [h.slots for h in gpu_slots([HostSpec(unknown, gpus=(0, 1, 3))], 0.5)] == [6]
+    with pytest.raises(ConfigError, match=r"host 'no-such-host.invalid' has no GPU .*\(its `gpus` list lists 1\)"):
+        gpu_slots([HostSpec(unknown, gpus=(4,))], 2)
+
+
+def test_gpus_fewer_than_a_hosts_slots_need_is_an_error_before_anything_starts() -> None:
+    assert gpu_slots([HostSpec("box", slots=3, gpus=(0, 1))], 0.5)[0].slots == 3  # 3 halves fit on 2 GPUs
+    with pytest.raises(ConfigError, match=r"need 2 GPU\(s\), but its `gpus` lists 1 \(4\)"):
+        gpu_slots([HostSpec("box", slots=3, gpus=(4,))], 0.5)
+    scaling = train.ScalingConfig(num_workers=2, use_gpu=True, hosts=["box slots=2 gpus=1"])
+    with pytest.raises(ConfigError, match=r"host 'box' runs 2 worker\(s\) at 1 GPU\(s\) each, which need 2"):
+        Plan(scaling)
+    assert Plan(train.ScalingConfig(num_workers=2, hosts=["box slots=2 gpus=1"])).placement is not None  # CPU run
+
+
+def test_the_agent_of_a_host_with_gpus_sees_only_those() -> None:
+    hosts = ["box1 slots=2 gpus=1,3", "box2 slots=1", "localhost slots=1 gpus=2"]
+    run_env = {"CUDA_VISIBLE_DEVICES": "7"}
+    plan = Plan(train.ScalingConfig(num_workers=4, use_gpu=True, hosts=hosts), env_vars=run_env)
+    assert plan.placement is not None
+    box1, box2, local = plan.placement.hosts
+    assert plan.agent_env(remote=True, host=box1)["CUDA_VISIBLE_DEVICES"] == "1,3"  # the host list wins
+    assert plan.agent_env(remote=True, host=box2)["CUDA_VISIBLE_DEVICES"] == "7"  # it says nothing here
+    assert plan.agent_env(host=local)["CUDA_VISIBLE_DEVICES"] == "2"
+    # Workers index their devices by local rank inside what the agent sees.
+    assert [s["devices"] for s in plan.worker_specs(0, "127.0.0.1", 1) if s["node_rank"] == 0] == [[0], [1]]
+    cpu = Plan(train.ScalingConfig(num_workers=4, hosts=hosts), env_vars=run_env)
+    assert cpu.agent_env(remote=True, host=box1)["CUDA_VISIBLE_DEVICES"] == "7"  # CPU runs leave GPUs alone
+
+
+def _gpus_seen(config: dict) -> None:
+    rank = train.get_context().get_world_rank()
+    # SSH_CONNECTION names the port of the loopback sshd a remote worker came through.
+    port = os.environ.get("SSH_CONNECTION", "local").split()[-1]
+    record = {"port": port, "gpus": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    Path(config["out"], f"rank{rank}.json").write_text(json.dumps(record))
+
+
+@pytest.mark.ssh
+@pytest.mark.timeout(120)
+def test_workers_on_a_host_with_gpus_see_only_those(ssh, storage: str, tmp_path: Path) -> None:
+    # A CPU stand-in for a GPU run: DataParallelTrainer's workers touch no CUDA device, so
+    # `use_gpu=True` runs here, and each worker tells which GPUs its host let it see.
+    trainer = train.DataParallelTrainer(
+        _gpus_seen,
+        train_loop_config={"out": str(tmp_path)},
+        scaling_config=train.ScalingConfig(
+            num_workers=4, use_gpu=True, hosts=["h0 gpus=3,5", "h1 slots=1", "localhost slots=1 gpus=0"]
+        ),
+        run_config=train.RunConfig(
+            storage_path=storage, worker_runtime_env={"env_vars": {"CUDA_VISIBLE_DEVICES": "7"}}
+        ),
+    )
+    trainer.fit()
+    ports = {str(h.port): h.name for h in ssh.hosts}
+    records = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(4)]
+    seen = [(ports.get(r["port"], "localhost"), r["gpus"]) for r in records]
+    assert seen == [("h0", "3,5"), ("h0", "3,5"), ("h1", "7"), ("localhost", "0")]

@@ -1,4 +1,5 @@
-"""ddptrain.tune on a host list: trials share the hosts' slots and never oversubscribe a host.
+"""ddptrain.tune on a host list: trials share the hosts' slots (and GPU ids) and never
+oversubscribe a host.
 
 The accounting is tested without processes first (fast); then a real sweep over loopback sshd
 hosts (slow, ssh).
@@ -30,6 +31,7 @@ def _loop(config: dict[str, Any]) -> None:
         "trial": ctx.get_experiment_name(),
         "rank": ctx.get_world_rank(),
         "port": os.environ.get("SSH_CONNECTION", "").split()[3:],
+        "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "start": start,
         "end": time.time(),
     }
@@ -107,6 +109,72 @@ def test_gpu_trials_never_share_a_host() -> None:
     assert resources.acquire(gpu) is None
 
 
+def _held(grant: Any) -> list[tuple[str, int | None, tuple[int, ...] | None]]:
+    return [(h.name, h.slots, h.gpus) for h in grant.hosts]
+
+
+def test_gpu_trials_share_a_host_with_gpus_gpu_by_gpu() -> None:
+    resources = Resources(total_cpus=1, total_gpus=0)
+    gpu = _trainable(["h0 gpus=0,1"], use_gpu=True).prepare({"scaling_config": {"num_workers": 1}})
+    first, second = resources.acquire(gpu), resources.acquire(gpu)
+    assert first is not None and _held(first) == [("h0", 1, (0,))]
+    assert second is not None and _held(second) == [("h0", 1, (1,))]
+    assert resources.acquire(gpu) is None  # both GPUs are held: a third trial waits
+    resources.release(first)
+    third = resources.acquire(gpu)
+    assert third is not None and _held(third) == [("h0", 1, (0,))]  # GPU 0 came back to the pool
+    resources.release(second)
+    resources.release(third)
+    both = resources.acquire(_trainable(["h0 gpus=0,1"], use_gpu=True).prepare({}))
+    assert both is not None and _held(both) == [("h0", 2, (0, 1))]
+
+
+def test_gpu_trials_on_several_hosts_and_fractions_of_a_gpu() -> None:
+    pool = HostPool()
+    hosts = parse_hosts(["h0 slots=4 gpus=4,6", "h1 slots=2 gpus=2,3"])
+    spread = pool.take(hosts, 2, "SPREAD", use_gpu=True, gpus_per_worker=1)
+    assert spread is not None and [(h.name, h.gpus) for h in spread] == [("h0", (4,)), ("h1", (2,))]
+    halves = pool.take(hosts, 2, "PACK", use_gpu=True, gpus_per_worker=0.5)  # two workers on one GPU
+    assert halves is not None and [(h.name, h.slots, h.gpus) for h in halves] == [("h0", 2, (6,))]
+    # h0 has a slot left but no GPU: trials never share one, even at half a GPU per worker.
+    last = pool.take(hosts, 1, "PACK", use_gpu=True, gpus_per_worker=0.5)
+    assert last is not None and [(h.name, h.gpus) for h in last] == [("h1", (3,))]
+    assert pool.take(hosts, 1, "PACK", use_gpu=True, gpus_per_worker=0.5) is None
+    pool.give_back(spread, use_gpu=True)
+    assert pool.free_gpus(hosts[0]) == [4] and pool.free_gpus(hosts[1]) == [2]
+
+
+def test_a_host_without_gpus_is_held_whole_by_a_gpu_trial() -> None:
+    pool = HostPool()
+    whole = pool.take(parse_hosts(["h0 slots=2"]), 1, "PACK", use_gpu=True)
+    assert whole is not None  # its GPU ids are unknown: no other GPU trial may use h0
+    assert pool.take(parse_hosts(["h0 gpus=0,1"]), 1, "PACK", use_gpu=True) is None
+    pool.give_back(whole, use_gpu=True)
+    by_id = pool.take(parse_hosts(["h0 gpus=0,1"]), 1, "PACK", use_gpu=True)
+    assert by_id is not None and by_id[0].gpus == (0,)
+    assert pool.take(parse_hosts(["h0 slots=2"]), 1, "PACK", use_gpu=True) is None  # h0's GPU 0 is in use
+
+
+def test_a_host_without_slots_lends_the_gpus_it_has(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,5")  # this machine's GPUs, as its trials count them
+    resources = Resources(total_cpus=1, total_gpus=0)
+    gpu = _trainable(["localhost"], use_gpu=True).prepare({"scaling_config": {"num_workers": 1}})
+    assert resources.never_fits("t1", gpu) is None
+    first, second = resources.acquire(gpu), resources.acquire(gpu)
+    assert first is not None and _held(first) == [("localhost", 1, (2,))]
+    assert second is not None and _held(second) == [("localhost", 1, (5,))]
+    assert resources.acquire(gpu) is None
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    error = Resources(total_cpus=1, total_gpus=0).never_fits("t2", gpu)
+    assert isinstance(error, ConfigError) and "host 'localhost' has no GPU that `use_gpu=True` could use" in str(error)
+
+
+def test_gpus_fewer_than_a_trials_slots_need_is_an_error_before_it_starts() -> None:
+    prepared = _trainable(["h0 slots=2 gpus=0"], use_gpu=True).prepare({})
+    error = Resources(total_cpus=1, total_gpus=0).never_fits("t1", prepared)
+    assert isinstance(error, ConfigError) and "need 2 GPU(s), but its `gpus` lists 1 (0)" in str(error)
+
+
 def test_a_trial_larger_than_its_host_list_can_never_run() -> None:
     resources = Resources(total_cpus=1, total_gpus=0)
     prepared = _trainable(["h0 slots=2", "h1 slots=2"]).prepare({"scaling_config": {"num_workers": 5}})
@@ -169,3 +237,37 @@ def test_trials_on_a_host_list_run_as_its_slots_allow(ssh, storage: str, tmp_pat
         assert _max_overlap(on_host) <= 2
     spans = [(min(w["start"] for w in ws), max(w["end"] for w in ws)) for ws in by_trial.values()]
     assert _max_overlap(spans) == 2  # 2 trials at a time: 2 x 2 workers on 4 slots
+
+
+@pytest.mark.slow
+@pytest.mark.ssh
+@pytest.mark.timeout(120)
+def test_gpu_trials_on_one_host_see_disjoint_gpus(ssh, storage: str, tmp_path: Path) -> None:
+    # A CPU stand-in for GPU trials: DataParallelTrainer's workers touch no CUDA device, so
+    # `use_gpu=True` runs here, and each worker records the GPUs its host let it see.
+    out = tmp_path / "records"
+    out.mkdir()
+    trainer = train.DataParallelTrainer(
+        _loop,
+        train_loop_config={"out": str(out), "sleep": 1.5},
+        scaling_config=train.ScalingConfig(num_workers=1, use_gpu=True, hosts=["h0 gpus=3,5"]),
+    )
+    tuner = tune.Tuner(
+        trainer,
+        param_space={"train_loop_config": {"lr": tune.grid_search([1.0, 2.0, 3.0])}},
+        tune_config=tune.TuneConfig(metric="loss", mode="min", total_cpus=1),
+        # The host's `gpus=` wins over the run's own CUDA_VISIBLE_DEVICES there.
+        run_config=train.RunConfig(
+            name="gpus", storage_path=storage, worker_runtime_env={"env_vars": {"CUDA_VISIBLE_DEVICES": "7"}}
+        ),
+    )
+    results = tuner.fit()
+
+    assert len(results) == 3 and results.num_errors == 0
+    records = [json.loads(p.read_text()) for p in out.iterdir()]
+    assert len(records) == 3 and {r["gpus"] for r in records} <= {"3", "5"}
+    for i, one in enumerate(records):
+        for other in records[i + 1 :]:
+            if one["start"] < other["end"] and other["start"] < one["end"]:
+                assert one["gpus"] != other["gpus"]  # trials at once never see the same GPU
+    assert _max_overlap([(r["start"], r["end"]) for r in records]) == 2  # 2 GPUs: 2 trials at a time

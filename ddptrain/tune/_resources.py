@@ -11,11 +11,15 @@ on the slots the running trials left; it waits if they are too few, and fails at
 whole host list has fewer slots than it has workers. It then runs on exactly what it was
 given: its ``ScalingConfig.hosts`` becomes those hosts, each with ``slots=`` its workers there.
 
-Host lists have no GPU count: with ``use_gpu`` a host without ``slots`` gets one slot per
-``gpus_per_worker`` of its GPUs (probed once, as a plain ``fit()`` does). A worker uses the
-devices of its local rank on its host, so two GPU trials never share a host; a GPU trial may
-share one with CPU trials. The trial's driver runs here and reserves only the CPUs asked for
-with ``with_resources(trainer, {"CPU": n})``.
+With ``use_gpu``, GPU ids are shared out too. A host listed with ``gpus=`` (or without
+``slots``, whose GPUs are then counted once per sweep: ids ``0..n-1``) lends each GPU trial
+whole ids of its own, enough for its workers there at ``gpus_per_worker`` each (trials never
+share a GPU, even at a fraction of one per worker). The trial runs with that host's ``gpus=``
+set to its ids (its agent sees only them), waits while no placement has enough GPUs free, and
+gives them back when it ends. A host with ``slots`` but no ``gpus`` says nothing of which
+GPUs it has: its workers use the devices of their local ranks, so a GPU trial holds such a
+host whole, as before. GPU trials may share a host with CPU trials either way. The trial's
+driver runs here and reserves only the CPUs asked for with ``with_resources(trainer, {"CPU": n})``.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from dataclasses import dataclass, field
 
 from ddptrain import _env
 from ddptrain.errors import ConfigError
-from ddptrain.hosts import HostSpec, is_local, place_workers, with_ssh_config
+from ddptrain.hosts import HostSpec, gpus_needed, is_local, place_workers, slots_for_gpus, with_ssh_config
 from ddptrain.tune.trainable import PreparedTrial
 
 __all__ = ["Grant", "HostPool", "Resources"]
@@ -63,9 +67,9 @@ class Grant:
     Attributes:
         cpus: CPUs of this machine.
         gpu_ids: GPU ids of this machine.
-        hosts: Its share of a host list, each host with ``slots`` = its workers there
-            (``None``: the trial runs here).
-        use_gpu: Its workers on ``hosts`` use GPUs (the hosts are its own until it ends).
+        hosts: Its share of a host list, each host with ``slots`` = its workers there and,
+            for a GPU trial, ``gpus`` = the GPU ids it holds there (``None``: the trial runs here).
+        use_gpu: Its workers on ``hosts`` use GPUs.
     """
 
     cpus: float = 0.0
@@ -75,7 +79,7 @@ class Grant:
 
 
 class HostPool:
-    """The slots of every host the sweep's trials list, and what running trials hold of them.
+    """The slots and GPU ids of every host the sweep's trials list, and what running trials hold.
 
     Example:
         >>> pool = HostPool()
@@ -86,42 +90,67 @@ class HostPool:
         [('h1', 2)]
         >>> pool.take(hosts, 2, "PACK", use_gpu=False) is None  # waits for a trial to end
         True
+        >>> gpu_hosts = [HostSpec("g0", slots=2, gpus=(0, 1))]
+        >>> [h.gpus for h in pool.take(gpu_hosts, 1, "PACK", use_gpu=True)]
+        [(0,)]
+        >>> [h.gpus for h in pool.take(gpu_hosts, 1, "PACK", use_gpu=True)]
+        [(1,)]
     """
 
     def __init__(self) -> None:
         self._used: dict[_HostKey, int] = {}
-        self._gpu_holders: set[_HostKey] = set()
+        self._gpu_holders: set[_HostKey] = set()  # hosts without `gpus` that a GPU trial holds whole
+        self._gpus_held: dict[_HostKey, set[int]] = {}  # GPU ids of hosts with `gpus` that trials hold
 
     @staticmethod
     def total_slots(hosts: list[HostSpec]) -> int:
         """Slots of the whole list (a host without ``slots`` has 1, as ``place_workers`` counts)."""
         return sum(h.slots if h.slots is not None else 1 for h in hosts)
 
-    def free_slots(self, host: HostSpec, use_gpu: bool = False) -> int:
-        """Slots of ``host`` no running trial holds (0 for a GPU trial if a GPU trial holds it)."""
-        if use_gpu and _key(host) in self._gpu_holders:
-            return 0
+    def free_slots(self, host: HostSpec, use_gpu: bool = False, gpus_per_worker: float = 1.0) -> int:
+        """Workers ``host`` can take now: its slots no running trial holds, and for a GPU trial
+        no more than its free GPU ids hold (0 if GPU trials hold it whole or in part, when its
+        GPU ids are unknown)."""
         slots = host.slots if host.slots is not None else 1
-        return max(0, slots - self._used.get(_key(host), 0))
+        free = max(0, slots - self._used.get(_key(host), 0))
+        if not use_gpu:
+            return free
+        if _key(host) in self._gpu_holders:
+            return 0
+        if host.gpus is None:
+            return 0 if self._gpus_held.get(_key(host)) else free
+        return min(free, slots_for_gpus(len(self.free_gpus(host)), gpus_per_worker))
 
-    def take(self, hosts: list[HostSpec], num_workers: int, strategy: str, use_gpu: bool) -> list[HostSpec] | None:
-        """Place ``num_workers`` on the free slots of ``hosts``; ``None`` if they are too few now.
+    def free_gpus(self, host: HostSpec) -> list[int]:
+        """The ids of ``host``'s ``gpus`` that no running trial holds."""
+        held = self._gpus_held.get(_key(host), set())
+        return [gpu for gpu in host.gpus or () if gpu not in held]
 
-        Returns the hosts given, in list order, each with ``slots`` = its workers there.
+    def take(
+        self, hosts: list[HostSpec], num_workers: int, strategy: str, use_gpu: bool, gpus_per_worker: float = 1.0
+    ) -> list[HostSpec] | None:
+        """Place ``num_workers`` on the free slots (and GPUs) of ``hosts``; ``None`` if they are too few now.
+
+        Returns the hosts given, in list order, each with ``slots`` = its workers there and, for
+        a GPU trial on a host with ``gpus``, ``gpus`` = the ids it now holds there.
         """
-        free = [dataclasses.replace(h, slots=self.free_slots(h, use_gpu)) for h in hosts]
+        free = [dataclasses.replace(h, slots=self.free_slots(h, use_gpu, gpus_per_worker)) for h in hosts]
         free = [h for h in free if h.slots]
         if self.total_slots(free) < num_workers:
             return None
         placement = place_workers(free, num_workers, strategy)
-        given = [
-            dataclasses.replace(host, slots=len(ranks))
-            for host, ranks in zip(placement.hosts, placement.ranks, strict=True)
-        ]
+        given = []
+        for host, ranks in zip(placement.hosts, placement.ranks, strict=True):
+            gpus = host.gpus
+            if use_gpu and gpus is not None:
+                gpus = tuple(self.free_gpus(host)[: gpus_needed(len(ranks), gpus_per_worker)])
+            given.append(dataclasses.replace(host, slots=len(ranks), gpus=gpus))
         for host in given:
             self._used[_key(host)] = self._used.get(_key(host), 0) + (host.slots or 0)
-            if use_gpu:
+            if use_gpu and host.gpus is None:
                 self._gpu_holders.add(_key(host))
+            elif use_gpu:
+                self._gpus_held.setdefault(_key(host), set()).update(host.gpus or ())
         return given
 
     def give_back(self, given: list[HostSpec], use_gpu: bool) -> None:
@@ -132,8 +161,14 @@ class HostPool:
                 self._used[_key(host)] = left
             else:
                 self._used.pop(_key(host), None)
-            if use_gpu:
+            if use_gpu and host.gpus is None:
                 self._gpu_holders.discard(_key(host))
+            elif use_gpu:
+                held = self._gpus_held.get(_key(host), set()) - set(host.gpus or ())
+                if held:
+                    self._gpus_held[_key(host)] = held
+                else:
+                    self._gpus_held.pop(_key(host), None)
 
 
 class Resources:
@@ -152,7 +187,7 @@ class Resources:
         self._all_gpus: list[int] | None = None
         self._free_gpus: list[int] = []
         self.hosts = HostPool()
-        self._probed: dict[_HostKey, int] = {}
+        self._probed: dict[_HostKey, tuple[int, ...]] = {}  # GPU ids of hosts counted for GPU trials
 
     def _gpu_ids(self) -> list[int]:
         if self._all_gpus is None:
@@ -163,23 +198,33 @@ class Resources:
     def host_list(self, prepared: PreparedTrial) -> list[HostSpec] | None:
         """The trial's host list with every ``slots`` known (``None``: it runs here).
 
-        With ``use_gpu``, a host without ``slots`` is probed for its GPUs once per sweep.
+        With ``use_gpu``, a host with neither ``slots`` nor ``gpus`` is probed for its GPUs once
+        per sweep and gets ``gpus`` = their ids, so that trials can share it GPU by GPU.
         """
         if prepared.hosts is None or prepared.trainer is None:
             return None
         scaling = prepared.trainer.scaling_config
-        if not scaling.use_gpu or all(h.slots is not None for h in prepared.hosts):
+        if not scaling.use_gpu:
             return prepared.hosts
-        from ddptrain.ssh import gpu_slots
+        from ddptrain.ssh import gpu_count, gpu_slots
 
         hosts = []
         for host in prepared.hosts:
-            if host.slots is None and _key(host) not in self._probed:
-                probe = host if is_local(host) else with_ssh_config(host, _env.ssh_config_path())
-                self._probed[_key(host)] = gpu_slots([probe], scaling.num_gpus_per_worker)[0].slots or 0
-            slots = host.slots if host.slots is not None else self._probed[_key(host)]
-            hosts.append(dataclasses.replace(host, slots=slots))
-        return hosts
+            if host.slots is None and host.gpus is None:
+                if _key(host) not in self._probed:
+                    if is_local(host):  # the ids this process sees, as local trials count them
+                        ids = _gpu_pool(None)
+                    else:
+                        ids = list(range(gpu_count(with_ssh_config(host, _env.ssh_config_path()))))
+                    self._probed[_key(host)] = tuple(ids)
+                if not self._probed[_key(host)]:
+                    raise ConfigError(
+                        f"host {host.name!r} has no GPU that `use_gpu=True` could use; "
+                        "give it `slots=` or `gpus=` in the host list, or remove it."
+                    )
+                host = dataclasses.replace(host, gpus=self._probed[_key(host)])
+            hosts.append(host)
+        return gpu_slots(hosts, scaling.num_gpus_per_worker)
 
     def never_fits(self, trial_id: str, prepared: PreparedTrial) -> Exception | None:
         """Why the trial can never start, even alone (``None``: it can, now or later)."""
@@ -219,7 +264,9 @@ class Resources:
         if hosts is not None:
             assert prepared.trainer is not None
             scaling = prepared.trainer.scaling_config
-            given = self.hosts.take(hosts, scaling.num_workers, scaling.placement_strategy, scaling.use_gpu)
+            given = self.hosts.take(
+                hosts, scaling.num_workers, scaling.placement_strategy, scaling.use_gpu, scaling.num_gpus_per_worker
+            )
             if given is None:
                 return None
             grant.hosts, grant.use_gpu = given, scaling.use_gpu
