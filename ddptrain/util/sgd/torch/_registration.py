@@ -1,7 +1,7 @@
 """What ``TrainingOperator.register`` and ``register_data`` do to the components a user hands
-them: accept each as one object or a list/tuple, check the models, wrap them in
-``DistributedDataParallel``, give a ``DataLoader`` a ``DistributedSampler``, and hand the
-components back in the shape they came in.
+them: accept each as one object or a list/tuple (and hand it back in that shape), check the
+models, wrap them in ``DistributedDataParallel``, and give a ``DataLoader`` a
+``DistributedSampler``.
 
 Kept apart from the operator so that the class shows the RaySGD API a user overrides, and this
 module the rules that apply to every subclass alike.
@@ -48,21 +48,9 @@ def wrap_ddp(
     return [DistributedDataParallel(model, device_ids=ids, **(ddp_args or {})) for model in models]
 
 
-def shaped_like(
-    models: tuple[list[Any], Any], optimizers: tuple[list[Any], Any], criterion: Any, schedulers: tuple[list[Any], Any]
-) -> Any:
-    """What ``register`` returns: ``(models, optimizers[, criterion][, schedulers])``, each
-    given as ``(registered list, what the user passed)`` and returned single or as a tuple
-    as it was passed; a lone component comes back alone."""
-    returned: list[Any] = [_like(*models), _like(*optimizers)]
-    if criterion is not None:
-        returned.append(criterion)
-    if schedulers[0]:
-        returned.append(_like(*schedulers))
-    return tuple(returned) if len(returned) > 1 else returned[0]
-
-
-def _like(items: list[Any], given: Any) -> Any:
+def as_given(items: list[Any], given: Any) -> Any:
+    """``items`` in the shape the user passed them: a tuple if ``given`` was a list or tuple,
+    else the one item."""
     return tuple(items) if isinstance(given, (list, tuple)) else items[0]
 
 

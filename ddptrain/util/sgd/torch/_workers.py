@@ -14,7 +14,7 @@ import logging
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeAlias
 
 from ddptrain.errors import WorkerGroupError
 from ddptrain.hosts import HostSpec
@@ -26,7 +26,7 @@ __all__: list[str] = []
 
 _logger = logging.getLogger(__name__)
 
-State = dict[str, Any] | bytes | None
+State: TypeAlias = dict[str, Any] | bytes | None
 """A state dict, or one pickled by rank 0 (``_runner.train``) or the driver; ``None``: none yet."""
 
 

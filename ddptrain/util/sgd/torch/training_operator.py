@@ -19,7 +19,7 @@ import torch
 from ddptrain.errors import ConfigError
 from ddptrain.util.sgd.torch._creators import operator_from_creators
 from ddptrain.util.sgd.torch._progress import EpochProgress
-from ddptrain.util.sgd.torch._registration import as_list, checked_models, shaped_like, with_sampler, wrap_ddp
+from ddptrain.util.sgd.torch._registration import as_given, as_list, checked_models, with_sampler, wrap_ddp
 from ddptrain.util.sgd.torch.constants import NUM_STEPS as NUM_STEPS  # re-exported: it was defined here
 from ddptrain.util.sgd.torch.constants import SCHEDULER_STEP_BATCH, SCHEDULER_STEP_EPOCH
 from ddptrain.util.sgd.torch.constants import SCHEDULER_STEP_MANUAL as SCHEDULER_STEP_MANUAL  # re-exported
@@ -156,9 +156,12 @@ class TrainingOperator:
         self.optimizer = optimizer_list[0] if optimizer_list else None
         self.scheduler = scheduler_list[0] if scheduler_list else None
         self.criterion = criterion
-        return shaped_like(
-            (self._models, models), (optimizer_list, optimizers), criterion, (scheduler_list, schedulers)
-        )
+        returned: list[Any] = [as_given(self._models, models), as_given(optimizer_list, optimizers)]
+        if criterion is not None:
+            returned.append(criterion)
+        if scheduler_list:
+            returned.append(as_given(scheduler_list, schedulers))
+        return tuple(returned) if len(returned) > 1 else returned[0]
 
     def register_data(
         self, *, train_loader: Iterable[Any] | None = None, validation_loader: Iterable[Any] | None = None
