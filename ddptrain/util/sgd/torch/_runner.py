@@ -7,14 +7,18 @@ runs the same collectives on each (DDP's gradient averaging, the sampler's epoch
 
 from __future__ import annotations
 
+import copy
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import cloudpickle
 import torch
 
-from ddptrain.util.sgd.torch.training_operator import NUM_STEPS, TrainingOperator, _iterate
+from ddptrain.context import get_context
+from ddptrain.torch.train_loop_utils import get_device
+from ddptrain.util.sgd.torch.constants import NUM_STEPS
+from ddptrain.util.sgd.torch.training_operator import TrainingOperator
 
 __all__: list[str] = []
 
@@ -132,6 +136,17 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
+def _iterate(loader: Iterable[Any], num_steps: int | None) -> Iterator[Any]:
+    """The batches of one ``train()``/``validate()`` call: all of ``loader``, or its first ``num_steps``."""
+    if num_steps is None:
+        yield from loader
+        return
+    for index, batch in enumerate(loader):
+        if index >= num_steps:
+            return
+        yield batch
+
+
 _runner: Runner | None = None
 
 
@@ -152,13 +167,10 @@ def setup(
     """Run the initialization hook, build this worker's operator, and load ``state`` (a state
     dict, or one pickled by :func:`train`) if given."""
     global _runner
-    import ddptrain
-    from ddptrain.torch import get_device
-
     _runner = None
     if initialization_hook is not None:
         initialization_hook()
-    context = ddptrain.get_context()
+    context = get_context()
     device = get_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -203,8 +215,6 @@ def load_state_dict(state: dict[str, Any] | bytes) -> None:
 def get_models(to_cpu: bool) -> list[torch.nn.Module]:
     models = _current().operator._get_original_models()
     if to_cpu:
-        import copy
-
         models = [copy.deepcopy(model).cpu() for model in models]
     return models
 

@@ -6,7 +6,11 @@ trial reports. ``ddptrain.tune`` is imported only when this is used.
 
 from __future__ import annotations
 
+import os
+import tempfile
 from typing import TYPE_CHECKING, Any
+
+from ddptrain.checkpoint import Checkpoint
 
 if TYPE_CHECKING:
     from ddptrain.util.sgd.torch.torch_trainer import TorchTrainer
@@ -20,11 +24,8 @@ def as_trainable(trainer_cls: type[TorchTrainer], *args: Any, **kwargs: Any) -> 
     trains and reports until the sweep stops it. The trial's checkpoint, if any, is loaded
     first; every ``checkpoint_freq`` iterations (ddptrain's own keyword; 0, the default:
     never) a checkpoint is reported with the metrics."""
-    import os
-    import tempfile
-
+    # Here, not at the top: `import ddptrain.util.sgd` must not import ddptrain.tune (see above).
     from ddptrain import tune
-    from ddptrain.checkpoint import Checkpoint
 
     if args:
         raise TypeError("TorchTrainer.as_trainable takes keyword arguments only, as TorchTrainer does.")

@@ -2,9 +2,10 @@
 called on them as often as the program likes, and restarted from the last state when one dies.
 
 Each worker holds one :class:`TrainingOperator` (``_runner``); the trainer runs functions on
-them through a :class:`~ddptrain.worker_group.WorkerGroup`. After every successful
-``train()`` rank 0's state (models, optimizers, schedulers, scaler, operator state) comes back
-with the metrics and stays on the driver: that is what a restarted group resumes from.
+them through a :class:`~ddptrain.worker_group.WorkerGroup`, which ``_workers`` holds and
+replaces. After every successful ``train()`` rank 0's state (models, optimizers, schedulers,
+scaler, operator state) comes back with the metrics and stays on the driver: that is what a
+restarted group resumes from. This module decides when to retry and when to grow back.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -23,9 +23,11 @@ from ddptrain.config import ScalingConfig
 from ddptrain.errors import ConfigError, LaunchError, WorkerGroupError
 from ddptrain.hosts import HostSpec, parse_hosts
 from ddptrain.torch.config import TorchConfig
-from ddptrain.util.sgd.torch import _runner
-from ddptrain.util.sgd.torch._recovery import PendingCall, discard, first_line, lost_worker, start_what_starts
-from ddptrain.util.sgd.torch.training_operator import VALID_SCHEDULER_STEP, TrainingOperator
+from ddptrain.util.sgd.torch import _runner, _tune
+from ddptrain.util.sgd.torch._arguments import check_arguments
+from ddptrain.util.sgd.torch._recovery import discard, first_line, lost_worker
+from ddptrain.util.sgd.torch._workers import State, Workers
+from ddptrain.util.sgd.torch.training_operator import TrainingOperator
 from ddptrain.util.sgd.utils import BATCH_SIZE, reduce_worker_stats
 from ddptrain.worker_group import WorkerGroup
 
@@ -97,25 +99,15 @@ class TorchTrainer:
         hosts: str | os.PathLike[str] | list[Any] | None = None,
         log_dir: str | os.PathLike[str] | None = None,
     ) -> None:
-        if not (isinstance(training_operator_cls, type) and issubclass(training_operator_cls, TrainingOperator)):
-            raise ConfigError(
-                f"`training_operator_cls` must be a subclass of TrainingOperator, got {training_operator_cls!r}. "
-                "For creator functions use `TrainingOperator.from_creators(...)`."
-            )
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-            raise ConfigError(f"`num_workers` must be an integer >= 1, got {num_workers!r}.")
-        if scheduler_step_freq not in VALID_SCHEDULER_STEP:
-            raise ConfigError(
-                f"`scheduler_step_freq` must be one of {VALID_SCHEDULER_STEP}, got {scheduler_step_freq!r}."
-            )
-        if use_gpu == "auto":
-            use_gpu = torch.cuda.is_available()
-        if not isinstance(use_gpu, bool):
-            raise ConfigError(f"`use_gpu` must be True, False or 'auto', got {use_gpu!r}.")
-        if use_fp16 == "apex" or apex_args:
-            warnings.warn("Apex is not used: ddptrain's `use_fp16` is torch.amp; `apex_args` is ignored.", stacklevel=2)
-        if config is not None and not isinstance(config, dict):
-            raise ConfigError(f"`config` must be a dict, got {type(config).__name__}.")
+        use_gpu = check_arguments(
+            training_operator_cls=training_operator_cls,
+            num_workers=num_workers,
+            scheduler_step_freq=scheduler_step_freq,
+            use_gpu=use_gpu,
+            use_fp16=use_fp16,
+            apex_args=apex_args,
+            config=config,
+        )
         self.training_operator_cls = training_operator_cls
         self.initialization_hook = initialization_hook
         self.config: dict[str, Any] = dict(config or {})
@@ -133,20 +125,15 @@ class TorchTrainer:
         }
         self._hosts: list[HostSpec] | None = parse_hosts(hosts) if hosts is not None else None
         self._log_dir = log_dir
-        self._group: WorkerGroup | None = None
-        # Rank 0's state after the last successful call (pickled by rank 0 after a train()).
-        self._state: dict[str, Any] | bytes | None = None
-        self._local: _runner.Runner | None = None
-        self._num_failures = 0
-        self._last_resize = time.monotonic()  # when the group last shrank or tried to grow
-        self._pending: PendingCall | None = None  # a load_state_dict(blocking=False) under way
-        self._group = self._start(num_workers, self._hosts, None)
+        # A local operator (get_local_operator), and the worker group generation it was built for.
+        self._local: tuple[int, _runner.Runner] | None = None
+        self._workers = Workers(self._start, num_workers, self._hosts)
 
     # ----------------------------------------------------------------- workers
     @property
     def worker_count(self) -> int:
         """Workers running now (fewer than ``num_workers`` after a failure that shrank the group)."""
-        return len(self._group) if self._group is not None else 0
+        return self._workers.count
 
     def _worker_config(self, workers: int) -> dict[str, Any]:
         config = dict(self.config)
@@ -162,7 +149,7 @@ class TorchTrainer:
             config[BATCH_SIZE] = max(1, total // workers)
         return config
 
-    def _start(self, workers: int, hosts: list[HostSpec] | None, state: dict[str, Any] | bytes | None) -> WorkerGroup:
+    def _start(self, workers: int, hosts: list[HostSpec] | None, state: State) -> WorkerGroup:
         scaling = ScalingConfig(
             num_workers=workers,
             use_gpu=self.use_gpu,
@@ -184,34 +171,15 @@ class TorchTrainer:
             raise
         return group
 
-    def _restart(self) -> None:
-        """Replace a failed group: as many workers as will start (``num_workers`` at most),
-        resuming from the last state kept on the driver."""
-        if self._group is not None:
-            discard(self._group)
-            self._group = None
-        self._local = None
-        group = start_what_starts(
-            lambda workers, hosts: self._start(workers, hosts, self._state), self.num_workers, self._hosts
-        )
-        if len(group) < self.num_workers:
-            message = (
-                f"ddptrain: only {len(group)} of {self.num_workers} workers could be started; training "
-                f"goes on with {len(group)} (it tries to grow back before later train() calls)."
-            )
-            _logger.warning(message)
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
-            self._last_resize = time.monotonic()
-        self._group = group
-
     def _maybe_grow(self) -> None:
         """Back to ``num_workers`` when they can start again (tried at most every ``_GROW_INTERVAL_S``:
         each try starts a whole group)."""
-        if self._group is None or len(self._group) >= self.num_workers:
+        workers = self._workers
+        if workers.group is None or workers.count >= self.num_workers:
             return
-        if time.monotonic() - self._last_resize < _GROW_INTERVAL_S:
+        if time.monotonic() - workers.last_resize < _GROW_INTERVAL_S:
             return
-        self._last_resize = time.monotonic()
+        workers.last_resize = time.monotonic()
         try:
             state = self.state_dict()
             group = self._start(self.num_workers, self._hosts, state)
@@ -219,46 +187,7 @@ class TorchTrainer:
             _logger.info("ddptrain: still fewer workers than num_workers: %s", exc)
             return
         _logger.warning("ddptrain: back to %d workers", self.num_workers)
-        self._group.shutdown()
-        self._group, self._state, self._local = group, state, None
-
-    def _live_group(self) -> WorkerGroup:
-        if self._group is None:
-            raise RuntimeError("This TorchTrainer was shut down.")
-        return self._group
-
-    def _settle(self) -> None:
-        """Wait for a ``load_state_dict(blocking=False)`` still under way; its failure ends the
-        group and is raised here. Once it succeeded, its state is what a restart resumes from."""
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        try:
-            pending.wait()
-        except WorkerGroupError as exc:
-            discard(pending.group)
-            if lost_worker(exc):  # the state was fine: a restart loads it
-                self._state = pending.state
-            raise
-        self._state = pending.state
-
-    def _ready_group(self) -> WorkerGroup:
-        """The group, once a pending call is done, restarted first if it failed."""
-        self._live_group()
-        self._settle()
-        if not self._live_group().alive:
-            self._restart()
-        return self._live_group()
-
-    def _call(self, fn: Callable[..., Any], *args: Any, rank: int | None = None) -> Any:
-        """``fn(*args)`` on every worker (or on ``rank``); a failure ends the group (the next
-        call starts a new one)."""
-        group = self._ready_group()
-        try:
-            return group.execute(fn, *args) if rank is None else group.execute_single(rank, fn, *args)
-        except WorkerGroupError:
-            discard(group)
-            raise
+        workers.replace(group, state)
 
     # ----------------------------------------------------------------- training
     def train(
@@ -291,25 +220,21 @@ class TorchTrainer:
         if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
             raise ConfigError(f"`max_retries` must be an integer >= 0, got {max_retries!r}.")
         try:
-            self._settle()
+            self._workers.settle()
         except WorkerGroupError as exc:  # a load_state_dict(blocking=False) failed
             if not lost_worker(exc):
-                raise
-            self._num_failures += 1  # a worker was lost meanwhile: restarted below
-        self._ready_group()
+                raise  # else a worker was lost meanwhile: restarted below
+        self._workers.ready()
         self._maybe_grow()
         for attempt in range(max_retries + 1):
-            group = self._live_group()
+            group = self._workers.live()
             try:
                 results = group.execute(_runner.train, num_steps, profile, info, True)
                 break
             except WorkerGroupError as exc:
                 lost = lost_worker(exc, group)
                 discard(group)
-                if not lost:
-                    raise
-                self._num_failures += 1
-                if attempt == max_retries:
+                if not lost or attempt == max_retries:
                     raise
                 _logger.warning(
                     "ddptrain: a worker was lost during train() (%s); restarting the workers from the last "
@@ -318,9 +243,9 @@ class TorchTrainer:
                     attempt + 1,
                     max_retries,
                 )
-                self._restart()
+                self._workers.restart()
         stats = [worker_stats for worker_stats, _ in results]
-        self._state = results[0][1]
+        self._workers.state = results[0][1]
         return reduce_worker_stats(stats) if reduce_results else stats
 
     def validate(
@@ -336,29 +261,29 @@ class TorchTrainer:
         Not retried: if a worker dies, this raises ``WorkerGroupError`` (never hangs), and the
         next call on this trainer first restarts the workers from the last state.
         """
-        stats = self._call(_runner.validate, num_steps, profile, info)
+        stats = self._workers.call(_runner.validate, num_steps, profile, info)
         return reduce_worker_stats(stats) if reduce_results else stats
 
     def update_scheduler(self, metric: Any) -> None:
         """``scheduler.step(metric)`` for every registered scheduler on every worker (for
         ``scheduler_step_freq="manual"``, e.g. ``ReduceLROnPlateau``)."""
-        self._call(_runner.update_scheduler, metric)
-        self._state = self.state_dict()
+        self._workers.call(_runner.update_scheduler, metric)
+        self._workers.state = self.state_dict()
 
     def apply_all_workers(self, fn: Callable[[], Any]) -> list[Any]:
         """Run ``fn()`` on every worker; results in rank order."""
-        return self._call(fn)
+        return self._workers.call(fn)
 
     def apply_all_operators(self, fn: Callable[[TrainingOperator], Any]) -> list[Any]:
         """Run ``fn(operator)`` on every worker's operator; results in rank order. Changes it
         makes are not in the driver's saved state until the next ``train()``."""
-        return self._call(_runner.apply_operator, fn)
+        return self._workers.call(_runner.apply_operator, fn)
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
         """Rank 0's state: ``epoch``, ``models``, ``optimizers``, ``schedulers``, ``amp``,
         ``operator`` (your ``TrainingOperator.state_dict()``), tensors on the CPU."""
-        return self._call(_runner.state_dict, rank=0)
+        return self._workers.call(_runner.state_dict, rank=0)
 
     def load_state_dict(self, state_dict: dict[str, Any], blocking: bool = False) -> None:
         """Load ``state_dict`` (from :meth:`state_dict` or :meth:`save`) into every worker.
@@ -369,17 +294,8 @@ class TorchTrainer:
         loading failed. ``blocking=True`` returns when every worker has loaded it.
         """
         data = cloudpickle.dumps(state_dict)
-        group = self._ready_group()
         self._local = None
-        if not blocking:
-            self._pending = PendingCall(group, data, _runner.load_state_dict, data)
-            return
-        try:
-            group.execute(_runner.load_state_dict, data)
-        except WorkerGroupError:
-            discard(group)
-            raise
-        self._state = data
+        self._workers.load(data, blocking)
 
     def save(self, checkpoint: str | os.PathLike[str]) -> str:
         """Write :meth:`state_dict` to the file ``checkpoint`` with ``torch.save``; returns its path."""
@@ -393,7 +309,7 @@ class TorchTrainer:
     def get_model(self, to_cpu: bool = False) -> Any:
         """The trained model(s) of rank 0, unwrapped (no DDP), in this process: the model, or
         a list when several were registered."""
-        models = self._call(_runner.get_models, to_cpu, rank=0)
+        models = self._workers.call(_runner.get_models, to_cpu, rank=0)
         return models[0] if len(models) == 1 else models
 
     def get_local_operator(self) -> TrainingOperator:
@@ -401,37 +317,23 @@ class TorchTrainer:
         holding rank 0's current state. Each call refreshes it; changing it does not change
         the workers."""
         state = self.state_dict()
-        if self._local is None:
+        if self._local is None or self._local[0] != self._workers.generation:
             device = torch.device("cuda", torch.cuda.current_device()) if self.use_gpu else torch.device("cpu")
             options = {**self._options, "wrap_ddp": False, "add_dist_sampler": False, "use_tqdm": False}
-            self._local = _runner.Runner(
+            runner = _runner.Runner(
                 self.training_operator_cls, self._worker_config(self.worker_count), options, 0, 0, 1, device
             )
-        self._local.load_state_dict(state)
-        return self._local.operator
+            self._local = (self._workers.generation, runner)
+        runner = self._local[1]
+        runner.load_state_dict(state)
+        return runner.operator
 
     # ----------------------------------------------------------------- shutdown
     def shutdown(self, force: bool = False) -> None:
         """Stop every worker (``force``: without letting operators clean up). A
         ``load_state_dict(blocking=False)`` under way is waited for first. Safe to call twice."""
-        group, self._group = self._group, None
         self._local = None
-        if group is None:
-            return
-        try:  # a load_state_dict(blocking=False) under way first (its thread owns the group until then)
-            self._settle()
-        except WorkerGroupError as exc:
-            _logger.warning("ddptrain: loading a state failed before the shutdown (ignored): %s", first_line(exc))
-        if force or not group.alive:
-            discard(group)
-            return
-        try:
-            group.execute(_runner.teardown)
-        except WorkerGroupError as exc:
-            _logger.warning("ddptrain: a worker failed while shutting down (ignored): %s", first_line(exc))
-            discard(group)
-            return
-        group.shutdown()
+        self._workers.shutdown(force)
 
     def __enter__(self) -> TorchTrainer:
         return self
@@ -443,6 +345,4 @@ class TorchTrainer:
     def as_trainable(cls, *args: Any, **kwargs: Any) -> Any:
         """A function trainable for ``ddptrain.tune`` that builds this trainer from the given
         arguments, with the trial's config merged into ``config``; see ``_tune``."""
-        from ddptrain.util.sgd.torch._tune import as_trainable
-
-        return as_trainable(cls, *args, **kwargs)
+        return _tune.as_trainable(cls, *args, **kwargs)

@@ -10,47 +10,25 @@ Every worker builds its own operator; ``TorchTrainer`` calls it (see ``_runner``
 from __future__ import annotations
 
 import contextlib
-import inspect
-import logging
-import os
-import sys
-import tempfile
-import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sized
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
 
 from ddptrain.errors import ConfigError
-from ddptrain.torch.train_loop_utils import with_distributed_sampler
+from ddptrain.util.sgd.torch._creators import operator_from_creators
+from ddptrain.util.sgd.torch._progress import EpochProgress
+from ddptrain.util.sgd.torch._registration import as_given, as_list, checked_models, with_sampler, wrap_ddp
+from ddptrain.util.sgd.torch.constants import NUM_STEPS as NUM_STEPS  # re-exported: it was defined here
+from ddptrain.util.sgd.torch.constants import SCHEDULER_STEP_BATCH, SCHEDULER_STEP_EPOCH
+from ddptrain.util.sgd.torch.constants import SCHEDULER_STEP_MANUAL as SCHEDULER_STEP_MANUAL  # re-exported
+from ddptrain.util.sgd.torch.constants import VALID_SCHEDULER_STEP as VALID_SCHEDULER_STEP  # re-exported
 from ddptrain.util.sgd.utils import NUM_SAMPLES, AverageMeterCollection, TimerCollection
 
 __all__ = ["TrainingOperator"]
 
-_logger = logging.getLogger(__name__)
-
-SCHEDULER_STEP_BATCH = "batch"
-SCHEDULER_STEP_EPOCH = "epoch"
-SCHEDULER_STEP_MANUAL = "manual"
-VALID_SCHEDULER_STEP = (SCHEDULER_STEP_BATCH, SCHEDULER_STEP_EPOCH, SCHEDULER_STEP_MANUAL, None)
-NUM_STEPS = "num_steps"
-_STATUS_EVERY_S = 5.0
 _NULL = contextlib.nullcontext()
-
-
-def _as_list(component: Any) -> list[Any]:
-    if component is None:
-        return []
-    if isinstance(component, (list, tuple)):
-        return list(component)
-    return [component]
-
-
-def _single_or_tuple(items: list[Any], given: Any) -> Any:
-    return tuple(items) if isinstance(given, (list, tuple)) else items[0]
 
 
 class TrainingOperator:
@@ -153,12 +131,8 @@ class TrainingOperator:
         """
         if apex_args:
             warnings.warn("`apex_args` is ignored: ddptrain uses torch.amp, not Apex.", stacklevel=2)
-        model_list = _as_list(models)
-        for model in model_list:
-            if not isinstance(model, torch.nn.Module):
-                raise ConfigError(f"`models` must be torch.nn.Module(s), got {type(model).__name__}.")
-        optimizer_list = _as_list(optimizers)
-        scheduler_list = _as_list(schedulers)
+        model_list = checked_models(models)
+        optimizer_list, scheduler_list = as_list(optimizers), as_list(schedulers)
         if scheduler_list and self._scheduler_step_freq is None:
             raise ConfigError(
                 "`scheduler_step_freq` passed to TorchTrainer is None, but schedulers were registered. "
@@ -169,13 +143,10 @@ class TrainingOperator:
             criterion = criterion.to(self._device)
         if self._use_fp16:
             self._amp_scaler = torch.amp.GradScaler(self._device.type, enabled=self._device.type == "cuda")
-        if self._wrap_ddp and self._is_distributed:
-            ids = [self._device.index] if self._device.type == "cuda" else None
-            self._models = [
-                DistributedDataParallel(model, device_ids=ids, **(ddp_args or {})) for model in self._original_models
-            ]
-        else:
-            self._models = list(self._original_models)
+        distributed = self._wrap_ddp and self._is_distributed
+        self._models = (
+            wrap_ddp(self._original_models, self._device, ddp_args) if distributed else list(self._original_models)
+        )
         self._optimizers = optimizer_list
         self._criterion = criterion
         self._schedulers = scheduler_list
@@ -185,11 +156,11 @@ class TrainingOperator:
         self.optimizer = optimizer_list[0] if optimizer_list else None
         self.scheduler = scheduler_list[0] if scheduler_list else None
         self.criterion = criterion
-        returned: list[Any] = [_single_or_tuple(self._models, models), _single_or_tuple(optimizer_list, optimizers)]
+        returned: list[Any] = [as_given(self._models, models), as_given(optimizer_list, optimizers)]
         if criterion is not None:
             returned.append(criterion)
         if scheduler_list:
-            returned.append(_single_or_tuple(scheduler_list, schedulers))
+            returned.append(as_given(scheduler_list, schedulers))
         return tuple(returned) if len(returned) > 1 else returned[0]
 
     def register_data(
@@ -203,12 +174,9 @@ class TrainingOperator:
         self._validation_loader = self._with_sampler(validation_loader)
 
     def _with_sampler(self, loader: Iterable[Any] | None) -> Iterable[Any] | None:
-        if not (self._add_dist_sampler and self._is_distributed and isinstance(loader, DataLoader)):
+        if not (self._add_dist_sampler and self._is_distributed):
             return loader
-        if isinstance(loader.dataset, IterableDataset) or isinstance(loader.sampler, DistributedSampler):
-            return loader
-        shuffle = isinstance(loader.sampler, RandomSampler)
-        return with_distributed_sampler(loader, self._world_size, self._world_rank, shuffle)
+        return with_sampler(loader, self._world_size, self._world_rank)
 
     # ----------------------------------------------------------------- default loops
     def train_epoch(self, iterator: Iterable[Any], info: dict[str, Any]) -> dict[str, Any]:
@@ -223,7 +191,7 @@ class TrainingOperator:
         if model is None:
             raise RuntimeError("Either register a model in setup() (self.model) or override train_epoch/train_batch.")
         scheduler = getattr(self, "scheduler", None)
-        progress = _Progress(self, info) if self.use_tqdm and self.world_rank == 0 else None
+        progress = EpochProgress(self.train_loader, info) if self.use_tqdm and self.world_rank == 0 else None
         meters = AverageMeterCollection()
         model.train()
         try:
@@ -397,97 +365,12 @@ class TrainingOperator:
             serialize_data_creation: Run ``data_creator`` under a file lock, one worker of a
                 machine at a time (so that they do not download to one path at once).
         """
-        if not callable(model_creator) or not callable(optimizer_creator):
-            raise ConfigError("`model_creator` and `optimizer_creator` must be callables.")
-
-        class CustomCreatorOperator(cls):  # type: ignore[valid-type,misc]
-            def setup(self, config: dict[str, Any]) -> None:
-                models = model_creator(config)
-                optimizers = optimizer_creator(models, config)
-                criterion = None
-                if loss_creator is not None:
-                    if inspect.isclass(loss_creator) and issubclass(loss_creator, torch.nn.Module):
-                        criterion = loss_creator()
-                    else:
-                        criterion = loss_creator(config)
-                schedulers = scheduler_creator(optimizers, config) if scheduler_creator is not None else None
-                registered = self.register(
-                    models=models, optimizers=optimizers, criterion=criterion, schedulers=schedulers
-                )
-                del registered  # register() set self.model(s), self.optimizer(s)...
-                if data_creator is not None:
-                    loaders = _create_data(data_creator, config, serialize_data_creation)
-                    if isinstance(loaders, (list, tuple)):
-                        train_loader, validation_loader = (list(loaders) + [None, None])[:2]
-                    else:
-                        train_loader, validation_loader = loaders, None
-                    self.register_data(train_loader=train_loader, validation_loader=validation_loader)
-
-        CustomCreatorOperator.__name__ = CustomCreatorOperator.__qualname__ = f"{cls.__name__}FromCreators"
-        return CustomCreatorOperator
-
-
-def _create_data(data_creator: Callable[[dict[str, Any]], Any], config: dict[str, Any], serialize: bool) -> Any:
-    if not serialize:
-        return data_creator(config)
-    from filelock import FileLock
-
-    with FileLock(os.path.join(tempfile.gettempdir(), f".ddptrain_sgd_data_creator_{os.getuid()}.lock")):
-        return data_creator(config)
-
-
-class _Progress:
-    """Rank 0's progress over an epoch: a tqdm bar, or a plain line every few seconds."""
-
-    def __init__(self, operator: TrainingOperator, info: dict[str, Any]) -> None:
-        epoch = info.get("epoch_idx")
-        self.desc = f"{epoch + 1}e" if isinstance(epoch, int) else ""
-        total = info.get(NUM_STEPS)
-        loader = operator.train_loader
-        if total is None and isinstance(loader, Sized):
-            total = len(loader)
-        self.total = total
-        self.bar: Any = None
-        self.next_line = time.monotonic() + _STATUS_EVERY_S
-        self.done = 0
-        self.loss: float | None = None
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            return
-        self.bar = tqdm(total=total, desc=self.desc, unit="batch", leave=False, file=sys.stderr)
-
-    def update(self, done: int, metrics: dict[str, Any]) -> None:
-        self.done = done
-        self.loss = metrics.get("train_loss", self.loss)
-        if self.bar is not None:
-            self.bar.n = done
-            if self.loss is not None:
-                self.bar.set_postfix(loss=self.loss)
-            else:
-                self.bar.refresh()
-        elif time.monotonic() >= self.next_line:
-            self.next_line = time.monotonic() + _STATUS_EVERY_S
-            self._line()
-
-    def _line(self) -> None:
-        of = f"/{self.total}" if self.total is not None else ""
-        loss = f" loss={self.loss:.4g}" if self.loss is not None else ""
-        print(f"epoch {self.desc or '?'}: batch {self.done}{of}{loss}", flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        else:
-            self._line()
-
-
-def _iterate(loader: Iterable[Any], num_steps: int | None) -> Iterator[Any]:
-    """The batches of one ``train()``/``validate()`` call: all of ``loader``, or its first ``num_steps``."""
-    if num_steps is None:
-        yield from loader
-        return
-    for index, batch in enumerate(loader):
-        if index >= num_steps:
-            return
-        yield batch
+        return operator_from_creators(
+            cls,
+            model_creator,
+            optimizer_creator,
+            data_creator,
+            loss_creator,
+            scheduler_creator,
+            serialize_data_creation,
+        )

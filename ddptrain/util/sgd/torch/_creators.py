@@ -1,0 +1,74 @@
+"""RaySGD's older creator functions (``model_creator``, ``optimizer_creator``, ...) turned into a
+``TrainingOperator`` subclass, behind ``TrainingOperator.from_creators``.
+
+It also owns the machine-wide file lock under which ``data_creator`` runs, so that the workers
+of one machine do not download a data set to the same path at once.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import tempfile
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from filelock import FileLock
+
+from ddptrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from ddptrain.util.sgd.torch.training_operator import TrainingOperator
+
+__all__: list[str] = []
+
+
+def operator_from_creators(
+    base: type[TrainingOperator],
+    model_creator: Callable[[dict[str, Any]], Any],
+    optimizer_creator: Callable[[Any, dict[str, Any]], Any],
+    data_creator: Callable[[dict[str, Any]], Any] | None,
+    loss_creator: Any,
+    scheduler_creator: Callable[[Any, dict[str, Any]], Any] | None,
+    serialize_data_creation: bool,
+) -> type[TrainingOperator]:
+    """A subclass of ``base`` whose ``setup`` calls the creators and registers what they
+    return (see ``TrainingOperator.from_creators`` for each creator's contract)."""
+    if not callable(model_creator) or not callable(optimizer_creator):
+        raise ConfigError("`model_creator` and `optimizer_creator` must be callables.")
+
+    class CustomCreatorOperator(base):  # type: ignore[valid-type,misc]
+        def setup(self, config: dict[str, Any]) -> None:
+            models = model_creator(config)
+            optimizers = optimizer_creator(models, config)
+            criterion = _make_loss(loss_creator, config)
+            schedulers = scheduler_creator(optimizers, config) if scheduler_creator is not None else None
+            # register() sets self.model(s), self.optimizer(s)...: what it returns is not needed.
+            self.register(models=models, optimizers=optimizers, criterion=criterion, schedulers=schedulers)
+            if data_creator is not None:
+                loaders = _create_data(data_creator, config, serialize_data_creation)
+                if isinstance(loaders, (list, tuple)):
+                    train_loader, validation_loader = (list(loaders) + [None, None])[:2]
+                else:
+                    train_loader, validation_loader = loaders, None
+                self.register_data(train_loader=train_loader, validation_loader=validation_loader)
+
+    CustomCreatorOperator.__name__ = CustomCreatorOperator.__qualname__ = f"{base.__name__}FromCreators"
+    return CustomCreatorOperator
+
+
+def _make_loss(loss_creator: Any, config: dict[str, Any]) -> Any:
+    """``loss_creator`` may be a loss class (built without arguments) or ``config -> loss``."""
+    if loss_creator is None:
+        return None
+    if inspect.isclass(loss_creator) and issubclass(loss_creator, torch.nn.Module):
+        return loss_creator()
+    return loss_creator(config)
+
+
+def _create_data(data_creator: Callable[[dict[str, Any]], Any], config: dict[str, Any], serialize: bool) -> Any:
+    if not serialize:
+        return data_creator(config)
+    with FileLock(os.path.join(tempfile.gettempdir(), f".ddptrain_sgd_data_creator_{os.getuid()}.lock")):
+        return data_creator(config)
