@@ -146,7 +146,7 @@ def test_the_agent_of_a_host_with_gpus_sees_only_those() -> None:
     assert plan.agent_env(remote=True, host=box2)["CUDA_VISIBLE_DEVICES"] == "7"  # it says nothing here
     assert plan.agent_env(host=local)["CUDA_VISIBLE_DEVICES"] == "2"
     # Workers index their devices by local rank inside what the agent sees.
-    assert [s["devices"] for s in plan.worker_specs(0, "127.0.0.1", 1) if s["node_rank"] == 0] == [[0], [1]]
+    assert [s.devices for s in plan.worker_specs(0, "127.0.0.1", 1) if s.node_rank == 0] == [(0,), (1,)]
     cpu = Plan(train.ScalingConfig(num_workers=4, hosts=hosts), env_vars=run_env)
     assert cpu.agent_env(remote=True, host=box1)["CUDA_VISIBLE_DEVICES"] == "7"  # CPU runs leave GPUs alone
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from ddptrain import _env
 from ddptrain.errors import ConfigError
 from ddptrain.hosts import HostSpec, gpus_needed, is_local, place_workers, slots_for_gpus, with_ssh_config
+from ddptrain.ssh import gpu_count, gpu_slots
 from ddptrain.tune.trainable import PreparedTrial
 
 __all__ = ["Grant", "HostPool", "Resources"]
@@ -206,8 +207,6 @@ class Resources:
         scaling = prepared.trainer.scaling_config
         if not scaling.use_gpu:
             return prepared.hosts
-        from ddptrain.ssh import gpu_count, gpu_slots
-
         hosts = []
         for host in prepared.hosts:
             if host.slots is None and host.gpus is None:
