@@ -10,7 +10,6 @@ messages) and hands the run's own messages (report, collective, checkpoints) to
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -198,7 +197,7 @@ class Attempt:
         unshared = getattr(launcher, "unshared_ranks", ())
         if rank not in unshared or self.run.remote is not None:  # on remote storage: uploaded there
             return staged
-        local = os.path.join(self.run.run_dir, storage.STAGING, f"fetched_a{self.index}_r{index}", f"rank_{rank}")
+        local = str(storage.RunLayout(self.run.run_dir).fetched(self.index, index, rank))
         with storage.naming_full_disk(local):
             launcher.fetch_dir(rank, staged, local)  # type: ignore[union-attr]
         return local
