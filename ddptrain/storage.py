@@ -12,8 +12,7 @@ spelled)::
     logs/attempt_0/rank_0.log
     .staging/                per-rank checkpoint files waiting to be committed
     tracking/                MLflow / W&B run ids of each rank, to log on into them on resume
-    .stack-request           ``ddptrain stack`` asking the live driver (and its answer,
-    .stack-states.json       the workers' process states)
+    .stack-request           ``ddptrain stack`` asking the live driver (``.stack-states.json``: its answer)
 """
 
 from __future__ import annotations
@@ -56,10 +55,6 @@ class RunLayout:
     also the keys below a run's folder on remote storage. An instance joins them to one run
     directory of this machine. The names never change: runs written by earlier versions must
     still load. Every other entry of a run directory is a checkpoint folder.
-
-    Example:
-        >>> RunLayout("/runs/exp").rank_log(attempt=1, rank=3)
-        PosixPath('/runs/exp/logs/attempt_1/rank_3.log')
     """
 
     RUN_JSON = "run.json"
@@ -122,17 +117,13 @@ class RunLayout:
         return self.root / name
 
     @staticmethod
-    def attempt_name(attempt: int) -> str:
-        return f"attempt_{attempt}"
-
-    @staticmethod
     def attempt_number(name: str) -> int | None:
         """The attempt an entry of ``logs/`` holds the logs of (``None``: not an attempt's)."""
         number = name.removeprefix("attempt_")
         return int(number) if name.startswith("attempt_") and number.isdigit() else None
 
     def attempt_logs(self, attempt: int) -> Path:
-        return self.logs / self.attempt_name(attempt)
+        return self.logs / f"attempt_{attempt}"
 
     def rank_log(self, attempt: int, rank: int) -> Path:
         return self.attempt_logs(attempt) / f"rank_{rank}.log"
