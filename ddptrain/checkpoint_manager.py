@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,8 +34,9 @@ __all__ = ["CheckpointManager", "RunDirectoryError", "INDEX_FILE", "INTENT_FILE"
 
 _logger = logging.getLogger(__name__)
 
-INDEX_FILE = "checkpoints.json"
-INTENT_FILE = ".commit.json"
+# Kept for existing importers: the names as storage.RunLayout spells them.
+INDEX_FILE = storage.RunLayout.INDEX
+INTENT_FILE = storage.RunLayout.INTENT
 _VERSION = 1
 
 
@@ -75,6 +75,7 @@ class CheckpointManager:
 
     def __init__(self, run_dir: str, config: CheckpointConfig) -> None:
         self.run_dir = run_dir
+        self.layout = storage.RunLayout(run_dir)
         self.config = config
         self._entries: list[_Entry] = []  # in commit order
         self._latest: _Entry | None = None
@@ -87,7 +88,7 @@ class CheckpointManager:
         return self._checkpoint(self._latest) if self._latest else None
 
     def _checkpoint(self, entry: _Entry) -> Checkpoint:
-        return Checkpoint(os.path.join(self.run_dir, entry.dir_name))
+        return Checkpoint(str(self.layout.checkpoint(entry.dir_name)))
 
     def _score(self, entry: _Entry) -> tuple[float, int]:
         """Sort key: worse first. Checkpoints without the score metric count as the worst."""
@@ -143,7 +144,7 @@ class CheckpointManager:
         final = storage.safe_child(self.run_dir, name)
         entry = _Entry(name, storage.to_jsonable(metrics), report_index)
         building = storage.build_checkpoint(self.run_dir, staged, name)
-        intent = Path(self.run_dir, INTENT_FILE)
+        intent = self.layout.intent
         try:
             doomed = [e.dir_name for e in self._doomed(entry)]
             storage.write_json_atomic(intent, asdict(_Intent(entry, building.name, doomed)))
@@ -180,15 +181,15 @@ class CheckpointManager:
 
     def _delete(self, name: str) -> None:
         """Delete checkpoint folder ``name`` (retention)."""
-        shutil.rmtree(os.path.join(self.run_dir, name), ignore_errors=True)
+        shutil.rmtree(self.layout.checkpoint(name), ignore_errors=True)
 
     def _present(self, entries: list[_Entry]) -> list[_Entry]:
         """Those of ``entries`` whose folders exist."""
-        return [e for e in entries if os.path.isdir(os.path.join(self.run_dir, e.dir_name))]
+        return [e for e in entries if self.layout.checkpoint(e.dir_name).is_dir()]
 
     def _where(self, name: str) -> str:
         """Checkpoint ``name``'s location, for messages."""
-        return os.path.join(self.run_dir, name)
+        return str(self.layout.checkpoint(name))
 
     def clean_leftovers(self) -> None:
         """Remove what a failed attempt left half-done (staged files, half-built folders)."""
@@ -196,7 +197,7 @@ class CheckpointManager:
 
     def _write(self) -> None:
         storage.write_json_atomic(
-            os.path.join(self.run_dir, INDEX_FILE),
+            self.layout.index,
             {
                 "version": _VERSION,
                 "checkpoint_score_attribute": self.config.checkpoint_score_attribute,
@@ -220,12 +221,12 @@ class CheckpointManager:
             RunDirectoryError: As :meth:`load`.
         """
         intent = self._read_intent()
-        path = Path(self.run_dir, INTENT_FILE)
-        if intent is not None and Path(self.run_dir, intent.building).exists():
+        path = self.layout.intent
+        if intent is not None and self.layout.checkpoint(intent.building).exists():
             # Never renamed into place. The intent goes first: a crash right after it must not
             # find the folder gone and take that for a finished rename.
             path.unlink()
-            shutil.rmtree(Path(self.run_dir, intent.building), ignore_errors=True)
+            shutil.rmtree(self.layout.checkpoint(intent.building), ignore_errors=True)
             _logger.warning(
                 "ddptrain: discarded checkpoint %r of report #%d: the driver died while committing it, "
                 "before any worker was told it was saved",
@@ -240,23 +241,23 @@ class CheckpointManager:
             return
         entry = intent.entry
         listed = any(e.dir_name == entry.dir_name and e.report_index == entry.report_index for e in self._entries)
-        if not listed and os.path.isdir(os.path.join(self.run_dir, entry.dir_name)):
+        if not listed and self.layout.checkpoint(entry.dir_name).is_dir():
             _logger.warning(
                 "ddptrain: adopted checkpoint %r of report #%d into %s: the driver died after saving it, "
                 "before listing it",
                 entry.dir_name,
                 entry.report_index,
-                INDEX_FILE,
+                self.layout.INDEX,
             )
             self._record(entry)
         for name in intent.delete:  # retention's deletions that the crash interrupted
             if not self.is_committed(name):
-                shutil.rmtree(os.path.join(self.run_dir, name), ignore_errors=True)
+                shutil.rmtree(self.layout.checkpoint(name), ignore_errors=True)
         path.unlink()
 
     def _read_intent(self) -> _Intent | None:
         """The intent of an interrupted commit, or ``None`` (also for one that is unreadable)."""
-        path = Path(self.run_dir, INTENT_FILE)
+        path = self.layout.intent
         if not path.exists():
             return None
         try:
@@ -287,7 +288,7 @@ class CheckpointManager:
             RunDirectoryError: The index is unreadable, of an unknown version, or lists a
                 latest checkpoint that is missing. Nothing is changed on disk.
         """
-        path = Path(self.run_dir, INDEX_FILE)
+        path = self.layout.index
         if not path.exists():
             return
         hint = (
@@ -329,7 +330,7 @@ class CheckpointManager:
 def read_config(run_dir: str) -> CheckpointConfig:
     """The retention settings recorded in ``run_dir``'s index (defaults when unreadable:
     :meth:`CheckpointManager.load` reports that)."""
-    path = Path(run_dir, INDEX_FILE)
+    path = storage.RunLayout(run_dir).index
     if path.exists():
         try:
             data = json.loads(path.read_text())

@@ -210,10 +210,12 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("hostfile", nargs="?", help="host file (default: $DDPTRAIN_HOSTFILE)")
     stack = sub.add_parser("stack", help="print every rank's Python stack and process state of a live run")
     stack.add_argument("run", help="the run directory, or a run name under $DDPTRAIN_STORAGE_PATH")
-    run_help = "a run directory, or a run name under $DDPTRAIN_STORAGE_PATH"
+    run_help = "a run directory or URI (s3://bucket/prefix/name), or a run name under $DDPTRAIN_STORAGE_PATH"
     runs = sub.add_parser("runs", help="list the runs in a storage folder with their status")
     runs.add_argument(
-        "storage", nargs="?", help="storage folder (default: $DDPTRAIN_STORAGE_PATH or ~/ddptrain_results)"
+        "storage",
+        nargs="?",
+        help="storage folder or URI (s3://bucket/prefix) (default: $DDPTRAIN_STORAGE_PATH or ~/ddptrain_results)",
     )
     runs.add_argument("--json", action="store_true", help="machine-readable output")
     show = sub.add_parser("show", help="a run's config, attempts and their errors, metrics and checkpoints")
@@ -251,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             return inspect_runs.main_export(args.run, args.format, args.output)
         if args.command == "plot":
             return inspect_runs.main_plot(args.runs, args.metric, args.output, args.x)
-    except inspect_runs.RunNotFound as exc:
+    except (inspect_runs.RunNotFound, DdpTrainError) as exc:  # DdpTrainError: e.g. a URI's missing extra
         print(f"ddptrain {args.command}: {exc}", file=sys.stderr)
         return 2
     if args.command == "run":

@@ -20,6 +20,7 @@ from ddptrain.config import DataConfig, RunConfig, ScalingConfig
 from ddptrain.data.ingest import DatasetIngest, check_datasets
 from ddptrain.errors import ConfigError
 from ddptrain.result import Result
+from ddptrain.storage import RunLayout
 
 if TYPE_CHECKING:
     from ddptrain.run import Run
@@ -27,9 +28,6 @@ if TYPE_CHECKING:
 __all__ = ["DataParallelTrainer"]
 
 _logger = logging.getLogger(__name__)
-
-# The pickled trainer saved in every run directory, for `restore()`.
-TRAINER_FILE = "trainer.pkl"
 
 
 def _takes_config(fn: Callable[..., Any]) -> bool:
@@ -260,7 +258,7 @@ class DataParallelTrainer:
     @classmethod
     def can_restore(cls, path: str | os.PathLike[str]) -> bool:
         """Whether ``path`` is a run directory that :meth:`restore` can continue."""
-        return os.path.exists(os.path.join(os.path.expanduser(os.fspath(path)), TRAINER_FILE))
+        return RunLayout(os.path.expanduser(os.fspath(path))).trainer.exists()
 
     @classmethod
     def restore(
@@ -283,12 +281,12 @@ class DataParallelTrainer:
         """
 
         run_dir = os.path.abspath(os.path.expanduser(os.fspath(path)))
-        file = os.path.join(run_dir, TRAINER_FILE)
+        file = RunLayout(run_dir).trainer
         try:
             with open(file, "rb") as f:
                 trainer = cloudpickle.load(f)
         except FileNotFoundError:
-            raise RunDirectoryError(f"{run_dir} cannot be restored: it has no {TRAINER_FILE}.") from None
+            raise RunDirectoryError(f"{run_dir} cannot be restored: it has no {RunLayout.TRAINER}.") from None
         except Exception as exc:
             raise RunDirectoryError(f"{file} cannot be loaded: {exc!r}.") from exc
         if not isinstance(trainer, cls):

@@ -10,7 +10,6 @@ messages) and hands the run's own messages (report, collective, checkpoints) to
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -196,7 +195,7 @@ class Attempt:
         launcher = self.group.launcher
         if launcher is None or rank not in launcher.unshared_ranks or self.run.remote is not None:
             return staged  # seen here, or (on remote storage) uploaded there
-        local = os.path.join(self.run.run_dir, storage.STAGING, f"fetched_a{self.index}_r{index}", f"rank_{rank}")
+        local = str(storage.RunLayout(self.run.run_dir).fetched(self.index, index, rank))
         with storage.naming_full_disk(local):
             launcher.fetch_dir(rank, staged, local)
         return local

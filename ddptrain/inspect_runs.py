@@ -1,8 +1,10 @@
 """Looking at runs from the shell: ``ddptrain runs``, ``show``, ``logs``, ``export``, ``plot``.
 
 Everything here only reads a run directory's files (``run.json``, ``metrics.jsonl``,
-``checkpoints.json``, ``logs/``); a run is RUNNING while a live driver holds its lock, and
-ABORTED when ``run.json`` says RUNNING but no driver holds it any more (the driver was killed).
+``checkpoints.json``, ``logs/``), of a local run or of a run on remote storage (see
+:mod:`ddptrain.run_views`); a run is RUNNING while a live driver holds its lock, and ABORTED
+when ``run.json`` says RUNNING but no driver holds it any more (the driver was killed). For a
+run on remote storage that is known only on its driver's host; elsewhere its ``run.json`` says.
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from ddptrain import _env, storage
-from ddptrain.checkpoint_manager import CheckpointManager
 from ddptrain.progress import format_duration, format_metrics
 from ddptrain.result import read_metric_lines
+from ddptrain.run_views import RunView, list_views, on_remote_storage, open_run
 from ddptrain.watch import RunNotFound, driver_is_alive, find_run
 
 __all__ = [
@@ -36,18 +38,20 @@ __all__ = [
 ]
 
 
-def run_summary(run_dir: Path) -> dict[str, Any]:
-    """What ``runs`` and ``show`` print of one run, as plain data."""
+def run_summary(run: Path | RunView) -> dict[str, Any]:
+    """What ``runs`` and ``show`` print of one run (a run directory, or a view of any run),
+    as plain data."""
+    view = run if isinstance(run, RunView) else RunView(run, str(run))
     try:
-        info = json.loads((run_dir / "run.json").read_text())
+        info = json.loads(view.layout.run_json.read_text())
     except (OSError, ValueError):
         info = {}
     status = info.get("status", "FINISHED" if info.get("ended") else "RUNNING")
-    if status in ("RUNNING", "RESTARTING") and not driver_is_alive(run_dir):
+    if status in ("RUNNING", "RESTARTING") and view.driver_alive(info) is False:
         status = "ABORTED"  # its driver died without a word
-    lines = read_metric_lines(str(run_dir))
+    lines = read_metric_lines(str(view.folder))
     try:
-        manager = CheckpointManager.from_run_dir(str(run_dir))
+        manager = view.checkpoints()
         checkpoints = [(c.path, m) for c, m in manager.reported_checkpoints()]
         best = manager.best_checkpoints()
         latest = manager.latest.path if manager.latest else None
@@ -59,8 +63,8 @@ def run_summary(run_dir: Path) -> dict[str, Any]:
     if ended is None and lines:
         ended = lines[-1].get("time")
     return {
-        "name": info.get("name", run_dir.name),
-        "path": str(run_dir),
+        "name": info.get("name", view.name),
+        "path": view.shown,
         "status": status,
         "attempts": int(info.get("attempt", 0)) + 1,
         "started": started,
@@ -82,12 +86,9 @@ def run_summary(run_dir: Path) -> dict[str, Any]:
 
 
 def list_runs(storage_path: str) -> list[dict[str, Any]]:
-    """Every run under ``storage_path``, oldest first (a link to a folder elsewhere is not one)."""
-    root = Path(storage_path).expanduser().resolve()
-    if not root.is_dir():
-        return []
-    found = [p.resolve() for p in root.iterdir() if (p / "run.json").is_file()]
-    runs = [run_summary(p) for p in found if p.parent == root]
+    """Every run under ``storage_path`` (a folder or a URI), oldest first (a link to a folder
+    elsewhere is not one)."""
+    runs = [run_summary(view) for view in list_views(storage_path)]
     return sorted(runs, key=lambda r: r["started"] or 0)
 
 
@@ -127,12 +128,14 @@ def main_runs(storage_path: str | None, as_json: bool) -> int:
         for r in runs
     ]
     print(_table(["NAME", "STATUS", "ATTEMPTS", "STARTED", "DURATION", "LAST METRICS", "BEST CHECKPOINT"], rows))
-    print(f"\n{len(runs)} run(s) in {os.path.abspath(os.path.expanduser(root))}")
+    shown = root if on_remote_storage(root) else os.path.abspath(os.path.expanduser(root))
+    print(f"\n{len(runs)} run(s) in {shown}")
     return 0
 
 
 def main_show(run: str, as_json: bool) -> int:
-    summary = run_summary(find_run(run))
+    view = open_run(run)
+    summary = run_summary(view)
     if as_json:
         _print_json(summary)
         return 0
@@ -151,7 +154,7 @@ def main_show(run: str, as_json: bool) -> int:
         )
     if s["error"] and not s["attempt_errors"]:
         print(f"  error: {s['error']}")
-    lines = read_metric_lines(s["path"])
+    lines = read_metric_lines(str(view.folder))
     print(f"  reports: {len(lines)}")
     numeric: dict[str, list[float]] = {}
     for line in lines:
@@ -169,19 +172,25 @@ def main_show(run: str, as_json: bool) -> int:
 
 
 def main_logs(run: str, rank: int, attempt: int | None, follow: bool) -> int:
-    run_dir = find_run(run)
-    attempts = sorted(
-        int(p.name.removeprefix("attempt_"))
-        for p in (run_dir / "logs").glob("attempt_*")
-        if p.name.removeprefix("attempt_").isdigit()
-    )
+    view = open_run(run)
+    if follow and view.remote is not None:
+        print(
+            f"ddptrain logs: --follow reads a local run's logs as they grow; {view.shown} is on remote storage, "
+            "where logs are uploaded after each attempt (run it without --follow)",
+            file=sys.stderr,
+        )
+        return 2
+    attempts = view.attempts()
     if not attempts:
-        print(f"ddptrain logs: {run_dir} has no logs", file=sys.stderr)
+        print(f"ddptrain logs: {view.shown} has no logs", file=sys.stderr)
         return 1
     chosen = attempts[-1] if attempt is None else attempt
-    path = run_dir / "logs" / f"attempt_{chosen}" / f"rank_{rank}.log"
-    if not path.is_file():
-        print(f"ddptrain logs: no log {path} (attempts: {attempts})", file=sys.stderr)
+    path = view.rank_log(chosen, rank)
+    if path is None:
+        print(
+            f"ddptrain logs: no log {view.shown_path(view.layout.rank_log(chosen, rank))} (attempts: {attempts})",
+            file=sys.stderr,
+        )
         return 1
     out = sys.stdout.buffer
     with open(path, "rb") as f:
@@ -192,7 +201,7 @@ def main_logs(run: str, rank: int, attempt: int | None, follow: bool) -> int:
             if chunk:
                 out.write(chunk)
                 out.flush()
-            elif not driver_is_alive(run_dir):
+            elif not driver_is_alive(view.folder):
                 break
             else:
                 time.sleep(0.5)
@@ -211,7 +220,7 @@ def export_rows(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def main_export(run: str, fmt: str, output: str | None) -> int:
-    rows = export_rows(find_run(run))
+    rows = export_rows(open_run(run).folder)
     if fmt == "json":
         text = json.dumps(rows, indent=1)
     else:
@@ -240,8 +249,8 @@ def main_plot(runs: list[str], metrics: list[str], output: str, x_axis: str) -> 
         return 2
     series: dict[str, list[dict[str, Any]]] = {}
     for run in runs:
-        run_dir = find_run(run)
-        series[run_dir.name] = export_rows(run_dir)
+        view = open_run(run)
+        series[view.name] = export_rows(view.folder)
     names = metrics or sorted(
         {
             k

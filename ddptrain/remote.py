@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddptrain import _env
+from ddptrain import _env, storage
 from ddptrain.errors import ConfigError
 
 __all__ = ["RemoteRoot", "is_uri", "resolve", "resolve_uri", "to_fsspec", "to_pyarrow"]
@@ -129,10 +129,12 @@ class RemoteRoot:
     def display(self) -> str:
         return self.shown(self.root)
 
-    def cache_dir(self, name: str) -> str:
-        """The driver's local working copy of run ``name``'s small files."""
+    def cache_dir(self, name: str, purpose: str = "runs") -> str:
+        """A local folder for run ``name``'s small files: the driver's working copy
+        (``purpose="runs"``), or the copy that ``ddptrain show`` and friends read
+        (``"read"``; kept apart so that reading a run never touches a live driver's files)."""
         key = hashlib.sha256(f"{self.fs.protocol}|{self.root}".encode()).hexdigest()[:16]
-        return os.path.join(_env.cache_dir(), "runs", key, name)
+        return os.path.join(_env.cache_dir(), purpose, key, name)
 
     # ------------------------------------------------------------- transfers
     def upload_file(self, local: str, remote: str) -> None:
@@ -167,6 +169,25 @@ class RemoteRoot:
         except FileNotFoundError:
             return None
         return data
+
+    def pull_run(self, run_path: str, local: str) -> bool:
+        """Copy the small files of the run at ``run_path`` (``RunLayout.SMALL_FILES``) into the
+        folder ``local`` of this machine, to read the run there. Each is written atomically and
+        private to the user (``run.json`` holds the command line); a copy of one the store no
+        longer has is removed. Returns ``False``, copying nothing, when ``run_path`` holds no
+        run (no ``run.json``)."""
+        layout = storage.RunLayout
+        run_json = self.read_bytes(posixpath.join(run_path, layout.RUN_JSON))
+        if run_json is None:
+            return False
+        os.makedirs(local, mode=0o700, exist_ok=True)
+        for name in layout.SMALL_FILES:
+            data = run_json if name == layout.RUN_JSON else self.read_bytes(posixpath.join(run_path, name))
+            if data is None:
+                Path(local, name).unlink(missing_ok=True)
+            else:
+                storage.write_atomic(Path(local, name), data, private=True)
+        return True
 
     def write_bytes(self, remote: str, data: bytes) -> None:
         self.fs.pipe_file(remote, data)

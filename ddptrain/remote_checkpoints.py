@@ -19,12 +19,11 @@ import os
 import posixpath
 import uuid
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 from ddptrain import storage
 from ddptrain.checkpoint import Checkpoint
-from ddptrain.checkpoint_manager import INDEX_FILE, CheckpointManager, _Entry
+from ddptrain.checkpoint_manager import CheckpointManager, _Entry, read_config
 from ddptrain.config import CheckpointConfig
 from ddptrain.remote import RemoteRoot
 
@@ -32,9 +31,10 @@ __all__ = ["RemoteCheckpointManager", "upload_checkpoint", "remote_checkpoint"]
 
 _logger = logging.getLogger(__name__)
 
-_INTENT = ".commit.json"  # a replacement in progress (see RemoteCheckpointManager._put_aside)
-# What a run folder on remote storage holds besides checkpoints.
-_RUN_FILES = storage.RESERVED_NAMES | {_INTENT}
+_LAYOUT = storage.RunLayout
+# What a run folder on remote storage holds besides checkpoints. The intent there is a
+# replacement in progress (see RemoteCheckpointManager._put_aside).
+_RUN_FILES = _LAYOUT.RESERVED | {_LAYOUT.INTENT}
 
 
 def remote_checkpoint(remote: RemoteRoot, path: str) -> Checkpoint:
@@ -56,7 +56,7 @@ def upload_checkpoint(
     final = posixpath.join(run_path, name)
     target = final
     if remote.exists(final):  # replacing a checkpoint: never write into a committed folder
-        target = posixpath.join(run_path, storage.STAGING, f"a{attempt}_r{index}", f"rank_{rank}")
+        target = posixpath.join(run_path, _LAYOUT.staged_name(attempt, index, rank))
         remote.remove_dir(target)
     remote.upload_dir(local, target)
     return target
@@ -79,6 +79,19 @@ class RemoteCheckpointManager(CheckpointManager):
         super().__init__(run_dir, config)
         self.remote = remote
         self.run_path = run_path
+        self._intent = posixpath.join(run_path, _LAYOUT.INTENT)
+
+    @classmethod
+    def from_copy(cls, run_dir: str, remote: RemoteRoot, run_path: str) -> RemoteCheckpointManager:
+        """The manager of an existing run on the store, to read it: ``run_dir`` holds a copy of
+        its small files (see :meth:`RemoteRoot.pull_run`).
+
+        Raises:
+            RunDirectoryError: The index is unreadable (see :meth:`CheckpointManager.load`).
+        """
+        manager = cls(run_dir, read_config(run_dir), remote, run_path)
+        manager.load()
+        return manager
 
     def _checkpoint(self, entry: _Entry) -> Checkpoint:
         return remote_checkpoint(self.remote, posixpath.join(self.run_path, entry.dir_name))
@@ -95,7 +108,7 @@ class RemoteCheckpointManager(CheckpointManager):
 
     def _write(self) -> None:
         super()._write()
-        self.remote.upload_file(os.path.join(self.run_dir, INDEX_FILE), posixpath.join(self.run_path, INDEX_FILE))
+        self.remote.upload_file(str(self.layout.index), posixpath.join(self.run_path, _LAYOUT.INDEX))
 
     def commit(self, staged: list[str], name: str, metrics: dict[str, Any], report_index: int) -> Checkpoint:
         """Commit checkpoint ``name`` from the folders the ranks uploaded to (``staged``,
@@ -115,7 +128,7 @@ class RemoteCheckpointManager(CheckpointManager):
         self._record(entry)
         if backup is not None:
             self.remote.remove_dir(backup)
-            self.remote.fs.rm_file(posixpath.join(self.run_path, _INTENT))
+            self.remote.fs.rm_file(self._intent)
         for folder in moved:
             self.remote.remove_dir(folder)
         return self._checkpoint(entry)
@@ -130,7 +143,7 @@ class RemoteCheckpointManager(CheckpointManager):
         self._copy_into(final, backup)
         was_latest = self._latest is not None and self._latest.dir_name == name
         intent = {"entry": asdict(replaced), "backup": posixpath.basename(backup), "was_latest": was_latest}
-        self.remote.write_bytes(posixpath.join(self.run_path, _INTENT), json.dumps(intent).encode())
+        self.remote.write_bytes(self._intent, json.dumps(intent).encode())
         self._entries = [e for e in self._entries if e.dir_name != name]
         if was_latest:
             self._latest = self._entries[-1] if self._entries else None
@@ -149,9 +162,9 @@ class RemoteCheckpointManager(CheckpointManager):
         crash interrupted, and delete every folder of the run that the index does not list:
         checkpoints a crash left unlisted, staged files, and folders retention had yet to
         delete."""
-        Path(self.run_dir, _INTENT).unlink(missing_ok=True)  # local commits only
+        self.layout.intent.unlink(missing_ok=True)  # local commits only
         self.load()
-        raw = self.remote.read_bytes(posixpath.join(self.run_path, _INTENT))
+        raw = self.remote.read_bytes(self._intent)
         if raw is not None:
             self._finish_replacement(raw)
         self.clean_leftovers()
@@ -168,7 +181,7 @@ class RemoteCheckpointManager(CheckpointManager):
                 raise ValueError(f"not a backup folder: {backup!r}")
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             _logger.warning("ddptrain: ignoring the unreadable replacement record of %s: %r", self.run_path, exc)
-            self.remote.fs.rm_file(posixpath.join(self.run_path, _INTENT))
+            self.remote.fs.rm_file(self._intent)
             return
         backup_path = posixpath.join(self.run_path, backup)
         if not self.is_committed(old.dir_name) and self.remote.exists(backup_path):
@@ -185,7 +198,7 @@ class RemoteCheckpointManager(CheckpointManager):
                 old.report_index,
             )
         self.remote.remove_dir(backup_path)
-        self.remote.fs.rm_file(posixpath.join(self.run_path, _INTENT))
+        self.remote.fs.rm_file(self._intent)
 
     def clean_leftovers(self) -> None:
         kept = {e.dir_name for e in self._entries} | _RUN_FILES
@@ -193,6 +206,6 @@ class RemoteCheckpointManager(CheckpointManager):
             if name in kept or name.startswith(".ddptrain_probe"):
                 continue
             where = self.remote.shown(posixpath.join(self.run_path, name))
-            if name != storage.STAGING:
+            if name != _LAYOUT.STAGING:
                 _logger.warning("ddptrain: deleting %s: a checkpoint upload that was never committed", where)
             self.remote.remove_dir(posixpath.join(self.run_path, name))

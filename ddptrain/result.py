@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import json
 import os
-import posixpath
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
 from ddptrain import remote
 from ddptrain.checkpoint import Checkpoint
-from ddptrain.checkpoint_manager import INDEX_FILE, CheckpointManager, read_config
+from ddptrain.checkpoint_manager import CheckpointManager
 from ddptrain.remote_checkpoints import RemoteCheckpointManager
+from ddptrain.storage import RunLayout
 
 __all__ = ["Result", "read_metrics", "read_metric_lines"]
-
-METRICS_FILE = "metrics.jsonl"
 
 
 def _lookup(metrics: dict[str, Any], metric: str) -> Any:
@@ -122,8 +120,8 @@ class Result:
         if root is not None:
             return cls._from_remote(root)
         run_dir = os.path.abspath(os.path.expanduser(text.removeprefix("file://")))
-        if not os.path.exists(os.path.join(run_dir, "run.json")):
-            raise RuntimeError(f"{run_dir} is not a ddptrain run directory (it has no run.json).")
+        if not RunLayout(run_dir).run_json.exists():
+            raise RuntimeError(f"{run_dir} is not a ddptrain run directory (it has no {RunLayout.RUN_JSON}).")
         history = read_metrics(run_dir)
         manager = CheckpointManager.from_run_dir(run_dir)
         return cls(
@@ -137,18 +135,12 @@ class Result:
     @classmethod
     def _from_remote(cls, root: remote.RemoteRoot) -> Result:
         with tempfile.TemporaryDirectory(prefix="ddptrain_result_") as local:
-            found = False
-            for name in ("run.json", METRICS_FILE, INDEX_FILE):
-                data = root.read_bytes(posixpath.join(root.root, name))
-                if data is not None:
-                    found = found or name == "run.json"
-                    with open(os.path.join(local, name), "wb") as f:
-                        f.write(data)
-            if not found:
-                raise RuntimeError(f"{root.display()} is not a ddptrain run directory (it has no run.json).")
+            if not root.pull_run(root.root, local):
+                raise RuntimeError(
+                    f"{root.display()} is not a ddptrain run directory (it has no {RunLayout.RUN_JSON})."
+                )
             history = read_metrics(local)
-            manager = RemoteCheckpointManager(local, read_config(local), root, root.root)
-            manager.load()
+            manager = RemoteCheckpointManager.from_copy(local, root, root.root)
         return cls(
             metrics=history[-1] if history else None,
             checkpoint=manager.latest,
@@ -165,8 +157,8 @@ def read_metric_lines(run_dir: str) -> list[dict[str, Any]]:
     A line cut short by a crash is skipped.
     """
     lines: list[dict[str, Any]] = []
-    path = os.path.join(run_dir, METRICS_FILE)
-    if not os.path.exists(path):
+    path = RunLayout(run_dir).metrics
+    if not path.exists():
         return lines
     with open(path) as f:
         for text in f:

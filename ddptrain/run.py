@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import os
@@ -31,9 +30,9 @@ from ddptrain.errors import (
 from ddptrain.launcher import Launcher
 from ddptrain.plan import Plan
 from ddptrain.progress import Progress
-from ddptrain.remote import RemoteRoot
 from ddptrain.remote_checkpoints import RemoteCheckpointManager
-from ddptrain.result import METRICS_FILE, Result, read_metric_lines
+from ddptrain.result import Result
+from ddptrain.run_location import RunLocation, load_earlier
 from ddptrain.run_mirror import RunMirror
 from ddptrain.warm import keeps_warm, put_warm, take_warm
 from ddptrain.worker_group import GroupFailed, WorkerGroup
@@ -46,17 +45,6 @@ if TYPE_CHECKING:
 __all__ = ["Run"]
 
 _logger = logging.getLogger(__name__)
-
-
-def _fresh_name(storage_path: str, remote: RemoteRoot | None = None) -> str:
-    """A generated run name that no earlier run used (only an explicit name resumes a run)."""
-    base = datetime.datetime.now().strftime("ddptrain_run-%Y-%m-%d_%H-%M-%S")
-    name, n = base, 1
-    taken = set(remote.list_names(remote.root)) if remote is not None else None
-    while (name in taken) if taken is not None else os.path.exists(os.path.join(storage_path, name)):
-        n += 1
-        name = f"{base}_{n}"
-    return name
 
 
 class Run:
@@ -86,18 +74,11 @@ class Run:
         self.run_config = run_config
         self.backend_config = backend_config
         self.run_id = uuid.uuid4().hex
-        # On remote storage, run_dir is the driver's local working copy of the run's small
-        # files; `location` is where the run is, as the user named it.
-        self.remote: RemoteRoot | None = run_config._remote()
-        if self.remote is None:
-            self.storage_path = str(run_config._storage_root())
-            self.name = run_config.name or _fresh_name(self.storage_path)
-            self.run_dir = self.location = os.path.join(self.storage_path, self.name)
-        else:
-            self.storage_path = self.remote.display()
-            self.name = run_config.name or _fresh_name(self.storage_path, self.remote)
-            self.run_dir = self.remote.cache_dir(self.name)
-            self.location = self.remote.shown(self.remote.path(self.name))
+        self.where = RunLocation.of(run_config)  # run_dir: on remote storage, a local working copy
+        self.name, self.storage_path, self.run_dir = self.where.name, self.where.storage_path, self.where.run_dir
+        self.location, self.remote = self.where.shown, self.where.remote
+        self.layout = storage.RunLayout(self.run_dir)
+        if self.remote is not None:
             self.mirror = RunMirror(self.remote, self.run_dir, self.remote.path(self.name))
         self.context = TrainRunContext(
             run_id=self.run_id,
@@ -143,7 +124,7 @@ class Run:
             run_dir=self.run_dir,
             checkpoint=self.latest_checkpoint.path if self.latest_checkpoint else None,
             storage=cloudpickle.dumps((self.remote, self.latest_checkpoint._fs if self.latest_checkpoint else None)),
-            run_path=self.remote.path(self.name) if self.remote else None,
+            run_path=self.where.run_path,
             # Numbered on from the checkpoint index too: metrics.jsonl may have lost lines.
             report_index=len(self.metrics_history) + self._lost_reports,
             argv=tuple(sys.argv),
@@ -157,27 +138,20 @@ class Run:
         return self.datasets.shards(remote_ranks=self.plan.remote_ranks())
 
     def log_dir(self, attempt: int) -> Path:
-        return Path(self.run_dir, "logs", f"attempt_{attempt}")
+        return self.layout.attempt_logs(attempt)
 
     def first_attempt(self) -> int:
         """The number of this ``fit()``'s first attempt: attempts of a run continue across the
         ``fit()`` calls that resume it, after the highest number in its logs or metrics (as
         read by ``_load_previous``)."""
-        seen = [self._last_attempt]
-        logs = Path(self.run_dir, "logs")
-        if logs.is_dir():
-            for entry in logs.iterdir():
-                number = entry.name.removeprefix("attempt_")
-                if entry.name.startswith("attempt_") and number.isdigit():
-                    seen.append(int(number))
-        return max(seen) + 1
+        return max([self._last_attempt, *self.layout.attempts()]) + 1
 
     # ----------------------------------------------------------------- what workers report
     def record_metrics(self, metrics: dict[str, Any], attempt: int) -> None:
         """Persist rank 0's metrics of one report (one JSON line, flushed)."""
         self.metrics_history.append(metrics)
         line = {"time": time.time(), "attempt": attempt, "metrics": storage.to_jsonable(metrics)}
-        with storage.naming_full_disk(os.path.join(self.run_dir, METRICS_FILE)):
+        with storage.naming_full_disk(self.layout.metrics):
             self._metrics_file.write(json.dumps(line) + "\n")
             self._metrics_file.flush()
 
@@ -218,41 +192,9 @@ class Run:
     # ----------------------------------------------------------------- the fit loop
     def _load_previous(self) -> None:
         """Pick up an earlier run of the same name: its checkpoints and metrics. Loud on purpose."""
-        if self.remote is not None:
-            self.mirror.pull()
-        self.checkpoints.recover()  # finishes or undoes a commit a crash interrupted
-        lines = read_metric_lines(self.run_dir)
-        self.metrics_history = [line["metrics"] for line in lines]
-        for line in lines:
-            attempt = line.get("attempt")
-            if isinstance(attempt, int) and not isinstance(attempt, bool):
-                self._last_attempt = max(self._last_attempt, attempt)
-        self._lost_reports = max(0, self.checkpoints.report_index - len(self.metrics_history))
-        if self._lost_reports:
-            _logger.warning(
-                "ddptrain: %s has %d reports but the checkpoint index records report #%d; "
-                "reports are numbered on from #%d",
-                os.path.join(self.run_dir, METRICS_FILE),
-                len(self.metrics_history),
-                self.checkpoints.report_index,
-                self.checkpoints.report_index + 1,
-            )
-        latest = self.checkpoints.latest
-        if latest is not None:
-            _logger.warning(
-                "ddptrain: resuming run %r from checkpoint %s (%d earlier reports in %s)",
-                self.name,
-                latest.path,
-                len(self.metrics_history),
-                self.location,
-            )
-        elif self.metrics_history or os.path.exists(os.path.join(self.run_dir, "run.json")):
-            _logger.warning(
-                "ddptrain: run %r already exists in %s but has no committed checkpoint; "
-                "starting from scratch and appending to its metrics",
-                self.name,
-                self.location,
-            )
+        earlier = load_earlier(self.where, self.checkpoints, self.mirror if self.remote is not None else None)
+        self.metrics_history = earlier.metrics
+        self._last_attempt, self._lost_reports = earlier.last_attempt, earlier.lost_reports
 
     def _prepare_dir(self) -> None:
         """Write the run's own files (``_load_previous`` has already cleaned up after a crash)."""
@@ -272,10 +214,10 @@ class Run:
         }
         self._save_status("RUNNING")
         if self.trainer_bytes is not None:
-            storage.write_atomic(os.path.join(self.run_dir, "trainer.pkl"), self.trainer_bytes, private=True)
+            storage.write_atomic(self.layout.trainer, self.trainer_bytes, private=True)
             if self.remote is not None:
-                self.mirror.push_file("trainer.pkl")
-        self._metrics_file = open(os.path.join(self.run_dir, METRICS_FILE), "a+")  # noqa: SIM115
+                self.mirror.push_file(self.layout.TRAINER)
+        self._metrics_file = open(self.layout.metrics, "a+")  # noqa: SIM115
         if self._metrics_file.tell() > 0:  # end a line a crash may have cut short
             self._metrics_file.seek(self._metrics_file.tell() - 1)
             if self._metrics_file.read(1) != "\n":
@@ -287,9 +229,9 @@ class Run:
         self._run_json.update(status=status, **fields)
         if status in ("FINISHED", "ERRORED", "ABORTED"):
             self._run_json["ended"] = time.time()
-        storage.write_json_atomic(os.path.join(self.run_dir, "run.json"), self._run_json, private=True)
+        storage.write_json_atomic(self.layout.run_json, self._run_json, private=True)
         if self.remote is not None:
-            self.mirror.push_file("run.json")
+            self.mirror.push_file(self.layout.RUN_JSON)
 
     def prepare_restart(self) -> None:
         """On a failure: if a restart will follow, start its agents now, during the teardown."""

@@ -9,21 +9,18 @@ A resumed run first pulls the store's copies, which win over anything cached her
 from __future__ import annotations
 
 import logging
-import os
 import posixpath
 import shutil
 import time
 from pathlib import Path
 
-from ddptrain.checkpoint_manager import INDEX_FILE
 from ddptrain.remote import RemoteRoot
-from ddptrain.result import METRICS_FILE
+from ddptrain.storage import RunLayout
 
 __all__ = ["RunMirror"]
 
 _logger = logging.getLogger(__name__)
 
-_PULLED = ("run.json", METRICS_FILE, INDEX_FILE)
 _METRICS_EVERY_S = 2.0
 
 
@@ -39,6 +36,7 @@ class RunMirror:
     def __init__(self, remote: RemoteRoot, run_dir: str, run_path: str) -> None:
         self.remote = remote
         self.run_dir = run_dir
+        self.layout = RunLayout(run_dir)
         self.run_path = run_path
         self._metrics_pushed_at = 0.0
         self._failing = False
@@ -47,8 +45,8 @@ class RunMirror:
     def pull(self) -> None:
         """Replace the local copy with the store's run files (nothing, for a new run). Earlier
         attempts' log folders are recreated empty, so attempts are numbered on."""
-        root = Path(self.run_dir)
-        local_metrics = root / METRICS_FILE
+        root = self.layout.root
+        local_metrics = self.layout.metrics
         # Reports an earlier driver here could not upload (the store was away) are only here:
         # keep them when this copy extends the store's.
         kept = local_metrics.read_bytes() if local_metrics.is_file() else None
@@ -58,31 +56,33 @@ class RunMirror:
             else:
                 entry.unlink()
         root.mkdir(parents=True, exist_ok=True)
-        pulled = {name: self.remote.read_bytes(posixpath.join(self.run_path, name)) for name in _PULLED}
-        stored = pulled[METRICS_FILE] or b""
-        run_exists = pulled["run.json"] is not None  # a run deleted from the store starts afresh
+        pulled = {name: self.remote.read_bytes(posixpath.join(self.run_path, name)) for name in RunLayout.SMALL_FILES}
+        stored = pulled[RunLayout.METRICS] or b""
+        run_exists = pulled[RunLayout.RUN_JSON] is not None  # a run deleted from the store starts afresh
         keep_local = run_exists and kept is not None and len(kept) > len(stored) and kept.startswith(stored)
         if keep_local:
             _logger.warning(
                 "ddptrain: %s has reports the store's copy lacks (an earlier upload failed); keeping them",
                 local_metrics,
             )
-            pulled[METRICS_FILE] = kept
+            pulled[RunLayout.METRICS] = kept
         for name, data in pulled.items():
             if data is not None:
                 (root / name).write_bytes(data)
         if keep_local:
-            self.push_file(METRICS_FILE)
-        for attempt in self.remote.list_names(posixpath.join(self.run_path, "logs")):
-            if attempt.startswith("attempt_"):
-                (root / "logs" / attempt).mkdir(parents=True, exist_ok=True)
-                self._mark_pushed(root / "logs" / attempt)
+            self.push_file(RunLayout.METRICS)
+        for name in self.remote.list_names(posixpath.join(self.run_path, RunLayout.LOGS)):
+            attempt = RunLayout.attempt_number(name)
+            if attempt is not None:
+                self.layout.attempt_logs(attempt).mkdir(parents=True, exist_ok=True)
+                self._mark_pushed(self.layout.attempt_logs(attempt))
 
     def push_file(self, name: str) -> None:
-        """Upload one of the run's files. A failure is logged (once until an upload works
-        again), not raised: the local copy has it, and the next upload sends it."""
+        """Upload one of the run's files (``name``: one of :class:`RunLayout`'s). A failure is
+        logged (once until an upload works again), not raised: the local copy has it, and the
+        next upload sends it."""
         try:
-            self.remote.upload_file(os.path.join(self.run_dir, name), posixpath.join(self.run_path, name))
+            self.remote.upload_file(str(self.layout.root / name), posixpath.join(self.run_path, name))
         except Exception as exc:  # each fsspec backend raises its own errors
             if not self._failing:
                 _logger.warning(
@@ -102,12 +102,12 @@ class RunMirror:
         """Upload ``metrics.jsonl`` if ``force`` or a few seconds passed since the last upload."""
         now = time.monotonic()
         if force or self._failing or now - self._metrics_pushed_at >= _METRICS_EVERY_S:
-            self.push_file(METRICS_FILE)
+            self.push_file(RunLayout.METRICS)
             self._metrics_pushed_at = now
 
     def push_logs(self) -> None:
         """Upload log files that are new or changed since the last upload."""
-        logs = Path(self.run_dir, "logs")
+        logs = self.layout.logs
         for path in sorted(logs.rglob("*")) if logs.is_dir() else []:
             if not path.is_file():
                 continue
@@ -115,7 +115,7 @@ class RunMirror:
             key = str(path)
             if self._logs_pushed.get(key) == (stat.st_size, stat.st_mtime):
                 continue
-            rel = path.relative_to(self.run_dir).as_posix()
+            rel = path.relative_to(self.layout.root).as_posix()
             self.remote.upload_file(key, posixpath.join(self.run_path, rel))
             self._logs_pushed[key] = (stat.st_size, stat.st_mtime)
 
@@ -129,10 +129,10 @@ class RunMirror:
         """At the end of ``fit()``: upload what changed. A failure is logged, not raised (the
         error that ended the run, if any, matters more)."""
         try:
-            if os.path.exists(os.path.join(self.run_dir, METRICS_FILE)):
+            if self.layout.metrics.exists():
                 self.push_metrics(force=True)
-            if os.path.exists(os.path.join(self.run_dir, "run.json")):
-                self.push_file("run.json")
+            if self.layout.run_json.exists():
+                self.push_file(RunLayout.RUN_JSON)
             self.push_logs()
         except Exception as exc:
             _logger.warning(

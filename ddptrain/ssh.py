@@ -30,6 +30,7 @@ from ddptrain.agent_session import AgentSession
 from ddptrain.errors import ConfigError, LaunchError
 from ddptrain.hosts import HostSpec, gpus_needed, is_local, slots_for_gpus
 from ddptrain.protocol import AgentEvent, Bootstrap
+from ddptrain.storage import RunLayout
 
 __all__ = ["SSHLauncher", "connect", "remote_command", "run_program"]
 
@@ -330,7 +331,7 @@ class SSHLauncher:
             return None  # the agent did not start: `start` reports why
         cache = f"{STAGING_PREFIX}{run_id}"
         owner = f"driver {socket.gethostname()} pid {os.getpid()}"
-        args = [os.path.join(run_dir, "run.json"), run_id, cache, str(self.agent_pid), owner]
+        args = [str(RunLayout(run_dir).run_json), run_id, cache, str(self.agent_pid), owner]
         command = shlex.join([self.python, "-I", "-S", "-c", one_line(STORAGE_PREP), *args])
         _, stdout, stderr = self._client.exec_command(command, timeout=60)
         out, err = stdout.read().decode(errors="replace"), stderr.read().decode(errors="replace")

@@ -1,14 +1,18 @@
-"""The run directory on disk: staging and atomic commit of checkpoints, metrics, config.
+"""The run directory on disk: its layout, staging and atomic commit of checkpoints, metrics, config.
 
-Layout of ``<storage_path>/<name>/``::
+Layout of ``<storage_path>/<name>/`` (:class:`RunLayout` is the one place these names are
+spelled)::
 
-    run.json                 the run's config summary
+    run.json                 the run's config summary and status
+    trainer.pkl              the pickled trainer, for ``restore()``
     metrics.jsonl            one line per report (rank 0's metrics)
     checkpoints.json         committed checkpoints, replaced atomically
     checkpoint_000003/       committed checkpoints (renamed into place when complete)
     .commit.json             the checkpoint being committed, while it is (see checkpoint_manager)
     logs/attempt_0/rank_0.log
     .staging/                per-rank checkpoint files waiting to be committed
+    tracking/                MLflow / W&B run ids of each rank, to log on into them on resume
+    .stack-request           ``ddptrain stack`` asking the live driver (``.stack-states.json``: its answer)
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 from ddptrain.errors import DdpTrainError, disk_full_error
 
 __all__ = [
+    "RunLayout",
     "RunLock",
     "try_lock_dir",
     "RunInUseError",
@@ -42,9 +47,120 @@ __all__ = [
     "naming_full_disk",
 ]
 
-STAGING = ".staging"
-# Files and folders of the run directory that a checkpoint may never be named after.
-RESERVED_NAMES = frozenset({"run.json", "trainer.pkl", "metrics.jsonl", "checkpoints.json", "logs"})
+
+class RunLayout:
+    """Where each of a run directory's own files is.
+
+    The class attributes are names relative to the run directory, in posix form, so they are
+    also the keys below a run's folder on remote storage. An instance joins them to one run
+    directory of this machine. The names never change: runs written by earlier versions must
+    still load. Every other entry of a run directory is a checkpoint folder.
+    """
+
+    RUN_JSON = "run.json"
+    TRAINER = "trainer.pkl"
+    METRICS = "metrics.jsonl"
+    INDEX = "checkpoints.json"
+    INTENT = ".commit.json"
+    LOGS = "logs"
+    STAGING = ".staging"
+    TRACKING = "tracking"
+    STACK_REQUEST = ".stack-request"
+    STACK_STATES = ".stack-states.json"
+    # What a reader of a run (``Result.from_path``, ``ddptrain show``...) copies from remote
+    # storage; a folder without RUN_JSON is not a run.
+    SMALL_FILES = (RUN_JSON, METRICS, INDEX)
+    # Names a checkpoint folder may never take.
+    RESERVED = frozenset({RUN_JSON, TRAINER, METRICS, INDEX, LOGS})
+
+    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
+        self.root = Path(run_dir)
+
+    @property
+    def run_json(self) -> Path:
+        return self.root / self.RUN_JSON
+
+    @property
+    def trainer(self) -> Path:
+        return self.root / self.TRAINER
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / self.METRICS
+
+    @property
+    def index(self) -> Path:
+        return self.root / self.INDEX
+
+    @property
+    def intent(self) -> Path:
+        return self.root / self.INTENT
+
+    @property
+    def logs(self) -> Path:
+        return self.root / self.LOGS
+
+    @property
+    def staging(self) -> Path:
+        return self.root / self.STAGING
+
+    @property
+    def stack_request(self) -> Path:
+        return self.root / self.STACK_REQUEST
+
+    @property
+    def stack_states(self) -> Path:
+        return self.root / self.STACK_STATES
+
+    def checkpoint(self, name: str) -> Path:
+        """The folder of checkpoint ``name`` (checked names only: see :func:`safe_child`)."""
+        return self.root / name
+
+    @staticmethod
+    def attempt_number(name: str) -> int | None:
+        """The attempt an entry of ``logs/`` holds the logs of (``None``: not an attempt's)."""
+        number = name.removeprefix("attempt_")
+        return int(number) if name.startswith("attempt_") and number.isdigit() else None
+
+    def attempt_logs(self, attempt: int) -> Path:
+        return self.logs / f"attempt_{attempt}"
+
+    def rank_log(self, attempt: int, rank: int) -> Path:
+        return self.attempt_logs(attempt) / f"rank_{rank}.log"
+
+    def rank_logs(self, attempt: int) -> dict[int, Path]:
+        """The log files of an attempt, by rank, in rank order."""
+        found: dict[int, Path] = {}
+        for path in self.attempt_logs(attempt).glob("rank_*.log"):
+            rank = path.stem.removeprefix("rank_")
+            if rank.isdigit():
+                found[int(rank)] = path
+        return dict(sorted(found.items()))
+
+    def attempts(self) -> list[int]:
+        """The numbers of the attempts that have a log folder, in order (``[]`` without logs)."""
+        names = [entry.name for entry in self.logs.iterdir()] if self.logs.is_dir() else []
+        return sorted(n for n in map(self.attempt_number, names) if n is not None)
+
+    @classmethod
+    def staged_name(cls, attempt: int, report_index: int, rank: int) -> str:
+        """Where a rank's files of one report wait to be committed (relative, posix)."""
+        return f"{cls.STAGING}/a{attempt}_r{report_index}/rank_{rank}"
+
+    def staged(self, attempt: int, report_index: int, rank: int) -> Path:
+        return self.root / self.staged_name(attempt, report_index, rank)
+
+    def fetched(self, attempt: int, report_index: int, rank: int) -> Path:
+        """Where a rank's staged files are copied back to from a host that cannot see the run
+        directory (staging too: a failed attempt's leftovers go with it)."""
+        return self.staging / f"fetched_a{attempt}_r{report_index}" / f"rank_{rank}"
+
+    def tracking_file(self, library: str, rank: int) -> Path:
+        """Where a rank remembers its MLflow / W&B run, to log on into it after a resume."""
+        return self.root / self.TRACKING / f"{library}_rank_{rank}.json"
+
+
+STAGING = RunLayout.STAGING  # kept for existing importers
 _DIR_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]*$")
 
 
@@ -54,7 +170,7 @@ def check_dir_name(name: str) -> None:
         raise ValueError(
             f"`checkpoint_dir_name` must be a plain folder name (letters, digits, '._=+-', no '/'), got {name!r}."
         )
-    if name in RESERVED_NAMES:
+    if name in RunLayout.RESERVED:
         raise ValueError(
             f"`checkpoint_dir_name` {name!r} is the name of one of the run's own files; choose another name."
         )
@@ -91,7 +207,7 @@ def stage_files(run_dir: str, source: str, attempt: int, report_index: int, rank
     """
     if not os.path.isdir(source):
         raise FileNotFoundError(f"Checkpoint directory {source!r} does not exist.")
-    target = Path(run_dir, STAGING, f"a{attempt}_r{report_index}", f"rank_{rank}")
+    target = RunLayout(run_dir).staged(attempt, report_index, rank)
     if target.exists():
         shutil.rmtree(target)
     partial = target.with_name(f".{target.name}.{uuid.uuid4().hex}")
@@ -215,7 +331,7 @@ def clean_leftovers(run_dir: str) -> None:
     root = Path(run_dir)
     if not root.is_dir():
         return
-    shutil.rmtree(root / STAGING, ignore_errors=True)
+    shutil.rmtree(RunLayout(root).staging, ignore_errors=True)
     for entry in root.iterdir():
         if entry.name.startswith(".") and entry.name.endswith(".tmp") and entry.is_file():
             entry.unlink(missing_ok=True)
@@ -284,8 +400,7 @@ class RunLock:
         import time
 
         try:
-            with open(os.path.join(self.run_dir, "run.json")) as f:
-                info = json.load(f)
+            info = json.loads(RunLayout(self.run_dir).run_json.read_text())
             started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info["started"]))
             return f"host {info['host']}, pid {info.get('pid')}, started {started}"
         except (OSError, ValueError, KeyError, TypeError):

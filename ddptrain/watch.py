@@ -24,13 +24,15 @@ from pathlib import Path
 from typing import Any
 
 from ddptrain import _env, storage
+from ddptrain.storage import RunLayout
 
 __all__ = ["RunNotFound", "Watch", "find_run", "stack_command", "REQUEST_FILE", "STATES_FILE"]
 
 _logger = logging.getLogger(__name__)
 
-REQUEST_FILE = ".stack-request"
-STATES_FILE = ".stack-states.json"
+# Kept for existing importers: the names as RunLayout spells them.
+REQUEST_FILE = RunLayout.STACK_REQUEST
+STATES_FILE = RunLayout.STACK_STATES
 _STATE_POLL_S = 2.0
 _STATE_NAMES = {
     "R": "running",
@@ -60,7 +62,7 @@ class Watch:
     """
 
     def __init__(self, run_dir: str, ask_agents: Callable[[bytes], None], where: Callable[[int], str]) -> None:
-        self._run_dir = run_dir
+        self._layout = RunLayout(run_dir)
         self._ask = ask_agents
         self._where = where
         self.active = False  # on while the training function runs
@@ -90,19 +92,16 @@ class Watch:
                 str(r): {**s, "where": self._where(r), "described": describe_state(s)} for r, s in self.states.items()
             }
             try:
-                storage.write_json_atomic(os.path.join(self._run_dir, STATES_FILE), shown, private=True)
+                storage.write_json_atomic(self._layout.stack_states, shown, private=True)
             except OSError as exc:
                 _logger.warning("ddptrain: could not answer `ddptrain stack`: %s", exc)
 
     def check(self, last_output: float) -> None:
         """Called often by the event pump: poll states, warn, answer ``ddptrain stack``."""
         now = time.monotonic()
-        request = os.path.join(self._run_dir, REQUEST_FILE)
-        if os.path.exists(request):
-            try:
-                os.unlink(request)
-            except FileNotFoundError:
-                pass
+        request = self._layout.stack_request
+        if request.exists():
+            request.unlink(missing_ok=True)
             _logger.warning("ddptrain: `ddptrain stack` asked for every rank's Python stacks")
             self._reply_until = now + 2.0
             self._ask(b"T")
@@ -144,19 +143,21 @@ class RunNotFound(Exception):
 
 
 def find_run(run: str) -> Path:
-    """A run directory from a path, or a run name under the default storage path."""
+    """A local run directory from a path, or a run name under the default storage path."""
     if "://" in run and not run.startswith("file://"):
         raise RunNotFound(
-            f"{run} is on remote storage, and these commands read local run folders. The driver that ran it "
-            f"keeps a working copy under {_env.cache_dir()}/runs/; or use `ddptrain.Result.from_path({run!r})`."
+            f"{run} is on remote storage; this command needs a run folder of this machine. The driver that ran "
+            f"it keeps a working copy under {_env.cache_dir()}/runs/."
         )
     path = Path(run.removeprefix("file://")).expanduser()
-    if (path / "run.json").is_file():
+    if RunLayout(path).run_json.is_file():
         return path.resolve()
     candidate = Path(_env.default_storage_path(), run).expanduser()
-    if (candidate / "run.json").is_file():
+    if RunLayout(candidate).run_json.is_file():
         return candidate.resolve()
-    raise RunNotFound(f"no run {run!r}: neither {path} nor {candidate} is a ddptrain run directory (no run.json)")
+    raise RunNotFound(
+        f"no run {run!r}: neither {path} nor {candidate} is a ddptrain run directory (no {RunLayout.RUN_JSON})"
+    )
 
 
 def driver_is_alive(run_dir: Path) -> bool:
@@ -181,35 +182,32 @@ def stack_command(run: str, timeout_s: float = 10.0) -> int:
     if not driver_is_alive(run_dir):
         print(f"ddptrain stack: no live driver holds {run_dir} (the run is not running)", file=sys.stderr)
         return 1
-    attempts = sorted(
-        (p for p in (run_dir / "logs").glob("attempt_*") if p.name.removeprefix("attempt_").isdigit()),
-        key=lambda p: int(p.name.removeprefix("attempt_")),
-    )
-    logs = sorted(attempts[-1].glob("rank_*.log")) if attempts else []
-    sizes = {log: log.stat().st_size for log in logs}
-    states_file = run_dir / STATES_FILE
+    layout = RunLayout(run_dir)
+    attempts = layout.attempts()
+    logs = layout.rank_logs(attempts[-1]) if attempts else {}
+    sizes = {log: log.stat().st_size for log in logs.values()}
+    states_file = layout.stack_states
     states_file.unlink(missing_ok=True)
-    storage.write_json_atomic(run_dir / REQUEST_FILE, {"pid": os.getpid()}, private=True)
+    storage.write_json_atomic(layout.stack_request, {"pid": os.getpid()}, private=True)
     deadline = time.monotonic() + timeout_s
     while not states_file.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
     if not states_file.exists():
-        (run_dir / REQUEST_FILE).unlink(missing_ok=True)
+        layout.stack_request.unlink(missing_ok=True)
         print(f"ddptrain stack: the driver of {run_dir} did not answer within {timeout_s:.0f} s", file=sys.stderr)
         return 1
     # Stacks arrive through the workers' output: wait until the logs stop growing.
     settled_at, last = time.monotonic(), dict(sizes)
     while time.monotonic() - settled_at < 1.0 and time.monotonic() < deadline + 5:
         time.sleep(0.2)
-        now = {log: log.stat().st_size for log in logs}
+        now = {log: log.stat().st_size for log in logs.values()}
         if now != last:
             last, settled_at = now, time.monotonic()
     states = json.loads(states_file.read_text())
     states_file.unlink(missing_ok=True)
-    for log in logs:
-        rank = log.stem.removeprefix("rank_")
-        state = states.get(rank)
-        print(f"=== {state['where'] if state else 'rank ' + rank}: {state['described'] if state else 'not running'}")
+    for rank, log in logs.items():
+        state = states.get(str(rank))
+        print(f"=== {state['where'] if state else f'rank {rank}'}: {state['described'] if state else 'not running'}")
         with open(log, "rb") as f:
             f.seek(sizes[log])
             print(f.read().decode("utf-8", errors="replace").rstrip() or "(no stack: the process cannot run)")

@@ -3,6 +3,7 @@ started on a local port, behind a TCP proxy the tests can cut to take the store 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -552,3 +553,90 @@ def test_reports_only_the_local_copy_has_survive_a_resume(s3: S3, tmp_path: Path
     (local / "metrics.jsonl").write_bytes(b'{"metrics": {"step": 9}}\n')
     RunMirror(root, str(local), run).pull()
     assert (local / "metrics.jsonl").read_bytes() == expected
+
+
+ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+def _chatty() -> None:
+    rank = train.get_context().get_world_rank()
+    for epoch in range(3):
+        print(f"rank {rank} at epoch {epoch}", flush=True)
+        with tempfile.TemporaryDirectory() as d:
+            Path(d, f"shard_{rank}.bin").write_bytes(b"x")
+            score = [0.5, 0.9, 0.1][epoch]
+            train.report({"epoch": epoch, "score": score}, checkpoint=train.Checkpoint.from_directory(d))
+
+
+def _ddptrain(*args: str) -> subprocess.CompletedProcess[str]:
+    """The real `ddptrain` command, with the fixture's endpoint, credentials and cache folder."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    return subprocess.run(
+        [sys.executable, "-m", "ddptrain", *args], capture_output=True, text=True, timeout=120, env=env
+    )
+
+
+def test_the_cli_reads_a_run_on_remote_storage(s3: S3, tmp_path: Path) -> None:
+    import shutil
+
+    bucket = s3.bucket()
+    TorchTrainer(
+        _chatty,
+        scaling_config=train.ScalingConfig(num_workers=2),
+        run_config=train.RunConfig(
+            name="run",
+            storage_path=f"s3://{bucket}/exp",
+            checkpoint_config=train.CheckpointConfig(num_to_keep=2, checkpoint_score_attribute="score"),
+        ),
+    ).fit()
+    uri = f"s3://{bucket}/exp/run"
+    shutil.rmtree(os.environ["DDPTRAIN_CACHE_DIR"])  # another machine: no driver's working copy here
+
+    runs = _ddptrain("runs", f"s3://{bucket}/exp")
+    assert runs.returncode == 0, runs.stderr
+    row = next(line for line in runs.stdout.splitlines() if line.startswith("run "))
+    assert row.split()[1] == "FINISHED" and "epoch=2" in row and "checkpoint_000002" in row
+    assert f"1 run(s) in s3://{bucket}/exp" in runs.stdout
+
+    show = _ddptrain("show", uri)
+    assert show.returncode == 0, show.stderr
+    assert f"run 'run': FINISHED  ({uri})" in show.stdout
+    assert "epoch: last 2, min 0, max 2" in show.stdout
+    assert "checkpoint_000002  epoch=1 score=0.9  [best]" in show.stdout
+    assert "checkpoint_000003  epoch=2 score=0.1  [latest]" in show.stdout
+    data = json.loads(_ddptrain("show", uri, "--json").stdout)
+    assert data["path"] == uri and data["latest_checkpoint"] == f"{uri}/checkpoint_000003"
+
+    logs = _ddptrain("logs", uri, "--rank", "1")
+    assert logs.returncode == 0, logs.stderr
+    assert [line for line in logs.stdout.splitlines() if "at epoch" in line] == [
+        f"rank 1 at epoch {e}" for e in range(3)
+    ]
+    missing = _ddptrain("logs", uri, "--rank", "5")
+    assert missing.returncode == 1 and f"no log {uri}/logs/attempt_0/rank_5.log (attempts: [0])" in missing.stderr
+    follow = _ddptrain("logs", uri, "--follow")
+    assert follow.returncode == 2 and "without --follow" in follow.stderr
+
+    export = _ddptrain("export", uri, "--format", "json")
+    assert [(r["report"], r["epoch"], r["score"]) for r in json.loads(export.stdout)] == [
+        (1, 0, 0.5),
+        (2, 1, 0.9),
+        (3, 2, 0.1),
+    ]
+    if importlib.util.find_spec("matplotlib") is not None:
+        plot = _ddptrain("plot", uri, "-o", str(tmp_path / "plot.png"))
+        assert plot.returncode == 0 and (tmp_path / "plot.png").read_bytes().startswith(b"\x89PNG"), plot.stderr
+
+    nothing = _ddptrain("show", f"s3://{bucket}/exp/nope")
+    assert nothing.returncode == 2
+    assert f"ddptrain show: no run 's3://{bucket}/exp/nope'" in nothing.stderr and "run.json" in nothing.stderr
+    assert "no runs in" in _ddptrain("runs", f"s3://{bucket}/empty").stdout
+
+
+def test_the_cli_names_the_missing_extra_for_a_uri() -> None:
+    code = "import sys; sys.modules['s3fs'] = None; from ddptrain.cli import main; sys.exit(main(sys.argv[1:]))"
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    out = subprocess.run(
+        [sys.executable, "-c", code, "show", "s3://bucket/prefix/run"], capture_output=True, text=True, env=env
+    )
+    assert out.returncode == 2 and "ddptrain show:" in out.stderr and "pip install ddptrain[s3]" in out.stderr

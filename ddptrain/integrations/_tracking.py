@@ -12,14 +12,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddptrain.context import ContextError, get_context
-from ddptrain.storage import write_json_atomic
+from ddptrain.storage import RunLayout, write_json_atomic
 
 __all__ = ["NoOp", "Caller", "caller", "flatten", "load_id", "missing", "save_id"]
 
 _logger = logging.getLogger(__name__)
-
-# Folder of the run directory that holds the remembered ids (``<lib>_rank_<r>.json``).
-_FOLDER = "tracking"
 
 
 class NoOp:
@@ -104,7 +101,7 @@ def _id_file(where: Caller, library: str) -> str | None:
     # storage must not grow a stray copy of its path.
     if where.run_dir is None or where.rank is None or not os.path.isdir(where.run_dir):
         return None
-    return os.path.join(where.run_dir, _FOLDER, f"{library}_rank_{where.rank}.json")
+    return str(RunLayout(where.run_dir).tracking_file(library, where.rank))
 
 
 def load_id(where: Caller, library: str) -> dict[str, Any] | None:
