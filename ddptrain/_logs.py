@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
 from ddptrain.errors import disk_full_error
+from ddptrain.storage import RunLayout
 
 __all__ = ["LogSink"]
 
@@ -66,11 +67,11 @@ class LogSink:
             return
         self.log_dir.mkdir(parents=True, exist_ok=True)
         for rank in self._labels:  # every rank gets its file, even one that prints nothing
-            self._files[rank] = open(self.log_dir / f"rank_{rank}.log", "ab")  # noqa: SIM115 (closed in close())
+            self._files[rank] = open(self.log_dir / RunLayout.rank_log_name(rank), "ab")  # noqa: SIM115 (closed in close())
 
     def path(self, rank: int) -> str | None:
         """The log file of ``rank`` (``None`` when output goes to the console only)."""
-        return None if self.log_dir is None else str(self.log_dir / f"rank_{rank}.log")
+        return None if self.log_dir is None else str(self.log_dir / RunLayout.rank_log_name(rank))
 
     def retarget(self, log_dir: Path | None) -> None:
         """Write from now on to files in ``log_dir`` (a warm group starting its next run)."""

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ddptrain.inspect_runs import export_rows, list_runs, run_summary
+from ddptrain.storage import RunLayout
 
 __all__ = ["DEFAULT_PORT", "Dashboard", "serve"]
 
@@ -39,23 +40,19 @@ def _page() -> bytes:
 
 
 def _log_tails(run_dir: Path) -> dict[str, Any]:
-    attempts = sorted(
-        int(p.name.removeprefix("attempt_"))
-        for p in (run_dir / "logs").glob("attempt_*")
-        if p.name.removeprefix("attempt_").isdigit()
-    )
+    layout = RunLayout(run_dir)
+    attempts = layout.attempts()
     if not attempts:
         return {"attempt": None, "ranks": {}}
-    folder = run_dir / "logs" / f"attempt_{attempts[-1]}"
     tails = {}
-    for path in sorted(folder.glob("rank_*.log"), key=lambda p: int(p.stem.removeprefix("rank_") or 0)):
+    for rank, path in layout.rank_logs(attempts[-1]).items():
         try:
             with open(path, "rb") as f:
                 f.seek(max(0, os.path.getsize(path) - 64 * 1024))
                 lines = f.read().decode("utf-8", errors="replace").splitlines()
         except OSError:
             continue
-        tails[path.stem.removeprefix("rank_")] = lines[-_TAIL_LINES:]
+        tails[str(rank)] = lines[-_TAIL_LINES:]
     return {"attempt": attempts[-1], "ranks": tails}
 
 

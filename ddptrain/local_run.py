@@ -16,6 +16,7 @@ from ddptrain.errors import ControllerError, WorkerFailure, WorkerGroupError, di
 from ddptrain.remote_checkpoints import upload_checkpoint
 from ddptrain.result import Result
 from ddptrain.run import Run
+from ddptrain.run_lock import RunLock
 
 __all__ = ["LocalReports", "fit_local"]
 
@@ -121,7 +122,7 @@ def _fit_in_process(run: Run, body: Callable[[int], list[Any]]) -> Result:
         WorkerGroupError: What ``body`` raised when the function failed (no restarts).
     """
     try:
-        with storage.RunLock(run.run_dir, run.name):
+        with RunLock(run.run_dir, run.name):
             run._load_previous()
             try:
                 run._prepare_dir()

@@ -33,6 +33,7 @@ from ddptrain.progress import Progress
 from ddptrain.remote_checkpoints import RemoteCheckpointManager
 from ddptrain.result import Result
 from ddptrain.run_location import RunLocation, load_earlier
+from ddptrain.run_lock import RunLock
 from ddptrain.run_mirror import RunMirror
 from ddptrain.warm import keeps_warm, put_warm, take_warm
 from ddptrain.worker_group import GroupFailed, WorkerGroup
@@ -251,7 +252,7 @@ class Run:
         """
         self.plan.check_gpus()
         try:
-            with storage.RunLock(self.run_dir, self.name):
+            with RunLock(self.run_dir, self.name):
                 return self._fit_locked()
         except OSError as exc:
             full = disk_full_error(exc, exc.filename or self.run_dir)

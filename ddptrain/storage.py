@@ -27,13 +27,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ddptrain.errors import DdpTrainError, disk_full_error
+from ddptrain.errors import disk_full_error
 
 __all__ = [
     "RunLayout",
-    "RunLock",
-    "try_lock_dir",
-    "RunInUseError",
     "write_atomic",
     "stage_files",
     "build_checkpoint",
@@ -125,8 +122,13 @@ class RunLayout:
     def attempt_logs(self, attempt: int) -> Path:
         return self.logs / f"attempt_{attempt}"
 
+    @staticmethod
+    def rank_log_name(rank: int) -> str:
+        """The name of a rank's log file in its attempt's folder."""
+        return f"rank_{rank}.log"
+
     def rank_log(self, attempt: int, rank: int) -> Path:
-        return self.attempt_logs(attempt) / f"rank_{rank}.log"
+        return self.attempt_logs(attempt) / self.rank_log_name(rank)
 
     def rank_logs(self, attempt: int) -> dict[int, Path]:
         """The log files of an attempt, by rank, in rank order."""
@@ -345,68 +347,3 @@ def clean_leftovers(run_dir: str) -> None:
             shutil.rmtree(entry, ignore_errors=True)
         elif entry.name.endswith(".partial"):
             shutil.rmtree(entry, ignore_errors=True)
-
-
-class RunInUseError(DdpTrainError, RuntimeError):
-    """Another live driver is using the run directory."""
-
-
-def try_lock_dir(path: str, shared: bool = False) -> int | None:
-    """An open fd of folder ``path`` holding a ``flock`` on it, or ``None`` if someone else holds one."""
-    import fcntl
-
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-class RunLock:
-    """Only one driver at a time in a run directory.
-
-    An exclusive ``flock`` on the run directory itself, held for the whole ``fit()``: no file
-    is added to the directory, and the kernel drops the lock when its driver dies, however it
-    dies, so a dead driver's lock is simply taken over. Creates the run directory (0700) if
-    needed.
-
-    Raises:
-        RunInUseError: A live driver holds it; the error names its host, pid and start time
-            (from its ``run.json``).
-    """
-
-    def __init__(self, run_dir: str, name: str) -> None:
-        self.run_dir = run_dir
-        self.name = name
-        self._fd: int | None = None
-
-    def __enter__(self) -> RunLock:
-        os.makedirs(self.run_dir, mode=0o700, exist_ok=True)
-        fd = try_lock_dir(self.run_dir)
-        if fd is None:
-            raise RunInUseError(
-                f"Run {self.name!r} in {self.run_dir} is in use by a live driver ({self._holder()}). Wait "
-                "for it to finish, or give this run another `RunConfig(name=...)`."
-            )
-        self._fd = fd
-        return self
-
-    def _holder(self) -> str:
-        import time
-
-        try:
-            info = json.loads(RunLayout(self.run_dir).run_json.read_text())
-            started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info["started"]))
-            return f"host {info['host']}, pid {info.get('pid')}, started {started}"
-        except (OSError, ValueError, KeyError, TypeError):
-            return "host, pid and start time not recorded yet"
-
-    def __exit__(self, *exc_info: object) -> None:
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)  # releases the lock

@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from ddptrain import _env, storage
+from ddptrain.protocol import Request
+from ddptrain.run_lock import try_lock_dir
 from ddptrain.storage import RunLayout
 
 __all__ = ["RunNotFound", "Watch", "find_run", "stack_command", "REQUEST_FILE", "STATES_FILE"]
@@ -57,7 +59,7 @@ class Watch:
 
     Args:
         run_dir: The run directory (where ``ddptrain stack`` leaves its requests).
-        ask_agents: Sends ``b"Q"`` (states) or ``b"T"`` (states and stacks) to every agent.
+        ask_agents: Sends a :class:`~ddptrain.protocol.Request` (states, or states and stacks) to every agent.
         where: ``where(rank)`` -> ``"rank 1 (host h, pid 42)"``.
     """
 
@@ -104,13 +106,13 @@ class Watch:
             request.unlink(missing_ok=True)
             _logger.warning("ddptrain: `ddptrain stack` asked for every rank's Python stacks")
             self._reply_until = now + 2.0
-            self._ask(b"T")
+            self._ask(Request.STACKS)
             return
         if not self.active:
             return
         if now >= self._next_poll:
             self._next_poll = now + _STATE_POLL_S
-            self._ask(b"Q")
+            self._ask(Request.STATES)
         interval = _env.report_warn_interval_s()
         for rank, since in self._stopped_since.items():
             if now - since >= interval and now - self._warned_stopped.get(rank, -1e9) >= max(interval, 30.0):
@@ -123,7 +125,7 @@ class Watch:
                     now - since,
                     pid,
                 )
-                self._ask(b"T")
+                self._ask(Request.STACKS)
         stall_s = _env.stall_warn_s()
         quiet = now - max(self.last_activity, last_output)
         if quiet >= stall_s and now - self._stall_warned_at >= stall_s:
@@ -135,7 +137,7 @@ class Watch:
                 quiet,
                 states or "not known yet",
             )
-            self._ask(b"T")
+            self._ask(Request.STACKS)
 
 
 class RunNotFound(Exception):
@@ -163,7 +165,7 @@ def find_run(run: str) -> Path:
 def driver_is_alive(run_dir: Path) -> bool:
     """Whether a live driver holds ``run_dir``'s lock (a folder that cannot be opened: no)."""
     try:
-        fd = storage.try_lock_dir(str(run_dir), shared=True)
+        fd = try_lock_dir(str(run_dir), shared=True)
     except OSError:
         return False
     if fd is None:
