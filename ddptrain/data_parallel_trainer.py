@@ -194,7 +194,9 @@ class DataParallelTrainer:
             return self._fit_local()
         self._check_before_start()
         datasets = DatasetIngest(self.datasets, self.dataset_config, self.scaling_config.num_workers)
-        return self._new_run(self._payload(), datasets).fit()
+        from ddptrain.controller import Controller  # imports torch, as `Run` below
+
+        return Controller(self._new_run(self._payload(), datasets)).fit()
 
     def _new_run(self, payload: bytes, datasets: DatasetIngest | None) -> Run:
         """The driver's state of one ``fit()`` (``payload``: the pickled function, for workers)."""

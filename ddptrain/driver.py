@@ -70,7 +70,6 @@ class Attempt:
         """
         group = self.group
         group.handler = self._handle_run_message
-        group.on_failure = self.run.prepare_restart
         group.watch = self.watch
         progress = self.run.progress
         group.on_tick = self._tick

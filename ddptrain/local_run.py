@@ -12,11 +12,10 @@ from typing import Any
 
 from ddptrain import context, storage
 from ddptrain.checkpoint import Checkpoint
-from ddptrain.errors import ControllerError, WorkerFailure, WorkerGroupError, disk_full_error
+from ddptrain.errors import WorkerFailure, WorkerGroupError
 from ddptrain.remote_checkpoints import upload_checkpoint
 from ddptrain.result import Result
 from ddptrain.run import Run
-from ddptrain.run_lock import RunLock
 
 __all__ = ["LocalReports", "fit_local"]
 
@@ -116,40 +115,17 @@ def fit_local(run: Run, fn: Callable[[], Any], dataset_shards: dict[str, Any], e
 
 def _fit_in_process(run: Run, body: Callable[[int], list[Any]]) -> Result:
     """``body(attempt)`` runs the training function in this process and returns its return
-    values; the run's files, status and lock are handled as ``Run.fit`` does.
+    values; the run's files, status and lock are handled as for a worker group (``Run.opened``).
 
     Raises:
         WorkerGroupError: What ``body`` raised when the function failed (no restarts).
     """
-    try:
-        with RunLock(run.run_dir, run.name):
-            run._load_previous()
-            try:
-                run._prepare_dir()
-                index = run.first_attempt()
-                latest = run.latest_checkpoint.path if run.latest_checkpoint else None
-                run.progress.started(workers=1, hosts=1, attempt=index, resume_from=latest)
-                run._save_status("RUNNING", attempt=index, local_mode=True)
-                try:
-                    return_values = body(index)
-                except WorkerGroupError as error:
-                    headline = error.failures[0].headline() if error.failures else str(error)
-                    run.progress.finished(False, run._best(), error=headline)
-                    run._save_status("ERRORED", error=headline)
-                    raise
-                except BaseException as exc:
-                    run._save_status("ABORTED", error=f"{type(exc).__name__}: {exc}")
-                    raise
-                run.progress.finished(True, run._best())
-                run._save_status("FINISHED")
-            finally:
-                if run._metrics_file is not None:
-                    run._metrics_file.close()
-                if run.remote is not None:
-                    run.mirror.push_final()
-    except OSError as exc:
-        full = disk_full_error(exc, exc.filename or run.run_dir)
-        if full is None:
+    with run.opened(workers=1, hosts=1) as index:
+        run.save_status("RUNNING", attempt=index, local_mode=True)
+        try:
+            return_values = body(index)
+        except WorkerGroupError as error:
+            run.ended(error=error.failures[0].headline() if error.failures else str(error))
             raise
-        raise ControllerError(f"Training stopped: {full}") from full
-    return run._result(return_values)
+        run.ended()
+    return run.result(return_values)

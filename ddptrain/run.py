@@ -1,33 +1,32 @@
-"""One ``fit()`` call in the driver: the run directory, attempts and restarts, the Result."""
+"""One ``fit()`` call in the driver: the run's state, its directory, what it reported, the Result.
+
+``Run`` holds what outlives each attempt: the configs, the run directory (local, or the
+working copy of a run on remote storage), the metrics and checkpoints reported so far, and the
+run's status. ``ddptrain.controller`` runs its attempts; local mode (``num_workers=0``) runs
+the function in this process (``ddptrain.local_run``). Both open the run with :meth:`Run.opened`.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 
-from ddptrain import _env, protocol, storage
+from ddptrain import protocol, storage
 from ddptrain.callbacks import TrainRunContext
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.checkpoint_manager import CheckpointManager
 from ddptrain.config import CheckpointConfig
-from ddptrain.driver import Attempt
-from ddptrain.errors import (
-    ControllerError,
-    LaunchError,
-    WorkerFailure,
-    WorkerGroupError,
-    disk_full_error,
-    is_disk_full,
-)
-from ddptrain.launcher import Launcher
+from ddptrain.errors import ControllerError, WorkerFailure, disk_full_error
 from ddptrain.plan import Plan
 from ddptrain.progress import Progress
 from ddptrain.remote_checkpoints import RemoteCheckpointManager
@@ -35,8 +34,6 @@ from ddptrain.result import Result
 from ddptrain.run_location import RunLocation, load_earlier
 from ddptrain.run_lock import RunLock
 from ddptrain.run_mirror import RunMirror
-from ddptrain.warm import keeps_warm, put_warm, take_warm
-from ddptrain.worker_group import GroupFailed, WorkerGroup
 
 if TYPE_CHECKING:
     from ddptrain.backend import BackendConfig
@@ -98,15 +95,11 @@ class Run:
         )
         self.start_checkpoint: Checkpoint | None = None  # resume_from_checkpoint
         self._metrics_file: Any = None
-        failure_config = run_config.failure_config
-        self._max_failures = failure_config.max_failures if failure_config else 0
         # Workers on other hosts get the storage's credentials and endpoint from the driver.
-        env_vars = {**(self.remote.credential_env() if self.remote else {}), **run_config._env_vars()}
-        self.plan = Plan(scaling_config, env_vars)  # a bad host list fails here
-        self._failures_seen = 0
+        self._env_vars = {**(self.remote.credential_env() if self.remote else {}), **run_config._env_vars()}
+        self.plan = self.new_plan()  # a bad host list fails here
         self._lost_reports = 0  # reports the checkpoint index knows of but metrics.jsonl lost
         self._last_attempt = -1  # the highest attempt number in an earlier run's metrics
-        self._spare: Launcher | None = None  # the next attempt's agent, started on a failure
         self.progress = Progress(self.name, self.location)
         self.progress.scored = bool(
             run_config.checkpoint_config and run_config.checkpoint_config.checkpoint_score_attribute
@@ -209,11 +202,11 @@ class Run:
             "argv": sys.argv,
             "num_workers": self.scaling_config.num_workers,
             "use_gpu": self.scaling_config.use_gpu,
-            "hosts": [h.name for h in self.plan.placement.hosts] if self.plan.placement else [self.plan.hostname],
+            "hosts": self._host_names(),
             "backend_config": repr(self.backend_config),
             "status": "RUNNING",
         }
-        self._save_status("RUNNING")
+        self.save_status("RUNNING")
         if self.trainer_bytes is not None:
             storage.write_atomic(self.layout.trainer, self.trainer_bytes, private=True)
             if self.remote is not None:
@@ -224,7 +217,7 @@ class Run:
             if self._metrics_file.read(1) != "\n":
                 self._metrics_file.write("\n")
 
-    def _save_status(self, status: str, **fields: Any) -> None:
+    def save_status(self, status: str, **fields: Any) -> None:
         """Record how the run stands in ``run.json`` (read by ``ddptrain runs`` and ``show``):
         RUNNING, RESTARTING, FINISHED, ERRORED or ABORTED (Ray Train V2's words)."""
         self._run_json.update(status=status, **fields)
@@ -234,112 +227,69 @@ class Run:
         if self.remote is not None:
             self.mirror.push_file(self.layout.RUN_JSON)
 
-    def prepare_restart(self) -> None:
-        """On a failure: if a restart will follow, start its agents now, during the teardown."""
-        allowed = self._max_failures
-        if self._spare is None and (allowed == -1 or self._failures_seen < allowed):
-            try:
-                self._spare = self.plan.new_launcher()
-            except LaunchError as exc:  # the restart will try again, and report it then
-                _logger.warning("ddptrain: could not start the next attempt's agents early: %s", exc)
+    @contextlib.contextmanager
+    def opened(self, *, workers: int, hosts: int) -> Iterator[int]:
+        """The run, open for one ``fit()``: locked, an earlier run of its name picked up, its
+        files written; yields the number of the first attempt.
 
-    def fit(self) -> Result:
-        """Run attempts until one succeeds or the failure budget is spent.
-
-        A full disk where the driver writes (logs, metrics, checkpoints, the index) raises
-        ``ControllerError`` caused by a ``DiskFullError`` naming the file; like a worker's full
-        disk, it is never retried.
+        On the way out the metrics file is closed and, on remote storage, everything uploaded.
+        A ``fit()`` stopped from the driver's side (Ctrl-C, an error of the driver) leaves the
+        run ABORTED. A full disk where the driver writes (logs, metrics, checkpoints, the index)
+        raises ``ControllerError`` caused by a ``DiskFullError`` naming the file.
         """
-        self.plan.check_gpus()
         try:
             with RunLock(self.run_dir, self.name):
-                return self._fit_locked()
+                self._load_previous()
+                try:
+                    self._prepare_dir()
+                    index = self.first_attempt()
+                    latest = self.latest_checkpoint.path if self.latest_checkpoint else None
+                    self.progress.started(workers=workers, hosts=hosts, attempt=index, resume_from=latest)
+                    yield index
+                except BaseException as exc:
+                    if self._run_json.get("status") in ("RUNNING", "RESTARTING"):  # not ended by a failure
+                        with contextlib.suppress(OSError):  # a full disk: the error that got us here says so
+                            self.save_status("ABORTED", error=f"{type(exc).__name__}: {exc}")
+                    raise
+                finally:
+                    if self._metrics_file is not None:
+                        with contextlib.suppress(OSError):  # as above
+                            self._metrics_file.close()
+                    if self.remote is not None:
+                        self.mirror.push_final()
         except OSError as exc:
             full = disk_full_error(exc, exc.filename or self.run_dir)
             if full is None:
                 raise
             raise ControllerError(f"Training stopped: {full}") from full
 
-    def _fit_locked(self) -> Result:
-        self._load_previous()
-        # A warm group from an earlier fit(), or new agents importing torch while we set up.
-        group: WorkerGroup | None = take_warm(self.plan) or WorkerGroup(self.plan, self.plan.new_launcher())
-        kept = False
-        root_causes: list[WorkerFailure] = []
-        try:
-            self._prepare_dir()
-            _logger.info(
-                "ddptrain: run %r in %s with %d workers", self.name, self.location, self.scaling_config.num_workers
-            )
-            index = self.first_attempt()
-            hosts = len(self.plan.placement.hosts) if self.plan.placement is not None else 1
-            latest = self.latest_checkpoint.path if self.latest_checkpoint else None
-            self.progress.started(
-                workers=self.scaling_config.num_workers, hosts=hosts, attempt=index, resume_from=latest
-            )
-            while True:
-                assert group is not None
-                attempt = Attempt(self, index, group, keep=keeps_warm(self.plan))
-                self._save_status("RUNNING", attempt=index)
-                try:
-                    return_values = attempt.run_group()
-                    break
-                except GroupFailed as failed:
-                    group.shutdown(0)
-                    group = WorkerGroup(self.plan, self._spare) if self._spare is not None else None
-                    self._spare = None
-                    self._clean_after_failure()
-                    failures = sorted(failed.failures, key=lambda f: (f.timestamp, f.rank))
-                    root_causes.append(failures[0])
-                    self._failures_seen = len(root_causes)
-                    errors = self._run_json.setdefault("attempt_errors", [])
-                    errors.append({"attempt": index, "error": failures[0].headline(), "log": failures[0].log_path})
-                    self._after_exception(failures)
-                    if group is None or any(is_disk_full(f.exception) for f in failures):
-                        self.progress.finished(False, self._best(), error=failures[0].headline())
-                        self._save_status("ERRORED", error=failures[0].headline())
-                        raise self._final_error(failures, root_causes, index) from failures[0].exception
-                    _logger.warning(
-                        "ddptrain: attempt %d failed (%s); restarting from %s (failure %d of %s allowed)",
-                        index,
-                        failures[0].headline(),
-                        self.latest_checkpoint.path if self.latest_checkpoint else "scratch",
-                        len(root_causes),
-                        "unlimited" if self._max_failures == -1 else self._max_failures,
-                    )
-                    index += 1
-                    latest = self.latest_checkpoint.path if self.latest_checkpoint else None
-                    self.progress.restarting(index, failures[0].headline(), latest)
-                    self._save_status("RESTARTING", attempt=index)
-            self.progress.finished(True, self._best())
-            self._save_status("FINISHED")
-            if attempt.keep and group.alive:
-                kept = put_warm(group)
-        except BaseException as exc:
-            if self._run_json.get("status") in ("RUNNING", "RESTARTING"):  # stopped by the driver's side
-                try:
-                    self._save_status("ABORTED", error=f"{type(exc).__name__}: {exc}")
-                except OSError:
-                    pass  # a full disk: the error that got us here says so
-            raise
-        finally:
-            if group is not None and not kept:
-                group.shutdown()
-            if self._spare is not None:
-                self._spare.shutdown(_env.shutdown_grace_s())
-            self._spare = None
-            if self.datasets is not None:
-                self.datasets.release()
-            if self._metrics_file is not None:
-                try:
-                    self._metrics_file.close()
-                except OSError:  # a full disk: the error that got us here says so
-                    pass
-            if self.remote is not None:
-                self.mirror.push_final()
-        return self._result(return_values)
+    def new_plan(self) -> Plan:
+        """A placement plan for the next attempt (the host list is read again)."""
+        return Plan(self.scaling_config, self._env_vars)
 
-    def _result(self, return_values: list[Any]) -> Result:
+    def use_plan(self, plan: Plan) -> None:
+        """Run the next attempts on ``plan``."""
+        self.plan = plan
+        self._run_json["hosts"] = self._host_names()
+
+    def _host_names(self) -> list[str]:
+        return [h.name for h in self.plan.placement.hosts] if self.plan.placement else [self.plan.hostname]
+
+    def ended(self, error: str | None = None) -> None:
+        """The run is over: FINISHED, or ERRORED with ``error``."""
+        if error is None:
+            self.progress.finished(True, self._best())
+            self.save_status("FINISHED")
+        else:
+            self.progress.finished(False, self._best(), error=error)
+            self.save_status("ERRORED", error=error)
+
+    def attempt_failed(self, index: int, failure: WorkerFailure) -> None:
+        """Record the root cause of attempt ``index`` in ``run.json`` (``ddptrain show``)."""
+        errors = self._run_json.setdefault("attempt_errors", [])
+        errors.append({"attempt": index, "error": failure.headline(), "log": failure.log_path})
+
+    def result(self, return_values: list[Any]) -> Result:
         return Result(
             metrics=self.metrics_history[-1] if self.metrics_history else None,
             checkpoint=self.latest_checkpoint,
@@ -351,7 +301,7 @@ class Run:
             _storage_filesystem=self.remote.fs if self.remote else None,
         )
 
-    def _clean_after_failure(self) -> None:
+    def clean_after_failure(self) -> None:
         """Remove what the failed attempt left half-done, upload its logs. On remote storage a
         failure here is logged: the store may be what failed, and the next attempt (or the
         next resume) cleans up again."""
@@ -374,22 +324,8 @@ class Run:
         ranked = self.checkpoints.best_checkpoints()
         return (ranked[-1][0].path, ranked[-1][1]) if ranked else None
 
-    def _final_error(
-        self, failures: list[WorkerFailure], root_causes: list[WorkerFailure], index: int
-    ) -> WorkerGroupError:
-        error = WorkerGroupError.from_failures(failures, str(self.log_dir(index)))
-        if len(root_causes) > 1:
-            first = index - len(root_causes) + 1
-            lines = [f"  attempt {first + i}: {f.headline()} (log: {f.log_path})" for i, f in enumerate(root_causes)]
-            error.args = (f"{error.args[0]}\nRoot cause of every attempt ({len(root_causes)}):\n" + "\n".join(lines),)
-        if any(is_disk_full(f.exception) for f in failures):
-            error.args = (
-                f"{error.args[0]}\nA file system is full: the group was not restarted (FailureConfig does not "
-                "apply, every attempt would fail the same way until space is freed).",
-            )
-        return error
-
-    def _after_exception(self, failures: list[WorkerFailure]) -> None:
+    def after_exception(self, failures: list[WorkerFailure]) -> None:
+        """Tell the run's callbacks how an attempt failed (their own errors are logged)."""
         exceptions = {f.rank: f.exception for f in failures}
         for callback in self.run_config.callbacks or []:
             try:
