@@ -101,7 +101,7 @@ class Dashboard:
         if not name or "/" in name or "\\" in name or name in (".", ".."):
             return None
         path = (self.root / name).resolve()
-        if path.parent != self.root or not (path / "run.json").is_file():
+        if path.parent != self.root or not RunLayout(path).run_json.is_file():
             return None
         return path
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from ddptrain.config import FailureConfig, RunConfig
 from ddptrain.result import Result, read_metrics
+from ddptrain.storage import RunLayout
 from ddptrain.tune._resources import Grant
 from ddptrain.tune.integration.ray_train import TuneReportCallback
 from ddptrain.tune.trainable import FunctionTrainable, PreparedTrial, TrainerTrainable
@@ -37,7 +38,7 @@ def fit_trainer(
     """Run a trainer trial's ``fit()`` on what ``grant`` holds; record its checkpoints and
     return value on ``trial``. A restored trial's fit resumes its run."""
     assert prepared.trainer is not None
-    if os.path.exists(os.path.join(trial.path, "run.json")):  # restored: the fit resumes the run
+    if RunLayout(trial.path).run_json.exists():  # restored: the fit resumes the run
         trial.iteration = len(read_metrics(trial.path))
     # The sweep adds its own TuneReportCallback: one the user added would report twice.
     callbacks = [c for c in trainable.trainer.run_config.callbacks or [] if not isinstance(c, TuneReportCallback)]
@@ -76,7 +77,7 @@ def _trial_run_config(
 
 def pick_up_checkpoints(trial: Trial) -> None:
     """A stopped or failed trainer trial: its committed checkpoints, from its run directory."""
-    if not os.path.exists(os.path.join(trial.path, "run.json")):
+    if not RunLayout(trial.path).run_json.exists():
         return
     try:
         result = Result.from_path(trial.path)
