@@ -57,15 +57,15 @@ class GroupFailed(WorkerGroupError):
         return sorted(f.rank for f in self.failures if isinstance(f.exception, lost))
 
 
-def failure_from_record(record: dict[str, Any]) -> BaseException:
+def failure_from_record(record: protocol.FailureRecord) -> BaseException:
     """The worker's exception from its failure record, or a stand-in with its traceback."""
-    if record.get("exception"):
+    if record.exception:
         try:
-            exc: BaseException = pickle.loads(record["exception"])
+            exc: BaseException = pickle.loads(record.exception)
             return exc
         except Exception:
             pass
-    return WorkerError(record.get("type", "Exception"), record.get("message", ""), record.get("traceback", ""))
+    return WorkerError(record.type, record.message, record.traceback)
 
 
 class GroupEvents:
@@ -196,7 +196,7 @@ class GroupEvents:
         self.exited.add(rank)
         if event.status:  # it wrote a failure record
             record = pickle.loads(event.status)
-            return self.failure(rank, exitcode, failure_from_record(record), record["traceback"], record.get("time"))
+            return self.failure(rank, exitcode, failure_from_record(record), record.traceback, record.time)
         if self.exit_expected:
             return None
         return self.failure(rank, exitcode, WorkerDiedError(rank, exitcode, event.memory))

@@ -65,6 +65,7 @@ __all__ = [
     "Done",
     "Execute",
     "Exit",
+    "FailureRecord",
     "Hello",
     "Lost",
     "Report",
@@ -72,10 +73,24 @@ __all__ = [
     "VERSION",
 ]
 
-VERSION = 3
+VERSION = 4
 
 
 # ----------------------------------------------------------------- worker -> driver
+@dataclass(frozen=True)
+class FailureRecord:
+    """An exception raised in a worker, as the driver needs it to explain it. Travels in a
+    :class:`CallResult`, or through the worker's status pipe in :class:`WorkerExited`."""
+
+    # When it was raised: a peer failing a moment later because of it must not be named the
+    # root cause just because its report reached the driver first.
+    time: float
+    type: str  # "module.QualifiedName"
+    message: str
+    traceback: str  # without ddptrain's own frames at the top
+    exception: bytes | None  # the exception itself, pickled, when it can be
+
+
 @dataclass(frozen=True)
 class Hello:
     """A worker joined the store and is ready for commands."""
@@ -87,12 +102,12 @@ class Hello:
 
 @dataclass(frozen=True)
 class CallResult:
-    """The outcome of one :class:`Execute`: the cloudpickled return value, or a failure record."""
+    """The outcome of one :class:`Execute`: the cloudpickled return value, or why it failed."""
 
     rank: int
     call_id: int
     ok: bool
-    value: Any  # bytes when ok, else the worker's failure record (dict)
+    value: bytes | FailureRecord
 
 
 @dataclass(frozen=True)
@@ -341,7 +356,7 @@ class WorkerStarted:
 
 @dataclass(frozen=True)
 class WorkerExited:
-    """A worker's exit: its code, and its failure record if it wrote one (cloudpickled)."""
+    """A worker's exit: its code, and the :class:`FailureRecord` it wrote, pickled (empty if none)."""
 
     rank: int
     exitcode: int

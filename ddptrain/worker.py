@@ -105,20 +105,18 @@ def user_traceback(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__))
 
 
-def failure_record(exc: BaseException) -> dict[str, Any]:
+def failure_record(exc: BaseException) -> protocol.FailureRecord:
     """What the driver needs to explain an exception raised in this worker."""
-    return {
-        # When it was raised: a peer failing a moment later because of it must not be named
-        # the root cause just because its report reached the driver first.
-        "time": time.time(),
-        "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
-        "message": str(exc),
-        "traceback": user_traceback(exc),
-        "exception": exception_to_bytes(exc),
-    }
+    return protocol.FailureRecord(
+        time=time.time(),
+        type=f"{type(exc).__module__}.{type(exc).__qualname__}",
+        message=str(exc),
+        traceback=user_traceback(exc),
+        exception=exception_to_bytes(exc),
+    )
 
 
-def _write_status(status_fd: int, record: dict[str, Any]) -> None:
+def _write_status(status_fd: int, record: protocol.FailureRecord) -> None:
 
     write_all(status_fd, cloudpickle.dumps(record))
 
@@ -274,7 +272,7 @@ def run(spec: protocol.WorkerSpec, shared: dict[str, Any], status_fd: int) -> in
                 _leave_process_group()
             except BaseException as exc:
                 record = failure_record(exc)
-                sys.stderr.write(record["traceback"])
+                sys.stderr.write(record.traceback)
                 _write_status(status_fd, record)
                 return 1
             try:

@@ -265,9 +265,9 @@ class WorkerGroup(GroupEvents):
                 pass
         replies = self._results.pop(call_id)
         failed = [
-            self.failure(rank, None, failure_from_record(value), value["traceback"], value.get("time"))
+            self.failure(rank, None, failure_from_record(value), value.traceback, value.time)
             for rank, (ok, value) in sorted(replies.items())
-            if not ok
+            if isinstance(value, protocol.FailureRecord)
         ]
         if failed:
             raise self.fail(failed)
