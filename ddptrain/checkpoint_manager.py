@@ -30,13 +30,10 @@ from ddptrain.checkpoint import Checkpoint
 from ddptrain.config import CheckpointConfig
 from ddptrain.errors import DdpTrainError
 
-__all__ = ["CheckpointManager", "RunDirectoryError", "INDEX_FILE", "INTENT_FILE"]
+__all__ = ["CheckpointManager", "RunDirectoryError"]
 
 _logger = logging.getLogger(__name__)
 
-# Kept for existing importers: the names as storage.RunLayout spells them.
-INDEX_FILE = storage.RunLayout.INDEX
-INTENT_FILE = storage.RunLayout.INTENT
 _VERSION = 1
 
 

@@ -162,7 +162,6 @@ class RunLayout:
         return self.root / self.TRACKING / f"{library}_rank_{rank}.json"
 
 
-STAGING = RunLayout.STAGING  # kept for existing importers
 _DIR_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]*$")
 
 

@@ -28,13 +28,10 @@ from ddptrain.protocol import Request
 from ddptrain.run_lock import try_lock_dir
 from ddptrain.storage import RunLayout
 
-__all__ = ["RunNotFound", "Watch", "find_run", "stack_command", "REQUEST_FILE", "STATES_FILE"]
+__all__ = ["RunNotFound", "Watch", "find_run", "stack_command"]
 
 _logger = logging.getLogger(__name__)
 
-# Kept for existing importers: the names as RunLayout spells them.
-REQUEST_FILE = RunLayout.STACK_REQUEST
-STATES_FILE = RunLayout.STACK_STATES
 _STATE_POLL_S = 2.0
 _STATE_NAMES = {
     "R": "running",

@@ -20,7 +20,7 @@ import pytest
 
 import ddptrain as train
 from ddptrain import storage
-from ddptrain.checkpoint_manager import INDEX_FILE, CheckpointManager
+from ddptrain.checkpoint_manager import CheckpointManager
 from ddptrain.config import CheckpointConfig
 from ddptrain.errors import DiskFullError
 
@@ -208,7 +208,8 @@ def test_checkpoint_that_fills_the_disk_fails_without_restarts_and_the_run_resum
     resumed = _fit_in_child(small_disk, "big_checkpoint_loop", {"size": 512 * 1024})
     assert resumed["ok"], resumed
     assert resumed["return_value"] == 1
-    assert not (run_dir / storage.STAGING).exists() or not any((run_dir / storage.STAGING).iterdir())
+    staging = run_dir / storage.RunLayout.STAGING
+    assert not staging.exists() or not any(staging.iterdir())
 
 
 def test_full_disk_while_writing_the_index_keeps_the_run_resumable(small_disk: Path, tmp_path: Path) -> None:
@@ -219,7 +220,7 @@ def test_full_disk_while_writing_the_index_keeps_the_run_resumable(small_disk: P
     source.mkdir()
     (source / "state.json").write_text('{"step": 1}')
     manager.commit([storage.stage_files(str(run_dir), str(source), 0, 1, 0)], "checkpoint_000001", {"step": 1}, 1)
-    index_before = (run_dir / INDEX_FILE).read_text()
+    index_before = (run_dir / storage.RunLayout.INDEX).read_text()
     (source / "state.json").write_text('{"step": 2}')
     staged = storage.stage_files(str(run_dir), str(source), 0, 2, 0)
 
@@ -232,11 +233,11 @@ def test_full_disk_while_writing_the_index_keeps_the_run_resumable(small_disk: P
     assert "No space left on device" in str(info.value) and str(run_dir) in str(info.value)
 
     filler.unlink()
-    assert (run_dir / INDEX_FILE).read_text() == index_before
+    assert (run_dir / storage.RunLayout.INDEX).read_text() == index_before
     resumed = CheckpointManager(str(run_dir), CheckpointConfig())
     resumed.recover()
     assert resumed.latest is not None and os.path.basename(resumed.latest.path) == "checkpoint_000001"
-    assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoint_000001", INDEX_FILE]
+    assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoint_000001", storage.RunLayout.INDEX]
 
 
 def test_disk_full_error_survives_pickling_and_names_path_and_space(tmp_path: Path) -> None:
