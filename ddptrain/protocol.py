@@ -13,11 +13,11 @@ Two transports carry them:
 - **The driver's store**, once a worker has joined it. Messages are pickled, signed with the
   run's secret and numbered per sender (``ddptrain.channel``); nothing is unpickled before its
   signature checks out. Workers send with plain ``pickle`` (data only); the driver's commands
-  may carry functions (``Execute``) and go with cloudpickle. Worker to driver: :class:`Hello`, :class:`CallResult`, :class:`Report`, :class:`Collective`,
-  :class:`CheckpointsQuery`, :class:`Done`, :class:`Beat` (heartbeat connection).
-  Driver to worker: :class:`Execute`, :class:`Train`, :class:`Exit`, :class:`Ack`,
-  :class:`CollectiveResult`, :class:`CheckpointsReply`.
-  Inside the driver: :class:`Lost` (a message someone removed from the store).
+  may carry functions (``Execute``) and go with cloudpickle. Worker to driver: :class:`Hello`,
+  :class:`CallResult`, :class:`Report`, :class:`Collective`, :class:`CheckpointsQuery`,
+  :class:`Done`, :class:`Beat` (heartbeat connection). Driver to worker: :class:`Execute`,
+  :class:`Train`, :class:`Exit`, :class:`Ack`, :class:`CollectiveResult`,
+  :class:`CheckpointsReply`. Inside the driver: :class:`Lost` (a message someone removed).
 
 ``VERSION`` changes whenever a message changes shape; an agent refuses a driver of another
 version (``_agent_start.versions``) before it unpickles anything but the version table. Only
