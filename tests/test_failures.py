@@ -134,7 +134,10 @@ def test_after_exception_callback_sees_the_failure(storage: str, tmp_path: Path)
 
 DRIVER_SCRIPT = textwrap.dedent(
     """
-    import sys, time
+    import signal, sys, time
+    # Ctrl-C reaches this driver even when the test suite runs from a background job (whose
+    # children inherit SIGINT ignored).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import ddptrain as train
 
     def loop():

@@ -257,7 +257,10 @@ def test_tune_sweep_example(storage: str) -> None:
 
 _LONG_DRIVER = textwrap.dedent(
     """
-    import sys, time
+    import signal, sys, time
+    # Ctrl-C reaches this driver even when the test suite runs from a background job (whose
+    # children inherit SIGINT ignored).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import ddptrain as train
     from ddptrain import tune
 
