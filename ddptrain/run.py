@@ -171,15 +171,13 @@ class Run:
         """Commit staged files as checkpoint ``name``, record it, and apply retention."""
         checkpoint = self.checkpoints.commit(staged, name, metrics, index)
         self.progress.committed(checkpoint.path)
-        if self.remote is not None:
-            self.mirror.push_metrics(force=True)
         return checkpoint
 
     def after_report(self, metrics: list[dict[str, Any]], checkpoint: Checkpoint | None) -> None:
-        """Every rank made its report (and its checkpoint is committed)."""
+        """Every rank made its report (and its checkpoint is committed and acknowledged)."""
         self.progress.reported(metrics[0], len(self.metrics_history) + self._lost_reports)
-        if self.remote is not None:
-            self.mirror.push_metrics()
+        if self.remote is not None:  # with a checkpoint at once, so the store's metrics list its report
+            self.mirror.push_metrics(force=checkpoint is not None)
         for callback in self.run_config.callbacks or []:
             callback.after_report(self.context, metrics, checkpoint)
 
