@@ -145,13 +145,12 @@ class Controller:
             "ddptrain: attempt %d failed (%s); restarting from %s (failure %d of %s allowed)",
             index,
             failures[0].headline(),
-            run.latest_checkpoint.path if run.latest_checkpoint else "scratch",
+            run.latest_path or "scratch",
             len(self.root_causes),
             "unlimited" if self.max_failures == -1 else self.max_failures,
         )
         index += 1
-        latest = run.latest_checkpoint.path if run.latest_checkpoint else None
-        run.progress.restarting(index, failures[0].headline(), latest)
+        run.progress.restarting(index, failures[0].headline(), run.latest_path)
         run.save_status("RESTARTING", attempt=index)
         return index
 

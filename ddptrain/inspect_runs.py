@@ -21,8 +21,9 @@ from typing import Any
 
 from ddptrain import _env, storage
 from ddptrain.progress import format_duration, format_metrics
+from ddptrain.remote import on_remote_storage
 from ddptrain.result import read_metric_lines
-from ddptrain.run_views import RunView, list_views, on_remote_storage, open_run
+from ddptrain.run_views import RunView, list_views, open_run
 from ddptrain.watch import RunNotFound, driver_is_alive, find_run
 
 __all__ = [

@@ -24,7 +24,7 @@ from typing import Any
 from ddptrain import _env, storage
 from ddptrain.errors import ConfigError
 
-__all__ = ["RemoteRoot", "is_uri", "resolve", "resolve_uri", "to_fsspec", "to_pyarrow"]
+__all__ = ["RemoteRoot", "is_uri", "on_remote_storage", "resolve", "resolve_uri", "to_fsspec", "to_pyarrow"]
 
 # Which extra installs a scheme's file system.
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure"}
@@ -35,6 +35,11 @@ _CREDENTIAL_PREFIXES = ("AWS_", "GOOGLE_", "GCS", "AZURE_")
 def is_uri(text: str) -> bool:
     """Whether ``text`` is a URI with a scheme (``file://`` counts as one)."""
     return "://" in text
+
+
+def on_remote_storage(path: str) -> bool:
+    """Whether ``path`` is a URI of remote storage (``file://`` ones are local paths)."""
+    return is_uri(path) and not path.startswith("file://")
 
 
 def _fsspec() -> Any:
@@ -253,7 +258,7 @@ def resolve(storage_path: str | None, storage_filesystem: Any = None) -> RemoteR
             )
         root = storage_path.rstrip("/")
         scheme = None
-    elif storage_path is None or not is_uri(storage_path) or storage_path.startswith("file://"):
+    elif storage_path is None or not on_remote_storage(storage_path):
         return None
     else:
         fs, root = _filesystem_for(storage_path)

@@ -116,7 +116,7 @@ class Run:
             name=self.name,
             storage_path=self.storage_path,
             run_dir=self.run_dir,
-            checkpoint=self.latest_checkpoint.path if self.latest_checkpoint else None,
+            checkpoint=self.latest_path,
             storage=cloudpickle.dumps((self.remote, self.latest_checkpoint._fs if self.latest_checkpoint else None)),
             run_path=self.where.run_path,
             # Numbered on from the checkpoint index too: metrics.jsonl may have lost lines.
@@ -153,6 +153,12 @@ class Run:
     def latest_checkpoint(self) -> Checkpoint | None:
         """What ``get_checkpoint()`` returns to a (re)started group."""
         return self.checkpoints.latest or self.start_checkpoint
+
+    @property
+    def latest_path(self) -> str | None:
+        """Where :attr:`latest_checkpoint` is (``None``: the run starts from scratch)."""
+        latest = self.latest_checkpoint
+        return latest.path if latest is not None else None
 
     def name_problem(self, name: str) -> str | None:
         """Why a checkpoint may not be committed as ``name``, or ``None`` when it may."""
@@ -241,8 +247,7 @@ class Run:
                 try:
                     self._prepare_dir()
                     index = self.first_attempt()
-                    latest = self.latest_checkpoint.path if self.latest_checkpoint else None
-                    self.progress.started(workers=workers, hosts=hosts, attempt=index, resume_from=latest)
+                    self.progress.started(workers=workers, hosts=hosts, attempt=index, resume_from=self.latest_path)
                     yield index
                 except BaseException as exc:
                     if self._run_json.get("status") in ("RUNNING", "RESTARTING"):  # not ended by a failure

@@ -71,11 +71,9 @@ class RunMirror:
                 (root / name).write_bytes(data)
         if keep_local:
             self.push_file(RunLayout.METRICS)
-        for name in self.remote.list_names(posixpath.join(self.run_path, RunLayout.LOGS)):
-            attempt = RunLayout.attempt_number(name)
-            if attempt is not None:
-                self.layout.attempt_logs(attempt).mkdir(parents=True, exist_ok=True)
-                self._mark_pushed(self.layout.attempt_logs(attempt))
+        for attempt in RunLayout.attempt_numbers(self.remote.list_names(posixpath.join(self.run_path, RunLayout.LOGS))):
+            self.layout.attempt_logs(attempt).mkdir(parents=True, exist_ok=True)
+            self._mark_pushed(self.layout.attempt_logs(attempt))
 
     def push_file(self, name: str) -> None:
         """Upload one of the run's files (``name``: one of :class:`RunLayout`'s). A failure is

@@ -16,12 +16,12 @@ from typing import Any
 
 from ddptrain import _env, storage
 from ddptrain.checkpoint_manager import CheckpointManager
-from ddptrain.remote import RemoteRoot, is_uri, resolve
+from ddptrain.remote import RemoteRoot, on_remote_storage, resolve
 from ddptrain.remote_checkpoints import RemoteCheckpointManager
 from ddptrain.storage import RunLayout
 from ddptrain.watch import RunNotFound, driver_is_alive, find_run
 
-__all__ = ["RunView", "list_views", "on_remote_storage", "open_run"]
+__all__ = ["RunView", "list_views", "open_run"]
 
 
 @dataclass(frozen=True)
@@ -75,8 +75,7 @@ class RunView:
         """The numbers of the attempts that left logs, in order."""
         if self.remote is None:
             return self.layout.attempts()
-        names = self.remote.list_names(self.remote.path(self.name, RunLayout.LOGS))
-        return sorted(n for n in map(RunLayout.attempt_number, names) if n is not None)
+        return RunLayout.attempt_numbers(self.remote.list_names(self.remote.path(self.name, RunLayout.LOGS)))
 
     def rank_log(self, attempt: int, rank: int) -> Path | None:
         """A rank's log file of an attempt on this machine (downloaded for a run on remote
@@ -89,11 +88,6 @@ class RunView:
             path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             storage.write_atomic(path, data, private=True)
         return path if path.is_file() else None
-
-
-def on_remote_storage(path: str) -> bool:
-    """Whether ``path`` is a URI of remote storage (``file://`` ones are local paths)."""
-    return is_uri(path) and not path.startswith("file://")
 
 
 def _pull(root: RemoteRoot, name: str) -> RunView | None:

@@ -170,8 +170,6 @@ def gpu_slots(hosts: list[HostSpec], gpus_per_worker: float) -> list[HostSpec]:
         ConfigError: A host without ``slots`` has no GPU, or a host's ``gpus`` are fewer than
             its ``slots`` need.
     """
-    from dataclasses import replace
-
     counted: list[HostSpec] = []
     for host in hosts:
         if host.slots is not None:
@@ -192,7 +190,7 @@ def gpu_slots(hosts: list[HostSpec], gpus_per_worker: float) -> list[HostSpec]:
                 f"host {host.name!r} has no GPU that `use_gpu=True` could use ({where} lists {count}); "
                 "give it `slots=` in the host list, or remove it."
             )
-        counted.append(replace(host, slots=slots))
+        counted.append(dataclasses.replace(host, slots=slots))
     return counted
 
 

@@ -139,10 +139,14 @@ class RunLayout:
                 found[int(rank)] = path
         return dict(sorted(found.items()))
 
+    @classmethod
+    def attempt_numbers(cls, names: list[str]) -> list[int]:
+        """The attempts that entries ``names`` of ``logs/`` hold the logs of, in order."""
+        return sorted(n for n in map(cls.attempt_number, names) if n is not None)
+
     def attempts(self) -> list[int]:
         """The numbers of the attempts that have a log folder, in order (``[]`` without logs)."""
-        names = [entry.name for entry in self.logs.iterdir()] if self.logs.is_dir() else []
-        return sorted(n for n in map(self.attempt_number, names) if n is not None)
+        return self.attempt_numbers([entry.name for entry in self.logs.iterdir()] if self.logs.is_dir() else [])
 
     @classmethod
     def staged_name(cls, attempt: int, report_index: int, rank: int) -> str:

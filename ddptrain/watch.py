@@ -25,6 +25,7 @@ from typing import Any
 
 from ddptrain import _env, storage
 from ddptrain.protocol import Request
+from ddptrain.remote import on_remote_storage
 from ddptrain.run_lock import try_lock_dir
 from ddptrain.storage import RunLayout
 
@@ -143,7 +144,7 @@ class RunNotFound(Exception):
 
 def find_run(run: str) -> Path:
     """A local run directory from a path, or a run name under the default storage path."""
-    if "://" in run and not run.startswith("file://"):
+    if on_remote_storage(run):
         raise RunNotFound(
             f"{run} is on remote storage; this command needs a run folder of this machine. The driver that ran "
             f"it keeps a working copy under {_env.cache_dir()}/runs/."
