@@ -141,6 +141,20 @@ def ssh(_ssh_servers, monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
         pytest.fail(f"processes started over SSH were left behind: {left}")
 
 
+_ISOLATED = iter(range(1000))
+
+
+@pytest.fixture
+def isolated(ssh, tmp_path: Path):
+    """(storage folder, host name): a host that does not see the folder (own mount namespace)."""
+    storage_root = tmp_path / "shared-nowhere"
+    storage_root.mkdir()
+    name = f"iso{next(_ISOLATED)}"
+    host = ssh.add_isolated_host(name, "127.0.0.8", storage_root)
+    yield str(storage_root), name
+    ssh.remove_host(host)
+
+
 @pytest.fixture
 def netns(ssh, monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
     """Two hosts n0, n1 with their own network stacks and host names (network namespaces),

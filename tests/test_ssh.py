@@ -346,20 +346,6 @@ def checkpoint_from_every_rank(config: dict) -> dict:
     return {"sees_run_dir": sees, "start": start}
 
 
-_ISOLATED = iter(range(1000))
-
-
-@pytest.fixture
-def isolated(ssh, tmp_path: Path):
-    """(storage folder, host name): a host that does not see the folder (own mount namespace)."""
-    storage_root = tmp_path / "shared-nowhere"
-    storage_root.mkdir()
-    name = f"iso{next(_ISOLATED)}"
-    host = ssh.add_isolated_host(name, "127.0.0.8", storage_root)
-    yield str(storage_root), name
-    ssh.remove_host(host)
-
-
 @pytest.mark.timeout(120)
 def test_checkpoints_from_a_host_without_the_storage_are_copied_back(ssh, isolated: tuple[str, str]) -> None:
     storage, iso = isolated

@@ -36,6 +36,7 @@ __all__ = [
     "RayDeepSpeedStrategy",
     "RayFSDPStrategy",
     "RayLightningEnvironment",
+    "RayModelParallelStrategy",
     "RayTrainReportCallback",
     "prepare_trainer",
 ]
@@ -140,15 +141,23 @@ class _PerPackage(type):
                 f"`ddptrain.lightning.pytorch_lightning.{cls.__mro__[1].__name__}`."
             )
         package = _user_package(sys._getframe(1), cls.__name__)
-        return getattr(_classes(package), cls.__name__)(*args, **kwargs)
+        built = getattr(_classes(package), cls.__name__)
+        if built is None:
+            raise ImportError(f"{cls.__name__} needs a newer `{package}`: `pip install -U {package}` (2.4 or later).")
+        return built(*args, **kwargs)
 
     def __instancecheck__(cls, obj: Any) -> bool:
-        return any(isinstance(obj, getattr(module, cls.__name__)) for module in _loaded_class_sets())
+        return any(isinstance(obj, built) for built in _built(cls.__name__))
 
     def __subclasscheck__(cls, sub: Any) -> bool:
         if type.__subclasscheck__(cls, sub):
             return True
-        return any(issubclass(sub, getattr(module, cls.__name__)) for module in _loaded_class_sets())
+        return any(issubclass(sub, built) for built in _built(cls.__name__))
+
+
+def _built(name: str) -> list[type]:
+    """The class ``name`` of each Lightning package loaded so far (where that package has it)."""
+    return [getattr(module, name) for module in _loaded_class_sets() if getattr(module, name) is not None]
 
 
 class RayLightningEnvironment(metaclass=_PerPackage):
@@ -181,6 +190,19 @@ class RayFSDPStrategy(metaclass=_PerPackage):
 
 class RayDeepSpeedStrategy(metaclass=_PerPackage):
     """Lightning's ``DeepSpeedStrategy`` for a ddptrain worker (see :class:`RayDDPStrategy`)."""
+
+    _dispatch = True
+
+
+class RayModelParallelStrategy(metaclass=_PerPackage):
+    """Lightning's ``ModelParallelStrategy`` (FSDP2 with ``fully_shard``, tensor parallelism) for
+    a ddptrain worker; not in Ray. Needs Lightning 2.4 or later, and runs on CPU (gloo) as well.
+
+    The root device is :func:`ddptrain.torch.get_device`. ``data_parallel_size="auto"`` and
+    ``tensor_parallel_size="auto"`` mean one tensor-parallel group per host and data parallelism
+    across hosts; pass both when the hosts run unequal numbers of workers. The distributed
+    sampler follows the data-parallel dimension, as in Lightning.
+    """
 
     _dispatch = True
 
@@ -219,8 +241,8 @@ def _package_of(obj: Any) -> str | None:
 def prepare_trainer(trainer: Any) -> Any:
     """Check a Lightning ``Trainer`` for a ddptrain worker and return it.
 
-    Checks that the strategy is :class:`RayDDPStrategy`, :class:`RayFSDPStrategy` or
-    :class:`RayDeepSpeedStrategy`, that the cluster environment is
+    Checks that the strategy is :class:`RayDDPStrategy`, :class:`RayFSDPStrategy`,
+    :class:`RayDeepSpeedStrategy` or :class:`RayModelParallelStrategy`, that the cluster environment is
     :class:`RayLightningEnvironment`, and that nothing of the other Lightning package is mixed
     in. It also makes ``fit`` warn when it would not resume from the checkpoint a restarted run
     got (``ddptrain.get_checkpoint()``): when ``ckpt_path`` is missing, or points elsewhere.
@@ -249,11 +271,21 @@ def prepare_trainer(trainer: Any) -> Any:
                 f"`pytorch_lightning`) for the Trainer, the strategy, plugins and callbacks, e.g. "
                 f"`from ddptrain.lightning.{package} import {type(obj).__name__}`."
             )
-    ray_strategies = (classes.RayDDPStrategy, classes.RayFSDPStrategy, classes.RayDeepSpeedStrategy)
+    ray_strategies = tuple(
+        strategy
+        for strategy in (
+            classes.RayDDPStrategy,
+            classes.RayFSDPStrategy,
+            classes.RayDeepSpeedStrategy,
+            classes.RayModelParallelStrategy,
+        )
+        if strategy is not None
+    )
     if not isinstance(trainer.strategy, ray_strategies):
         raise RuntimeError(
             f"prepare_trainer: the Trainer's strategy is {type(trainer.strategy).__name__}; use "
-            "`strategy=RayDDPStrategy()` (or RayFSDPStrategy / RayDeepSpeedStrategy) from ddptrain.lightning."
+            "`strategy=RayDDPStrategy()` (or RayFSDPStrategy / RayDeepSpeedStrategy / RayModelParallelStrategy) "
+            "from ddptrain.lightning."
         )
     if not isinstance(trainer.strategy.cluster_environment, classes.RayLightningEnvironment):
         raise RuntimeError(

@@ -8,11 +8,14 @@ the strategies, plugins and callbacks of the other. So the classes here are defi
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
+import os
 import shutil
 import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +24,7 @@ from ddptrain.checkpoint import Checkpoint
 from ddptrain.errors import ConfigError
 from ddptrain.torch.train_loop_utils import get_device
 
-__all__ = ["build_classes", "PACKAGES", "CHECKPOINT_NAME"]
+__all__ = ["build_classes", "mesh_sizes", "PACKAGES", "CHECKPOINT_NAME"]
 
 _logger = logging.getLogger(__name__)
 
@@ -59,6 +62,63 @@ def _metric_value(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.item() if value.numel() == 1 else value.detach().cpu().tolist()
     return value
+
+
+@contextlib.contextmanager
+def _own_path(strategy: Any, path: Any) -> Iterator[None]:
+    """Lightning's FSDP, DeepSpeed and model-parallel strategies broadcast rank 0's checkpoint
+    path and have every rank write (or read) its shard there. A rank on a host that does not
+    share rank 0's file systems has no such folder: its shard would be written where nobody
+    collects it, and a restart could not read the checkpoint. Within this block the strategy
+    keeps each rank's own ``path`` (its temp folder when saving, its copy of the checkpoint when
+    loading); ddptrain merges the folders the ranks report into one checkpoint."""
+    previous = strategy._ddptrain_own_path
+    strategy._ddptrain_own_path = None if path is None else os.fspath(path)
+    try:
+        yield
+    finally:
+        strategy._ddptrain_own_path = previous
+
+
+@contextlib.contextmanager
+def _saving_locally(strategy: Any) -> Iterator[None]:
+    """``trainer.save_checkpoint`` called by ``RayTrainReportCallback``: each rank's own folder."""
+    if not hasattr(strategy, "_ddptrain_own_path"):  # not a ddptrain strategy: Lightning's behaviour
+        yield
+        return
+    strategy._ddptrain_save_locally = True
+    try:
+        yield
+    finally:
+        strategy._ddptrain_save_locally = False
+
+
+def mesh_sizes(data_parallel: int | str, tensor_parallel: int | str, world: int, local: int) -> tuple[int, int]:
+    """The model-parallel strategy's mesh sizes for ``world`` workers, ``local`` on this host.
+
+    ``"auto"`` means tensor parallelism within a host and data parallelism across hosts
+    (Lightning's meaning, which takes the host count from ``Trainer(num_nodes=...)``).
+
+    Raises:
+        ConfigError: ``"auto"`` cannot be resolved: the workers do not split evenly.
+    """
+    if data_parallel == "auto" and tensor_parallel == "auto":
+        if world % local:
+            raise ConfigError(
+                f"RayModelParallelStrategy: {world} workers do not split into hosts of {local}; pass "
+                "`data_parallel_size` and `tensor_parallel_size` (their product is the number of workers)."
+            )
+        return world // local, local
+    if data_parallel == "auto" or tensor_parallel == "auto":
+        name, given = (
+            ("tensor_parallel_size", tensor_parallel)
+            if data_parallel == "auto"
+            else ("data_parallel_size", data_parallel)
+        )
+        if not isinstance(given, int) or given < 1 or world % given:
+            raise ConfigError(f"RayModelParallelStrategy: {world} workers are not a multiple of {name}={given!r}.")
+        return (world // given, given) if data_parallel == "auto" else (given, world // given)
+    return data_parallel, tensor_parallel  # type: ignore[return-value]  # Lightning checks the product
 
 
 def build_classes(package: str, module_name: str) -> dict[str, Any]:
@@ -104,10 +164,11 @@ def build_classes(package: str, module_name: str) -> dict[str, Any]:
         def teardown(self) -> None:
             pass  # the process group belongs to ddptrain
 
-    def _strategy(base: Any, name: str) -> Any:
+    def _strategy(base: Any, name: str, sampler: bool = True) -> Any:
         def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
             _warn_ignored_arguments(name, kwargs)
             base.__init__(self, *args, **kwargs)
+            self._ddptrain_own_path = None
 
         def root_device(self: Any) -> Any:
             return _root_device()
@@ -115,25 +176,62 @@ def build_classes(package: str, module_name: str) -> dict[str, Any]:
         def distributed_sampler_kwargs(self: Any) -> dict[str, Any]:
             return {"num_replicas": self.world_size, "rank": self.global_rank}
 
+        def broadcast(self: Any, obj: Any, src: int = 0) -> Any:
+            result = base.broadcast(self, obj, src)
+            own = self._ddptrain_own_path
+            if own is not None and isinstance(obj, (str, os.PathLike)) and os.fspath(obj) == own:
+                return obj  # the collective ran; this rank keeps its own folder (see _own_path)
+            return result
+
+        def save_checkpoint(self: Any, checkpoint: Any, filepath: Any, storage_options: Any = None) -> None:
+            with _own_path(self, filepath if self._ddptrain_save_locally else None):
+                base.save_checkpoint(self, checkpoint, filepath, storage_options=storage_options)
+
+        def load_checkpoint(self: Any, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+            with _own_path(self, checkpoint_path if os.path.exists(checkpoint_path) else None):
+                return base.load_checkpoint(self, checkpoint_path, *args, **kwargs)
+
         doc = (
             f"Lightning's ``{base.__name__}`` for a ddptrain worker: the root device is "
-            "``ddptrain.torch.get_device()`` (so ``devices='auto'`` works on CPU and GPU) and "
-            "the distributed sampler takes the worker's rank and the world size from the context."
+            "``ddptrain.torch.get_device()`` (so ``devices='auto'`` works on CPU and GPU)"
+            + (
+                " and the distributed sampler takes the worker's rank and the world size from the context."
+                if sampler
+                else "."
+            )
+            + " Checkpoints are written to and read from each rank's own folder, also on hosts that do not "
+            "share the first rank's file systems."
         )
-        return type(
-            name,
-            (base,),
-            {
-                "__init__": __init__,
-                "root_device": property(root_device),
-                "distributed_sampler_kwargs": property(distributed_sampler_kwargs),
-                "__doc__": doc,
-            },
-        )
+        namespace: dict[str, Any] = {
+            "__init__": __init__,
+            "root_device": property(root_device),
+            "broadcast": broadcast,
+            "save_checkpoint": save_checkpoint,
+            "load_checkpoint": load_checkpoint,
+            "_ddptrain_save_locally": False,
+            "__doc__": doc,
+        }
+        if sampler:
+            namespace["distributed_sampler_kwargs"] = property(distributed_sampler_kwargs)
+        return type(name, (base,), namespace)
 
     RayDDPStrategy = _strategy(strategies.DDPStrategy, "RayDDPStrategy")
     RayFSDPStrategy = _strategy(strategies.FSDPStrategy, "RayFSDPStrategy")
     RayDeepSpeedStrategy = _strategy(strategies.DeepSpeedStrategy, "RayDeepSpeedStrategy")
+    # Not in Ray: FSDP2 and tensor parallelism (Lightning >= 2.4). Its sampler follows the
+    # data-parallel dimension of the device mesh, as Lightning's does.
+    model_parallel = getattr(strategies, "ModelParallelStrategy", None)
+    RayModelParallelStrategy = None
+    if model_parallel is not None:
+        RayModelParallelStrategy = _strategy(model_parallel, "RayModelParallelStrategy", sampler=False)
+
+        def setup_environment(self: Any) -> None:
+            sizes = (self._data_parallel_size, self._tensor_parallel_size)
+            world, local = _context().get_world_size(), _context().get_local_world_size()
+            self._data_parallel_size, self._tensor_parallel_size = mesh_sizes(*sizes, world, local)
+            model_parallel.setup_environment(self)
+
+        RayModelParallelStrategy.setup_environment = setup_environment
 
     class RayTrainReportCallback(pl.callbacks.Callback):
         """Reports ``trainer.callback_metrics`` (as numbers, plus ``epoch`` and ``step``) with a
@@ -195,7 +293,8 @@ def build_classes(package: str, module_name: str) -> dict[str, Any]:
                 return
             folder = tempfile.mkdtemp(prefix="ddptrain_lightning_")
             try:
-                trainer.save_checkpoint(str(Path(folder, CHECKPOINT_NAME)), weights_only=False)
+                with _saving_locally(trainer.strategy):
+                    trainer.save_checkpoint(str(Path(folder, CHECKPOINT_NAME)), weights_only=False)
                 wrote = any(Path(folder).iterdir())  # DDP: rank 0 only; sharded: every rank
                 checkpoint = Checkpoint.from_directory(folder) if wrote else None
                 context.report(metrics, checkpoint=checkpoint, checkpoint_upload_mode=self.checkpoint_upload_mode)
@@ -242,13 +341,14 @@ def build_classes(package: str, module_name: str) -> dict[str, Any]:
         "RayDDPStrategy": RayDDPStrategy,
         "RayFSDPStrategy": RayFSDPStrategy,
         "RayDeepSpeedStrategy": RayDeepSpeedStrategy,
+        "RayModelParallelStrategy": RayModelParallelStrategy,
         "RayTrainReportCallback": RayTrainReportCallback,
         "_ResumeCheck": _ResumeCheck,
         "Trainer": pl.Trainer,
         "Callback": pl.callbacks.Callback,
     }
     for name, cls in classes.items():
-        if name not in ("Trainer", "Callback"):
+        if cls is not None and name not in ("Trainer", "Callback"):
             cls.__module__ = module_name
             cls.__qualname__ = name
     return classes

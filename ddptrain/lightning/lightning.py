@@ -15,6 +15,7 @@ __all__ = [
     "RayDeepSpeedStrategy",
     "RayFSDPStrategy",
     "RayLightningEnvironment",
+    "RayModelParallelStrategy",
     "RayTrainReportCallback",
 ]
 
@@ -24,6 +25,7 @@ RayLightningEnvironment: Any = _classes["RayLightningEnvironment"]
 RayDDPStrategy: Any = _classes["RayDDPStrategy"]
 RayFSDPStrategy: Any = _classes["RayFSDPStrategy"]
 RayDeepSpeedStrategy: Any = _classes["RayDeepSpeedStrategy"]
+RayModelParallelStrategy: Any = _classes["RayModelParallelStrategy"]  # None before Lightning 2.4
 RayTrainReportCallback: Any = _classes["RayTrainReportCallback"]
 _ResumeCheck: Any = _classes["_ResumeCheck"]
 _Trainer: Any = _classes["Trainer"]
