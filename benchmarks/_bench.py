@@ -25,8 +25,13 @@ TAG_VAR = "DDPTRAIN_BENCH_TAG"
 os.environ.setdefault(TAG_VAR, uuid.uuid4().hex)
 
 
-def parse_args(description: str, default_repeats: int, quick_repeats: int) -> argparse.Namespace:
+def parse_args(
+    description: str, default_repeats: int, quick_repeats: int, extra: Sequence[tuple[str, str]] = ()
+) -> argparse.Namespace:
+    """The common options, plus ``extra`` switches given as (flag, help)."""
     parser = argparse.ArgumentParser(description=description)
+    for flag, text in extra:
+        parser.add_argument(flag, action="store_true", help=text)
     parser.add_argument(
         "--repeats",
         type=int,

@@ -13,8 +13,13 @@ Measured, each in the same repeats as its baseline:
   the agent loads the training function once and forks (CPU default) and when it forks first
   and each worker loads the function itself (the GPU default, ``DDPTRAIN_WORKER_START=clean``).
   Runs without a GPU too.
-
-Without CUDA only the start-mode comparison runs.
+* CPU stand-ins for the two GPU targets, measured without a GPU only (``--cpu-proxy`` forces
+  them): ``cpu_samples_per_s`` against ``cpu_baseline_samples_per_s`` (the same loop on the CPU,
+  smaller: batch 32, 32x32 inputs, 30 steps; both with a thread per core) and
+  ``clean_first_line_s`` (one CPU worker started
+  the way GPU workers are, ``DDPTRAIN_WORKER_START=clean``) against ``spawn_first_line_s``. They
+  check what ddptrain adds around the loop and to the start; CUDA's own costs (context creation,
+  NCCL) are not in them.
 
     python benchmarks/gpu.py [--repeats N] [--quick]
 """
@@ -34,6 +39,9 @@ BENCH = "gpu"
 STEPS = 200
 WARMUP_STEPS = 20
 BATCH = 256
+CPU_BATCH = 32
+CPU_STEPS = 30
+CPU_THREADS = os.cpu_count() or 1  # torch threads of the worker and of the plain process alike
 
 
 def make_model():  # type: ignore[no-untyped-def]
@@ -59,11 +67,17 @@ def train_loop(device_name: str, steps: int) -> float:
     import torch
 
     device = torch.device(device_name)
+    cuda = device.type == "cuda"
+    batch, side, warmup = (BATCH, 64, WARMUP_STEPS) if cuda else (CPU_BATCH, 32, 3)
     torch.manual_seed(0)
     model = make_model().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    x = torch.randn(BATCH, 3, 64, 64, device=device)
-    y = torch.randint(0, 10, (BATCH,), device=device)
+    x = torch.randn(batch, 3, side, side, device=device)
+    y = torch.randint(0, 10, (batch,), device=device)
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
 
     def step() -> None:
         loss = torch.nn.functional.cross_entropy(model(x), y)
@@ -71,14 +85,14 @@ def train_loop(device_name: str, steps: int) -> float:
         loss.backward()
         optimizer.step()
 
-    for _ in range(WARMUP_STEPS):
+    for _ in range(warmup):
         step()
-    torch.cuda.synchronize(device)
+    sync()
     start = time.perf_counter()
     for _ in range(steps):
         step()
-    torch.cuda.synchronize(device)
-    return steps * BATCH / (time.perf_counter() - start)
+    sync()
+    return steps * batch / (time.perf_counter() - start)
 
 
 def ddptrain_throughput(config: dict) -> float:
@@ -87,11 +101,12 @@ def ddptrain_throughput(config: dict) -> float:
     return train_loop(str(ddptrain.torch.get_device()), config["steps"])
 
 
-def plain_throughput(steps: int) -> float:
-    """The same loop in a plain ``python`` process of its own."""
+def plain_throughput(steps: int, device: str = "cuda:0") -> float:
+    """The same loop in a plain ``python`` process of its own (with ``CPU_THREADS`` threads)."""
     here = os.path.dirname(os.path.abspath(__file__))
-    code = f"import sys; sys.path.insert(0, {here!r}); import gpu; print(gpu.train_loop('cuda:0', {steps}))"
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    code = f"import sys; sys.path.insert(0, {here!r}); import gpu; print(gpu.train_loop({device!r}, {steps}))"
+    env = {**os.environ, "OMP_NUM_THREADS": str(CPU_THREADS)}
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, env=env).stdout
     return float(out.strip().splitlines()[-1])
 
 
@@ -111,7 +126,15 @@ def spawn_first_line() -> float:
     with tempfile.NamedTemporaryFile("r", suffix=".stamp") as f:
         before = time.time()
         mp.spawn(_spawned, args=(f.name,), nprocs=1)
-        return float(open(f.name).read()) - before
+        stamp = float(f.read())
+    # spawn started multiprocessing's resource tracker, which would live until this process
+    # exits and count as a process left behind; stop it (after the measurement).
+    from multiprocessing import resource_tracker
+
+    stop = getattr(resource_tracker._resource_tracker, "_stop", None)
+    if stop is not None:
+        stop()
+    return stamp - before
 
 
 def fit_first_line(storage: str, name: str, use_gpu: bool, num_workers: int) -> float:
@@ -127,29 +150,36 @@ def fit_first_line(storage: str, name: str, use_gpu: bool, num_workers: int) -> 
     return min(trainer.fit().return_values) - before
 
 
-def fit_throughput(storage: str, name: str, steps: int) -> float:
+def fit_throughput(storage: str, name: str, steps: int, use_gpu: bool = True) -> float:
     import ddptrain as train
     from ddptrain.torch import TorchTrainer
 
+    resources = {"CPU": CPU_THREADS, "GPU": 1} if use_gpu else {"CPU": CPU_THREADS}
     trainer = TorchTrainer(
         ddptrain_throughput,
         train_loop_config={"steps": steps},
-        scaling_config=train.ScalingConfig(num_workers=1, use_gpu=True),
+        # As many threads as the plain process (a worker gets 1 by default, as under Ray).
+        scaling_config=train.ScalingConfig(num_workers=1, use_gpu=use_gpu, resources_per_worker=resources),
         run_config=train.RunConfig(storage_path=storage, name=name),
     )
     return float(trainer.fit().return_values[0])
 
 
-def start_mode(storage: str, name: str, mode: str) -> float:
+def start_mode(storage: str, name: str, mode: str, num_workers: int = 2) -> float:
     os.environ["DDPTRAIN_WORKER_START"] = mode
     try:
-        return fit_first_line(storage, name, use_gpu=False, num_workers=2)
+        return fit_first_line(storage, name, use_gpu=False, num_workers=num_workers)
     finally:
         del os.environ["DDPTRAIN_WORKER_START"]
 
 
 def main() -> int:
-    args = _bench.parse_args(__doc__.splitlines()[0], default_repeats=5, quick_repeats=2)
+    args = _bench.parse_args(
+        __doc__.splitlines()[0],
+        default_repeats=5,
+        quick_repeats=2,
+        extra=[("--cpu-proxy", "measure the CPU stand-ins for the GPU targets even with a GPU")],
+    )
     import torch
 
     import ddptrain  # noqa: F401
@@ -167,7 +197,10 @@ def main() -> int:
 
     runs = 0
     try:
+        proxy = args.cpu_proxy or not has_gpu
         tasks = ["shared", "clean"] + (["fit_gpu", "spawn", "fit_tput", "plain_tput"] if has_gpu else [])
+        tasks += ["clean_1", "spawn", "cpu_tput", "cpu_plain_tput"] if proxy else []
+        tasks = list(dict.fromkeys(tasks))  # one spawn measurement serves both comparisons
         start_mode(storage, "warmup", "shared")  # not measured: page cache
         for repeat in range(args.repeats):
             shift = repeat % len(tasks)
@@ -181,8 +214,14 @@ def main() -> int:
                     record("spawn_first_line_s", repeat, spawn_first_line())
                 elif task == "fit_tput":
                     record("samples_per_s", repeat, fit_throughput(storage, f"run{runs}", steps))
-                else:
+                elif task == "plain_tput":
                     record("baseline_samples_per_s", repeat, plain_throughput(steps))
+                elif task == "clean_1":
+                    record("clean_first_line_s", repeat, start_mode(storage, f"run{runs}", "clean", num_workers=1))
+                elif task == "cpu_tput":
+                    record("cpu_samples_per_s", repeat, fit_throughput(storage, f"run{runs}", CPU_STEPS, False))
+                else:
+                    record("cpu_baseline_samples_per_s", repeat, plain_throughput(CPU_STEPS, "cpu"))
     finally:
         shutil.rmtree(storage, ignore_errors=True)
         left = _bench.check_leftovers(BENCH)
@@ -208,7 +247,19 @@ def main() -> int:
             f"= {launch:.2f}x (target <= 1.0x: {'met' if launch <= 1.0 else 'NOT met'})"
         )
     else:
-        lines.append("  no CUDA device: throughput and GPU launch not measured")
+        lines.append("  no CUDA device: GPU throughput and GPU launch not measured")
+    if "cpu_samples_per_s" in med:
+        tput = med["cpu_samples_per_s"] / med["cpu_baseline_samples_per_s"]
+        launch = med["clean_first_line_s"] / med["spawn_first_line_s"]
+        _bench.emit({"bench": BENCH, "metric": "cpu_proxy_ratios", "throughput": tput, "first_line_vs_spawn": launch})
+        lines.append(
+            f"  CPU stand-in, throughput: {med['cpu_samples_per_s']:,.0f} vs plain "
+            f"{med['cpu_baseline_samples_per_s']:,.0f} samples/s = {tput:.3f}x (GPU target >= 0.99x)"
+        )
+        lines.append(
+            f"  CPU stand-in, 1 worker started as on a GPU: fit() to first line {med['clean_first_line_s']:.3f} s "
+            f"vs mp.spawn {med['spawn_first_line_s']:.3f} s = {launch:.2f}x (GPU target <= 1.0x)"
+        )
     lines.append(f"  leftover processes: {len(left)}")
     print("\n".join(lines))
     return 1 if left else 0
