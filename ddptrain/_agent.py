@@ -148,7 +148,27 @@ def _fork_unsafe_after_loading() -> str | None:
     threads = other_threads()
     if threads:
         return f"it started {len(threads)} thread(s): {', '.join(threads)}"
+    if _children_cannot_use_cuda(torch):
+        return "it asked CUDA about its devices (e.g. `torch.cuda.is_available()` at module level)"
     return None
+
+
+def _children_cannot_use_cuda(torch: Any) -> bool:
+    """Whether a worker forked now could not use CUDA.
+
+    Asking CUDA for its device count (``torch.cuda.is_available()``, ``device_count()``) marks
+    a process so that its forked children fail at their first CUDA call, without initializing
+    CUDA in it (``is_initialized()`` stays False): only a child can tell. So fork one that
+    answers with its exit status. Single-threaded here (checked before), and the child only
+    reads a flag. CPU-only builds of torch cannot be marked, and skip this.
+    """
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        return False
+    pid = os.fork()
+    if pid == 0:
+        os._exit(3 if torch.cuda._is_in_bad_fork() else 0)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 3
 
 
 def _exec_clean(bootstrap: Bootstrap, out_fd: int, reason: str) -> None:

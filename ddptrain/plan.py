@@ -68,6 +68,14 @@ class Plan:
                 f"but torch sees {available}. Lower `num_workers` or set `use_gpu=False`."
             )
 
+    @property
+    def shares_gpus(self) -> bool:
+        """Whether some ranks share a GPU: fractional GPUs per worker and a host with two or
+        more workers (their device numbers then coincide, starting with local ranks 0 and 1)."""
+        gpus = self.scaling_config.num_gpus_per_worker
+        nodes = self.placement.ranks if self.placement else [list(range(self.world_size))]
+        return 0 < gpus < 1 and any(len(ranks) > 1 for ranks in nodes)
+
     def reuse_key(self) -> tuple[Any, ...]:
         """Two plans with equal keys start identical groups: a warm group of one can serve the other."""
         return (repr(self.scaling_config), sorted(self.agent_env().items()), tuple(sys.path), os.getcwd())

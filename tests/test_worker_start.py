@@ -170,3 +170,69 @@ def test_a_ddptrain_planted_in_the_working_directory_is_never_imported(tmp_path:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"RESULT {[str(shared)] * 2}" in proc.stdout  # the workers still run in the driver's directory
     assert not marker.exists(), marker.read_text()
+
+
+def test_the_fork_probe_reads_a_forked_childs_cuda_state() -> None:
+    # CUDA's mark on a process (after `torch.cuda.is_available()`) shows only in its children; a
+    # CPU build of torch has none, so a stand-in module answers for the child here.
+    from types import SimpleNamespace
+
+    from ddptrain._agent import _children_cannot_use_cuda
+
+    def built_for_cuda(marked: bool) -> SimpleNamespace:
+        parent = os.getpid()
+        # True only in a forked child: the parent's own answer would not tell the fork happened.
+        return SimpleNamespace(
+            version=SimpleNamespace(cuda="12.8"),
+            cuda=SimpleNamespace(_is_in_bad_fork=lambda: marked and os.getpid() != parent),
+        )
+
+    assert _children_cannot_use_cuda(built_for_cuda(True)) is True
+    assert _children_cannot_use_cuda(built_for_cuda(False)) is False
+    import torch
+
+    assert torch.version.cuda is None and _children_cannot_use_cuda(torch) is False  # no fork on CPU builds
+
+
+def test_workers_sharing_a_gpu_get_gloo_and_an_explicit_nccl_is_refused(caplog: pytest.LogCaptureFixture) -> None:
+    from types import SimpleNamespace
+
+    from ddptrain.errors import ConfigError
+    from ddptrain.plan import Plan
+    from ddptrain.torch.config import _backend_for
+
+    def group(gpus: float, hosts: list[str], workers: int = 2) -> SimpleNamespace:
+        scaling = train.ScalingConfig(
+            num_workers=workers, use_gpu=True, resources_per_worker={"GPU": gpus}, hosts=hosts
+        )
+        return SimpleNamespace(plan=Plan(scaling), get_resources_per_worker=lambda: {"GPU": gpus})
+
+    halves = group(0.5, ["localhost slots=2 gpus=0"])
+    assert halves.plan.shares_gpus
+    assert _backend_for(None, halves) == "gloo"
+    assert "workers share GPUs" in caplog.text and "NCCL" in caplog.text
+    with pytest.raises(ConfigError, match="NCCL refuses two ranks on one GPU"):
+        _backend_for("nccl", halves)
+    assert _backend_for("gloo", halves) == "gloo"
+    whole = group(1, ["localhost slots=2 gpus=0,1"])
+    assert not whole.plan.shares_gpus and _backend_for(None, whole) == "nccl"
+    one_per_host = group(0.5, ["localhost slots=1 gpus=0"], workers=1)  # a half GPU alone on its host
+    assert not one_per_host.plan.shares_gpus and _backend_for(None, one_per_host) == "nccl"
+
+
+def _never_runs() -> None:
+    raise AssertionError("the training function must not start on a worker that cannot use its GPU")
+
+
+def test_a_gpu_worker_on_a_host_without_cuda_fails_before_training_naming_the_host(storage: str) -> None:
+    # `gpus=` lets `use_gpu=True` start on this CPU-only machine; torch's process group setup
+    # then finds no CUDA for the worker's GPU and says so, instead of training on the CPU.
+    with pytest.raises(train.TrainingFailedError) as failed:
+        TorchTrainer(
+            _never_runs,
+            scaling_config=train.ScalingConfig(num_workers=1, use_gpu=True, hosts=["localhost gpus=0"]),
+            run_config=train.RunConfig(storage_path=storage),
+        ).fit()
+    message = str(failed.value)
+    assert "was given GPU(s) [0] on host" in message and "CUDA_VISIBLE_DEVICES='0'" in message
+    assert "cannot use CUDA there" in message and "use_gpu=False" in message

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import logging
 import os
+import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ddptrain import _env
+from ddptrain import _env, context
 from ddptrain.backend import Backend, BackendConfig
 from ddptrain.errors import ConfigError, LaunchError
 from ddptrain.torch.train_loop_utils import get_device
@@ -18,6 +20,8 @@ if TYPE_CHECKING:
     from ddptrain.worker_group import WorkerGroup
 
 __all__ = ["TorchConfig"]
+
+_logger = logging.getLogger(__name__)
 
 _INIT_METHODS = ("env", "tcp")
 
@@ -59,6 +63,7 @@ class TorchConfig(BackendConfig):
 def _set_cuda_device() -> Iterator[None]:
     import torch
 
+    _check_devices()
     device = get_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -68,6 +73,31 @@ def _set_cuda_device() -> Iterator[None]:
 # gloo waits up to this many times its timeout for a peer's first connection (gloo/transport/tcp/pair.h).
 _GLOO_CONNECT_FACTOR = 5
 _JOINED_PREFIX = "ddptrain_joined/"  # in the driver's store (one per attempt): a rank reached the group's setup
+
+
+def _check_devices() -> None:
+    """A worker given GPUs must see them: say so here, naming the host, rather than train on
+    the CPU or fail later in NCCL with "invalid device ordinal"."""
+    import torch
+
+    session = context._session
+    if session is None or not session.devices:
+        return
+    devices = session.devices
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    where = f"host {socket.gethostname()!r} (CUDA_VISIBLE_DEVICES={visible!r})"
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"rank {session.context.get_world_rank()} was given GPU(s) {list(devices)} on {where}, but torch "
+            f"cannot use CUDA there (torch {torch.__version__}, built for CUDA {torch.version.cuda}). Install a "
+            "CUDA build of torch on that host, or set `use_gpu=False`."
+        )
+    count = torch.cuda.device_count()
+    if max(devices) >= count:
+        raise ConfigError(
+            f"rank {session.context.get_world_rank()} was given GPU(s) {list(devices)} on {where}, but torch sees "
+            f"{count} GPU(s) there. Lower `slots=` or the host's `gpus=` list, or the number of workers."
+        )
 
 
 def _setup_process_group(backend: str, init_method: str, timeout_s: float) -> None:
@@ -83,6 +113,7 @@ def _setup_process_group(backend: str, init_method: str, timeout_s: float) -> No
     import torch
     import torch.distributed as dist
 
+    _check_devices()
     device = get_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -140,12 +171,43 @@ def _destroy_process_group() -> None:
         torch.cuda.empty_cache()
 
 
+def _backend_for(chosen: str | None, worker_group: WorkerGroup) -> str:
+    """The process group's backend: the user's, else NCCL for GPU workers and gloo otherwise.
+
+    NCCL refuses two ranks of one group on the same GPU ("Duplicate GPU detected"), which
+    fractional GPUs per worker make: then the default is gloo, which handles CUDA tensors
+    through host memory, and an explicit NCCL backend is refused before any rank fails on it.
+
+    Raises:
+        ConfigError: ``backend`` names NCCL and ranks share a GPU.
+    """
+    gpus = worker_group.get_resources_per_worker().get("GPU") or 0
+    shared = worker_group.plan.shares_gpus
+    if chosen is not None:
+        if shared and "nccl" in chosen:
+            raise ConfigError(
+                f"`TorchConfig(backend={chosen!r})`: with `resources_per_worker={{'GPU': {gpus:g}}}` several "
+                "workers share a GPU, and NCCL refuses two ranks on one GPU. Use `backend='gloo'` (or leave "
+                "it unset), or give each worker a whole GPU."
+            )
+        return chosen
+    if shared:
+        _logger.warning(
+            "ddptrain: workers share GPUs (resources_per_worker GPU=%g), which NCCL does not allow; the process "
+            "group uses gloo, which passes CUDA tensors through host memory. Give each worker a whole GPU to "
+            "get NCCL.",
+            gpus,
+        )
+        return "gloo"
+    return "nccl" if gpus else "gloo"
+
+
 class _TorchBackend(Backend):
     share_cuda_visible_devices = True
 
     def on_start(self, worker_group: WorkerGroup, backend_config: BackendConfig) -> None:
         assert isinstance(backend_config, TorchConfig)
-        backend = backend_config.backend or ("nccl" if worker_group.get_resources_per_worker().get("GPU") else "gloo")
+        backend = _backend_for(backend_config.backend, worker_group)
         worker_group.execute(_setup_process_group, backend, backend_config.init_method, backend_config.timeout_s)
 
     def on_shutdown(self, worker_group: WorkerGroup, backend_config: BackendConfig) -> None:
