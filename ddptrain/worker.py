@@ -189,10 +189,32 @@ def begin_run(run: protocol.RunInfo, payload: bytes | None, datasets: dict[int, 
     context._set_session(session)
 
 
+class _ToHostPickler(cloudpickle.Pickler):
+    """Pickles what a worker hands back to the driver, with tensors on a GPU copied to host
+    memory: the driver of a host list may have no GPU at all (unpickling would fail after
+    training succeeded), and one that has should not open a CUDA context for a return value."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type not in ("cpu", "meta"):
+            host = obj.detach().cpu()
+            if isinstance(obj, torch.nn.Parameter):
+                host = torch.nn.Parameter(host, requires_grad=obj.requires_grad)
+            return host.__reduce_ex__(self.proto)
+        return super().reducer_override(obj)
+
+
+def dumps_to_host(value: Any) -> bytes:
+    """``cloudpickle.dumps(value)``, with GPU tensors arriving on the driver's CPU."""
+    buffer = io.BytesIO()
+    _ToHostPickler(buffer, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(value)
+    return buffer.getvalue()
+
+
 def _execute(ch: channel.WorkerChannel, command: protocol.Execute) -> None:
     try:
         value = command.fn(*command.args, **command.kwargs)
-        ch.send(protocol.CallResult(ch.rank, command.call_id, True, cloudpickle.dumps(value)))
+        ch.send(protocol.CallResult(ch.rank, command.call_id, True, dumps_to_host(value)))
     except Exception as exc:
         ch.send(protocol.CallResult(ch.rank, command.call_id, False, failure_record(exc)))
 
@@ -276,7 +298,7 @@ def run(spec: protocol.WorkerSpec, shared: dict[str, Any], status_fd: int) -> in
                 _write_status(status_fd, record)
                 return 1
             try:
-                returned = cloudpickle.dumps(value)
+                returned = dumps_to_host(value)
                 note = None
             except Exception as exc:
                 returned, note = None, f"the return value of rank {rank} could not be pickled: {exc!r}"

@@ -113,6 +113,23 @@ def test_runtime_env_vars_and_cpu_resources_reach_workers(storage: str, monkeypa
     assert result.return_values == [("on", "2"), ("on", "2")]
 
 
+def returns_a_model() -> dict:
+    import torch
+
+    model = torch.nn.Linear(3, 2)
+    return {"model": model, "state": model.state_dict(), "double": lambda x: 2 * x}
+
+
+def test_return_values_keep_modules_parameters_and_closures(storage: str) -> None:
+    # What workers send back goes through a pickler that copies GPU tensors to the CPU; on the
+    # CPU it must change nothing: a module keeps its Parameters, a lambda still runs.
+    import torch
+
+    value = TorchTrainer(returns_a_model, run_config=train.RunConfig(storage_path=storage)).fit().return_value
+    assert isinstance(value["model"].weight, torch.nn.Parameter) and value["model"].weight.requires_grad
+    assert torch.equal(value["model"].weight, value["state"]["weight"]) and value["double"](4) == 8
+
+
 def tcp_init() -> str:
     import torch.distributed as dist
 
