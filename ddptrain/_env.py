@@ -16,10 +16,14 @@ __all__ = [
     "worker_start",
     "forwarded_env",
     "WORKER_MARKER",
+    "OWN_GPUS",
 ]
 
 # Set in every worker process, so that the library can tell it runs inside a worker.
 WORKER_MARKER = "DDPTRAIN_WORKER"
+# A worker that sees only its own GPUs: their numbers among the host's visible ones (taken out of
+# the environment by the worker itself, which narrows CUDA_VISIBLE_DEVICES to them).
+OWN_GPUS = "DDPTRAIN_OWN_GPUS"
 
 
 def _float(name: str, default: float) -> float:

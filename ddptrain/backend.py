@@ -41,6 +41,14 @@ class BackendConfig:
         """A context-manager factory wrapped around the training function in each worker."""
         return contextlib.nullcontext
 
+    def shares_visible_gpus(self) -> bool:
+        """Whether the workers of this backend on one host all see that host's GPUs (torch's,
+        for NCCL) or each only its own (every other backend, as in Ray)."""
+        backend: Any = self.backend_cls
+        if not isinstance(backend, type):  # `backend_cls` written as a method, not a property
+            backend = backend()
+        return bool(getattr(backend, "share_cuda_visible_devices", False))
+
     def to_dict(self) -> dict[str, Any]:
         """The config's fields as a dict."""
         return dataclasses.asdict(self) if dataclasses.is_dataclass(self) else dict(vars(self))

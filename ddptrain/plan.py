@@ -31,11 +31,16 @@ class Plan:
     Args:
         scaling_config: Number of workers, their resources, and the host list.
         env_vars: Extra environment of every worker (``RunConfig.worker_runtime_env``).
+        share_gpus: The workers on a host all see its GPUs (torch); ``False``: each worker sees
+            only its own, as ``CUDA_VISIBLE_DEVICES`` (``BackendConfig.shares_visible_gpus``).
     """
 
-    def __init__(self, scaling_config: ScalingConfig, env_vars: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, scaling_config: ScalingConfig, env_vars: dict[str, str] | None = None, share_gpus: bool = True
+    ) -> None:
         self.scaling_config = scaling_config
         self.env_vars = dict(env_vars or {})
+        self.share_gpus = share_gpus
         self.hostname = socket.gethostname()
         self.placement = self._placement()
 
@@ -78,7 +83,8 @@ class Plan:
 
     def reuse_key(self) -> tuple[Any, ...]:
         """Two plans with equal keys start identical groups: a warm group of one can serve the other."""
-        return (repr(self.scaling_config), sorted(self.agent_env().items()), tuple(sys.path), os.getcwd())
+        env = sorted(self.agent_env().items())
+        return (repr(self.scaling_config), self.share_gpus, env, tuple(sys.path), os.getcwd())
 
     # ----------------------------------------------------------------- starting agents
     def agent_env(self, remote: bool = False, host: HostSpec | None = None) -> dict[str, str]:
@@ -196,6 +202,9 @@ class Plan:
                     "TORCHELASTIC_USE_AGENT_STORE": "True",
                     "TORCHELASTIC_RESTART_COUNT": str(attempt),
                 }
+                if devices and not self.share_gpus:  # the worker narrows CUDA_VISIBLE_DEVICES to these
+                    env[_env.OWN_GPUS] = ",".join(str(device) for device in devices)
+                    devices = tuple(range(len(devices)))
                 specs.append(
                     WorkerSpec(
                         rank=rank,

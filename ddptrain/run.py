@@ -268,7 +268,7 @@ class Run:
 
     def new_plan(self) -> Plan:
         """A placement plan for the next attempt (the host list is read again)."""
-        return Plan(self.scaling_config, self._env_vars)
+        return Plan(self.scaling_config, self._env_vars, self.backend_config.shares_visible_gpus())
 
     def use_plan(self, plan: Plan) -> None:
         """Run the next attempts on ``plan``."""

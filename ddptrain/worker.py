@@ -22,11 +22,11 @@ from typing import Any
 
 import cloudpickle
 
-from ddptrain import channel, context, protocol
+from ddptrain import _env, channel, context, protocol
 from ddptrain._agent import load_user, write_all
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.data.ingest import open_shards
-from ddptrain.errors import exception_to_bytes
+from ddptrain.errors import ConfigError, exception_to_bytes
 
 __all__ = ["reopen_std_streams", "restore_blas_threads", "run"]
 
@@ -77,6 +77,27 @@ def restore_blas_threads() -> None:
             if setter is not None:
                 setter(ctypes.c_int(wanted))
                 break
+
+
+def _see_own_gpus() -> None:
+    """For backends other than torch's, each worker sees only its own GPUs (as in Ray): narrow
+    ``CUDA_VISIBLE_DEVICES`` to them before anything here uses CUDA. The plan numbered them
+    among the GPUs the host lets the run see, and numbers them from 0 for ``get_devices()``."""
+    own = os.environ.pop(_env.OWN_GPUS, None)
+    if own is None:
+        return
+    indices = [int(index) for index in own.split(",")]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = own
+        return
+    ids = [entry.strip() for entry in visible.split(",")]
+    if max(indices) >= len(ids):
+        raise ConfigError(
+            f"this worker was given GPU(s) {indices} of host {socket.gethostname()!r}, but its "
+            f"CUDA_VISIBLE_DEVICES={visible!r} lists {len(ids)}. Lower `slots=` or the number of workers."
+        )
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids[index] for index in indices)
 
 
 def _check_cuda_usable(spec: protocol.WorkerSpec) -> None:
@@ -264,6 +285,7 @@ def run(spec: protocol.WorkerSpec, shared: dict[str, Any], status_fd: int) -> in
     _setup_logging(run_info.log_level)
     rank = spec.rank
     try:
+        _see_own_gpus()
         _check_cuda_usable(spec)
         if "user" in shared:
             user = shared["user"]

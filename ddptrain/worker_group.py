@@ -101,12 +101,14 @@ class WorkerGroup(GroupEvents):
             log_dir: Folder for one log file per rank; ``None``: worker output goes to the
                 console only (rank-prefixed, as always).
         """
-        plan = Plan(scaling_config, run_config._env_vars() if run_config is not None else None)
+        config = backend_config or TorchConfig()
+        plan = Plan(
+            scaling_config, run_config._env_vars() if run_config is not None else None, config.shares_visible_gpus()
+        )
         plan.check_gpus()
         group = cls(plan)
         try:
             group.start(payload=None, run=protocol.RunInfo(), log_dir=Path(log_dir) if log_dir is not None else None)
-            config = backend_config or TorchConfig()
             backend = config.backend_cls()
             backend.on_start(group, config)
             group.backend = (backend, config)

@@ -155,18 +155,33 @@ def _gpus_seen(config: dict) -> None:
     rank = train.get_context().get_world_rank()
     # SSH_CONNECTION names the port of the loopback sshd a remote worker came through.
     port = os.environ.get("SSH_CONNECTION", "local").split()[-1]
-    record = {"port": port, "gpus": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    from ddptrain import context
+
+    devices = list(context._session.devices)  # what get_devices() would index with CUDA present
+    record = {"port": port, "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"), "devices": devices, "env": list(os.environ)}
     Path(config["out"], f"rank{rank}.json").write_text(json.dumps(record))
+
+
+class _SharingBackend(train.Backend):
+    share_cuda_visible_devices = True  # as torch's: every worker on a host sees the host's GPUs
+
+
+class _SharingConfig(train.BackendConfig):
+    @property
+    def backend_cls(self) -> type[train.Backend]:
+        return _SharingBackend
 
 
 @pytest.mark.ssh
 @pytest.mark.timeout(120)
-def test_workers_on_a_host_with_gpus_see_only_those(ssh, storage: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("share", [True, False], ids=["shared-like-torch", "own-gpus"])
+def test_workers_on_a_host_with_gpus_see_only_those(ssh, storage: str, tmp_path: Path, share: bool) -> None:
     # A CPU stand-in for a GPU run: DataParallelTrainer's workers touch no CUDA device, so
-    # `use_gpu=True` runs here, and each worker tells which GPUs its host let it see.
+    # `use_gpu=True` runs here, and each worker tells which GPUs it was let see.
     trainer = train.DataParallelTrainer(
         _gpus_seen,
         train_loop_config={"out": str(tmp_path)},
+        backend_config=_SharingConfig() if share else None,
         scaling_config=train.ScalingConfig(
             num_workers=4, use_gpu=True, hosts=["h0 gpus=3,5", "h1 slots=1", "localhost slots=1 gpus=0"]
         ),
@@ -177,5 +192,9 @@ def test_workers_on_a_host_with_gpus_see_only_those(ssh, storage: str, tmp_path:
     trainer.fit()
     ports = {str(h.port): h.name for h in ssh.hosts}
     records = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(4)]
-    seen = [(ports.get(r["port"], "localhost"), r["gpus"]) for r in records]
-    assert seen == [("h0", "3,5"), ("h0", "3,5"), ("h1", "7"), ("localhost", "0")]
+    seen = [(ports.get(r["port"], "localhost"), r["gpus"], r["devices"]) for r in records]
+    if share:  # torch's way: the host's GPUs, and each worker's device indexes into them
+        assert seen == [("h0", "3,5", [0]), ("h0", "3,5", [1]), ("h1", "7", [0]), ("localhost", "0", [0])]
+    else:  # every other backend, as in Ray: each worker sees its own GPU only, as device 0
+        assert seen == [("h0", "3", [0]), ("h0", "5", [0]), ("h1", "7", [0]), ("localhost", "0", [0])]
+    assert all("DDPTRAIN_OWN_GPUS" not in r["env"] for r in records)
