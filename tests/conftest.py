@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -64,10 +65,40 @@ SLOW_MODULES = {
 }
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+# GPU tests share the machine's GPUs and read its nvidia-smi, so they run one at a time even
+# under `-n`: xdist sends them all to one worker (`--dist loadgroup` in setup.cfg; other tests
+# are spread as with `--dist load`), and a machine-wide lock holds each one's run. The lock is
+# what guarantees it: pytest-xdist 3.8's loadgroup does not group on pytest >= 9.2
+# (pytest-dev/pytest-xdist#1386), and a second pytest session may run GPU tests too. Waiting
+# for it counts against a test's timeout, hence a longer one for GPU tests.
+GPU_LOCK = Path(tempfile.gettempdir()) / "ddptrain-tests-gpu.lock"
+GPU_TIMEOUT_S = 600
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the `xdist_group` marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    xdist = config.pluginmanager.hasplugin("xdist")
+    timeout = config.pluginmanager.hasplugin("timeout")
     for item in items:
         if item.path.stem in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("gpu") is not None:
+            if xdist:
+                item.add_marker(pytest.mark.xdist_group("gpu"))
+            if timeout and item.get_closest_marker("timeout") is None:
+                item.add_marker(pytest.mark.timeout(GPU_TIMEOUT_S))
+
+
+@pytest.fixture(autouse=True)
+def _gpu_tests_one_at_a_time(request: pytest.FixtureRequest) -> Iterator[None]:
+    # Set up before (torn down after) the leftover check below: it runs under the lock too.
+    if request.node.get_closest_marker("gpu") is None:
+        yield
+        return
+    from filelock import FileLock
+
+    with FileLock(str(GPU_LOCK)):
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -252,6 +252,79 @@ def test_cpu_resources_bound_concurrent_trials(storage: str) -> None:
     assert "needs 3 CPU(s) and 0 GPU(s) but the sweep has 2 CPU(s)" in str(results.errors[0])
 
 
+def _gpu_trial(config: dict[str, Any]) -> None:
+    ctx = tune.get_context()
+    time.sleep(config["sleep"])  # the trials overlap: each holds its GPU id while the other starts
+    tune.report(
+        {
+            "ids": ctx.get_gpu_ids(),
+            "indices": ctx.get_device_indices(),
+            "devices": [str(d) for d in ctx.get_devices()],
+            "device": str(ctx.get_device()),
+        }
+    )
+
+
+def test_function_trials_get_their_gpus_as_devices_of_the_sweeps_process(
+    storage: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No CUDA call: the sweep grants ids of its CUDA_VISIBLE_DEVICES, and the trials (threads of
+    # the sweep's process, where torch numbers devices by position in that list) map them.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
+    results = tune.Tuner(
+        tune.with_resources(_gpu_trial, {"GPU": 1}),
+        param_space={"i": tune.grid_search([0, 1, 2]), "sleep": 0.3},
+        run_config=tune.RunConfig(name="gpus", storage_path=storage, verbose=0),
+    ).fit()
+    assert results.num_errors == 0
+    index_of = {5: 0, 7: 1}
+    for result in results:
+        (gpu,) = result.metrics["ids"]  # Ray's ids: as CUDA_VISIBLE_DEVICES names them
+        assert gpu in index_of
+        assert result.metrics["indices"] == [index_of[gpu]]
+        assert result.metrics["devices"] == [f"cuda:{index_of[gpu]}"]
+        assert result.metrics["device"] == f"cuda:{index_of[gpu]}"
+    assert {tuple(r.metrics["ids"]) for r in results} == {(5,), (7,)}  # both GPUs were used
+    # Without CUDA_VISIBLE_DEVICES the ids are the indices; a trial without GPUs gets the CPU.
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    results = tune.Tuner(
+        tune.with_resources(_gpu_trial, {"GPU": 2}),
+        param_space={"sleep": 0.0},
+        tune_config=tune.TuneConfig(total_gpus=2),
+        run_config=tune.RunConfig(name="all", storage_path=storage, verbose=0),
+    ).fit()
+    assert results.num_errors == 0
+    assert {k: results[0].metrics[k] for k in ("ids", "indices", "devices")} == {
+        "ids": [0, 1],
+        "indices": [0, 1],
+        "devices": ["cuda:0", "cuda:1"],
+    }
+    results = tune.Tuner(
+        tune.with_resources(_gpu_trial, {"CPU": 1}),
+        param_space={"sleep": 0.0},
+        run_config=tune.RunConfig(name="cpu", storage_path=storage, verbose=0),
+    ).fit()
+    assert results.num_errors == 0
+    assert {k: results[0].metrics[k] for k in ("ids", "indices", "devices", "device")} == {
+        "ids": [],
+        "indices": [],
+        "devices": ["cpu"],
+        "device": "cpu",
+    }
+
+
+def test_gpu_ids_map_to_positions_in_cuda_visible_devices() -> None:
+    from ddptrain.tune.session import _device_indices
+
+    assert _device_indices([3], "2,3") == [1]
+    assert _device_indices([7, 5], "5,7") == [1, 0]
+    assert _device_indices([3], "GPU-8d3c0f2a-0000-0000-0000-000000000000,3") == [1]  # a UUID keeps its position
+    assert _device_indices([0, 2], None) == [0, 2]  # unset: torch's indices are the ids
+    assert _device_indices([], "") == []
+    with pytest.raises(RuntimeError, match=r"GPU id\(s\) \[4\] granted to the trial are not in"):
+        _device_indices([4], "5,7")
+
+
 def _forever(config: dict[str, Any]) -> None:
     while True:
         tune.report({"t": time.time()})

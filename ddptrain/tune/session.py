@@ -3,6 +3,12 @@
 Each trial runs in its own thread of the sweep's process (see ``ddptrain.tune.tuner``), so
 the trial's session is thread-local. Inside a ddptrain training worker (a trainer run by the
 sweep) there is no trial session: there ``tune.report`` is ``ddptrain.report``.
+
+A function trial therefore shares the sweep's CUDA devices: it cannot have a
+``CUDA_VISIBLE_DEVICES`` of its own, and torch numbers devices by their position in the sweep
+process's ``CUDA_VISIBLE_DEVICES``. ``get_gpu_ids()`` gives the GPU ids it was granted (as the
+sweep's ``CUDA_VISIBLE_DEVICES`` names them, like Ray's); ``get_devices()`` gives the torch
+devices they are in this process.
 """
 
 from __future__ import annotations
@@ -11,12 +17,15 @@ import os
 import shutil
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ddptrain
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.errors import DdpTrainError
 from ddptrain.tune.trial import Trial
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["TrialStopped", "TuneContext", "report", "get_checkpoint", "get_context"]
 
@@ -53,7 +62,59 @@ class TuneContext:
         return dict(self._session.resources)
 
     def get_gpu_ids(self) -> list[int]:
+        """The GPU ids granted to the trial, as the sweep's ``CUDA_VISIBLE_DEVICES`` names them
+        (``0..n-1`` when it is unset), like Ray's ``get_gpu_ids()``. In a function trial they are
+        not torch's device indices when ``CUDA_VISIBLE_DEVICES`` is set: use :meth:`get_devices`."""
         return list(self._session.gpu_ids)
+
+    def get_device_indices(self) -> list[int]:
+        """Torch's CUDA indices, in the sweep's process, of :meth:`get_gpu_ids`: each id's position
+        in the sweep's ``CUDA_VISIBLE_DEVICES`` (with ``CUDA_VISIBLE_DEVICES=2,3`` id 3 is
+        ``cuda:1``), or the id itself when it is unset. Empty for a trial without GPUs.
+
+        Raises:
+            RuntimeError: A granted id is not in the ``CUDA_VISIBLE_DEVICES`` the trial started under.
+        """
+        return _device_indices(self._session.gpu_ids, self._session.visible_devices)
+
+    def get_devices(self) -> list[torch.device]:
+        """The torch devices of the trial's GPUs in the sweep's process (``cuda:<index>``, see
+        :meth:`get_device_indices`); ``[cpu]`` for a trial without GPUs.
+
+        A function trial runs in a thread of the sweep's process and sees every GPU the sweep
+        sees: plain ``"cuda"`` is the thread's current device, ``cuda:0`` unless it is set. Put
+        tensors and models on these devices, or call ``torch.cuda.set_device(get_device())``
+        first in the trial (the current device is per thread), to stay on the GPUs granted.
+        """
+        import torch
+
+        indices = self.get_device_indices()
+        if not indices:
+            return [torch.device("cpu")]
+        return [torch.device("cuda", index) for index in indices]
+
+    def get_device(self) -> torch.device:
+        """The trial's first device: ``cuda:<index>`` in the sweep's process (see
+        :meth:`get_devices`), ``cpu`` for a trial without GPUs."""
+        return self.get_devices()[0]
+
+
+def _device_indices(gpu_ids: list[int], visible: str | None) -> list[int]:
+    """Positions of ``gpu_ids`` in ``visible`` (a ``CUDA_VISIBLE_DEVICES`` value), as torch numbers
+    the devices of a process started with it; the ids themselves when ``visible`` is ``None``."""
+    if visible is None:
+        return list(gpu_ids)
+    positions: dict[int, int] = {}
+    for position, entry in enumerate(visible.split(",")):
+        if entry.strip().isdigit():
+            positions.setdefault(int(entry), position)
+    missing = [gpu for gpu in gpu_ids if gpu not in positions]
+    if missing:
+        raise RuntimeError(
+            f"GPU id(s) {missing} granted to the trial are not in the sweep's CUDA_VISIBLE_DEVICES={visible!r}; "
+            "do not change CUDA_VISIBLE_DEVICES while a sweep runs."
+        )
+    return [positions[gpu] for gpu in gpu_ids]
 
 
 class TrialSession:
@@ -81,6 +142,8 @@ class TrialSession:
         self.experiment_name = experiment_name
         self.resources = resources
         self.gpu_ids = gpu_ids
+        # What the granted ids are positions in (the sweep's process: torch's device numbering).
+        self.visible_devices = os.environ.get("CUDA_VISIBLE_DEVICES")
         self.keep_checkpoints = keep_checkpoints
         self.stop_requested = False
         self.in_trainable = False  # the trial's thread runs the trainable (not the sweep's code)
