@@ -253,6 +253,8 @@ def test_cpu_resources_bound_concurrent_trials(storage: str) -> None:
 
 
 def _gpu_trial(config: dict[str, Any]) -> None:
+    import ddptrain.torch
+
     ctx = tune.get_context()
     time.sleep(config["sleep"])  # the trials overlap: each holds its GPU id while the other starts
     tune.report(
@@ -261,6 +263,7 @@ def _gpu_trial(config: dict[str, Any]) -> None:
             "indices": ctx.get_device_indices(),
             "devices": [str(d) for d in ctx.get_devices()],
             "device": str(ctx.get_device()),
+            "torch_device": str(ddptrain.torch.get_device()),  # the worker-side helper agrees in a trial
         }
     )
 
@@ -283,7 +286,7 @@ def test_function_trials_get_their_gpus_as_devices_of_the_sweeps_process(
         assert gpu in index_of
         assert result.metrics["indices"] == [index_of[gpu]]
         assert result.metrics["devices"] == [f"cuda:{index_of[gpu]}"]
-        assert result.metrics["device"] == f"cuda:{index_of[gpu]}"
+        assert result.metrics["device"] == result.metrics["torch_device"] == f"cuda:{index_of[gpu]}"
     assert {tuple(r.metrics["ids"]) for r in results} == {(5,), (7,)}  # both GPUs were used
     # Without CUDA_VISIBLE_DEVICES the ids are the indices; a trial without GPUs gets the CPU.
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
@@ -305,11 +308,12 @@ def test_function_trials_get_their_gpus_as_devices_of_the_sweeps_process(
         run_config=tune.RunConfig(name="cpu", storage_path=storage, verbose=0),
     ).fit()
     assert results.num_errors == 0
-    assert {k: results[0].metrics[k] for k in ("ids", "indices", "devices", "device")} == {
+    assert {k: results[0].metrics[k] for k in ("ids", "indices", "devices", "device", "torch_device")} == {
         "ids": [],
         "indices": [],
         "devices": ["cpu"],
         "device": "cpu",
+        "torch_device": "cpu",
     }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -27,9 +28,13 @@ _logger = logging.getLogger(__name__)
 
 
 def get_devices() -> list[torch.device]:
-    """The devices of this worker: its CUDA devices with ``use_gpu``, else ``[cpu]``."""
+    """The devices of this worker: its CUDA devices with ``use_gpu``, else ``[cpu]``. In a
+    function trial of ``ddptrain.tune``: the trial's GPUs (``tune.get_context().get_devices()``)."""
     session = context._session
     if session is None or session.channel is None:  # local mode, or outside a worker
+        trials = sys.modules.get("ddptrain.tune.session")  # loaded by a sweep, never by us
+        if trials is not None and trials._get_session() is not None:  # a function trial's thread
+            return trials.get_context().get_devices()
         if torch.cuda.is_available():
             return [torch.device("cuda", torch.cuda.current_device())]
         return [torch.device("cpu")]
