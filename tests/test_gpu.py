@@ -360,6 +360,29 @@ def test_more_gpu_workers_than_gpus_is_a_clear_error(storage: str) -> None:
         fit_gpu(devices_func, storage, num_workers=_gpus() + 1)
 
 
+@needs_one_gpu
+def test_two_workers_sharing_one_gpu_train_over_gloo(storage: str, caplog: pytest.LogCaptureFixture) -> None:
+    # NCCL refuses two ranks on one GPU; half a GPU each makes the process group gloo's.
+    rank0, rank1 = fit_gpu(gpu_train_func, storage, num_workers=2, resources_per_worker={"GPU": 0.5})
+    assert rank0["backend"] == rank1["backend"] == "gloo"
+    assert rank0["sum"] == rank1["sum"] == 3.0
+    assert rank0["device"] == rank1["device"] == "cuda:0"
+    assert rank0["grad_devices"] == ["cuda:0"]
+    assert "workers share GPUs" in caplog.text
+
+
+def returns_cuda_tensors() -> dict:
+    model = torch.nn.Linear(4, 2).to(get_device())
+    return {"state": model.state_dict(), "model": model}
+
+
+@needs_one_gpu
+def test_cuda_tensors_in_return_values_arrive_on_the_cpu(storage: str) -> None:
+    (value,) = fit_gpu(returns_cuda_tensors, storage, num_workers=1)
+    assert {str(t.device) for t in value["state"].values()} == {"cpu"}
+    assert isinstance(value["model"].weight, torch.nn.Parameter) and value["model"].weight.device.type == "cpu"
+
+
 # ----------------------------------------------------------------- a host list's `gpus=`
 def _host_gpu_ids() -> list[int]:
     """This machine's GPU ids as a host list names them (``CUDA_VISIBLE_DEVICES`` if set).
