@@ -41,13 +41,16 @@ class BackendConfig:
         """A context-manager factory wrapped around the training function in each worker."""
         return contextlib.nullcontext
 
+    def make_backend(self) -> Backend:
+        """A new :class:`Backend` of this config (``backend_cls`` may be a property, as in Ray,
+        or a method)."""
+        made: Any = self.backend_cls()
+        return made() if isinstance(made, type) else made
+
     def shares_visible_gpus(self) -> bool:
         """Whether the workers of this backend on one host all see that host's GPUs (torch's,
         for NCCL) or each only its own (every other backend, as in Ray)."""
-        backend: Any = self.backend_cls
-        if not isinstance(backend, type):  # `backend_cls` written as a method, not a property
-            backend = backend()
-        return bool(getattr(backend, "share_cuda_visible_devices", False))
+        return bool(getattr(self.make_backend(), "share_cuda_visible_devices", False))
 
     def to_dict(self) -> dict[str, Any]:
         """The config's fields as a dict."""

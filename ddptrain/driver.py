@@ -88,9 +88,7 @@ class Attempt:
                     datasets=datasets,
                     console=progress,
                 )
-            backend = self.run.backend_config.backend_cls()
-            if isinstance(backend, type):  # `backend_cls` written as a method, not a property
-                backend = backend()
+            backend = self.run.backend_config.make_backend()
             backend.on_start(group, self.run.backend_config)
             backend.on_training_start(group, self.run.backend_config)
             self.watch.active = True

@@ -31,16 +31,16 @@ class Plan:
     Args:
         scaling_config: Number of workers, their resources, and the host list.
         env_vars: Extra environment of every worker (``RunConfig.worker_runtime_env``).
-        share_gpus: The workers on a host all see its GPUs (torch); ``False``: each worker sees
+        share_visible_gpus: The workers on a host all see its GPUs (torch); ``False``: each worker sees
             only its own, as ``CUDA_VISIBLE_DEVICES`` (``BackendConfig.shares_visible_gpus``).
     """
 
     def __init__(
-        self, scaling_config: ScalingConfig, env_vars: dict[str, str] | None = None, share_gpus: bool = True
+        self, scaling_config: ScalingConfig, env_vars: dict[str, str] | None = None, share_visible_gpus: bool = True
     ) -> None:
         self.scaling_config = scaling_config
         self.env_vars = dict(env_vars or {})
-        self.share_gpus = share_gpus
+        self.share_visible_gpus = share_visible_gpus
         self.hostname = socket.gethostname()
         self.placement = self._placement()
 
@@ -74,17 +74,31 @@ class Plan:
             )
 
     @property
-    def shares_gpus(self) -> bool:
-        """Whether some ranks share a GPU: fractional GPUs per worker and a host with two or
-        more workers (their device numbers then coincide, starting with local ranks 0 and 1)."""
+    def nodes(self) -> list[list[int]]:
+        """The ranks of each host, in node-rank order (one host: this machine)."""
+        return self.placement.ranks if self.placement else [list(range(self.world_size))]
+
+    def local_devices(self, local_rank: int) -> tuple[int, ...]:
+        """The GPU numbers of a host's ``local_rank``-th worker among the GPUs the host lets the
+        run see (``()`` without GPUs). Fractional GPUs put several workers on one number."""
         gpus = self.scaling_config.num_gpus_per_worker
-        nodes = self.placement.ranks if self.placement else [list(range(self.world_size))]
-        return 0 < gpus < 1 and any(len(ranks) > 1 for ranks in nodes)
+        if gpus >= 1:
+            return tuple(local_rank * int(gpus) + i for i in range(int(gpus)))
+        return (int(local_rank * gpus),) if gpus > 0 else ()
+
+    @property
+    def ranks_share_a_gpu(self) -> bool:
+        """Whether two workers of a host are given the same GPU (fractional GPUs per worker)."""
+        for ranks in self.nodes:
+            numbers = [n for local_rank in range(len(ranks)) for n in self.local_devices(local_rank)]
+            if len(set(numbers)) < len(numbers):
+                return True
+        return False
 
     def reuse_key(self) -> tuple[Any, ...]:
         """Two plans with equal keys start identical groups: a warm group of one can serve the other."""
         env = sorted(self.agent_env().items())
-        return (repr(self.scaling_config), self.share_gpus, env, tuple(sys.path), os.getcwd())
+        return (repr(self.scaling_config), self.share_visible_gpus, env, tuple(sys.path), os.getcwd())
 
     # ----------------------------------------------------------------- starting agents
     def agent_env(self, remote: bool = False, host: HostSpec | None = None) -> dict[str, str]:
@@ -175,17 +189,11 @@ class Plan:
         """Each worker's rank, devices, torchrun-style environment and dataset shards
         (``attempt``: the run's attempt number, torchrun's ``TORCHELASTIC_RESTART_COUNT``)."""
         world = self.scaling_config.num_workers
-        gpus = self.scaling_config.num_gpus_per_worker
-        nodes = self.placement.ranks if self.placement else [list(range(world))]
+        nodes = self.nodes
         specs = []
         for node_rank, ranks in enumerate(nodes):
             for local_rank, rank in enumerate(ranks):
-                if gpus >= 1:
-                    devices: tuple[int, ...] = tuple(local_rank * int(gpus) + i for i in range(int(gpus)))
-                elif gpus > 0:
-                    devices = (int(local_rank * gpus),)
-                else:
-                    devices = ()
+                devices = self.local_devices(local_rank)
                 env = {
                     "RANK": str(rank),
                     "WORLD_SIZE": str(world),
@@ -202,7 +210,7 @@ class Plan:
                     "TORCHELASTIC_USE_AGENT_STORE": "True",
                     "TORCHELASTIC_RESTART_COUNT": str(attempt),
                 }
-                if devices and not self.share_gpus:  # the worker narrows CUDA_VISIBLE_DEVICES to these
+                if devices and not self.share_visible_gpus:  # the worker narrows CUDA_VISIBLE_DEVICES to these
                     env[_env.OWN_GPUS] = ",".join(str(device) for device in devices)
                     devices = tuple(range(len(devices)))
                 specs.append(

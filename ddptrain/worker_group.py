@@ -109,7 +109,7 @@ class WorkerGroup(GroupEvents):
         group = cls(plan)
         try:
             group.start(payload=None, run=protocol.RunInfo(), log_dir=Path(log_dir) if log_dir is not None else None)
-            backend = config.backend_cls()
+            backend = config.make_backend()
             backend.on_start(group, config)
             group.backend = (backend, config)
         except BaseException:

@@ -208,16 +208,16 @@ def test_workers_sharing_a_gpu_get_gloo_and_an_explicit_nccl_is_refused(caplog: 
         return SimpleNamespace(plan=Plan(scaling), get_resources_per_worker=lambda: {"GPU": gpus})
 
     halves = group(0.5, ["localhost slots=2 gpus=0"])
-    assert halves.plan.shares_gpus
+    assert halves.plan.ranks_share_a_gpu
     assert _backend_for(None, halves) == "gloo"
     assert "workers share GPUs" in caplog.text and "NCCL" in caplog.text
     with pytest.raises(ConfigError, match="NCCL refuses two ranks on one GPU"):
         _backend_for("nccl", halves)
     assert _backend_for("gloo", halves) == "gloo"
     whole = group(1, ["localhost slots=2 gpus=0,1"])
-    assert not whole.plan.shares_gpus and _backend_for(None, whole) == "nccl"
+    assert not whole.plan.ranks_share_a_gpu and _backend_for(None, whole) == "nccl"
     one_per_host = group(0.5, ["localhost slots=1 gpus=0"], workers=1)  # a half GPU alone on its host
-    assert not one_per_host.plan.shares_gpus and _backend_for(None, one_per_host) == "nccl"
+    assert not one_per_host.plan.ranks_share_a_gpu and _backend_for(None, one_per_host) == "nccl"
 
 
 def _never_runs() -> None:

@@ -63,8 +63,7 @@ class TorchConfig(BackendConfig):
 def _set_cuda_device() -> Iterator[None]:
     import torch
 
-    _check_devices()
-    device = get_device()
+    device = get_device()  # checked by _setup_process_group, which ran in this worker before
     if device.type == "cuda":
         torch.cuda.set_device(device)
     yield
@@ -182,7 +181,7 @@ def _backend_for(chosen: str | None, worker_group: WorkerGroup) -> str:
         ConfigError: ``backend`` names NCCL and ranks share a GPU.
     """
     gpus = worker_group.get_resources_per_worker().get("GPU") or 0
-    shared = worker_group.plan.shares_gpus
+    shared = worker_group.plan.ranks_share_a_gpu
     if chosen is not None:
         if shared and "nccl" in chosen:
             raise ConfigError(
