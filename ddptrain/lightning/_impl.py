@@ -69,28 +69,19 @@ def _own_path(strategy: Any, path: Any) -> Iterator[None]:
     """Lightning's FSDP, DeepSpeed and model-parallel strategies broadcast rank 0's checkpoint
     path and have every rank write (or read) its shard there. A rank on a host that does not
     share rank 0's file systems has no such folder: its shard would be written where nobody
-    collects it, and a restart could not read the checkpoint. Within this block the strategy
-    keeps each rank's own ``path`` (its temp folder when saving, its copy of the checkpoint when
-    loading); ddptrain merges the folders the ranks report into one checkpoint."""
+    collects it, and a restart could not read the checkpoint. Within this block a ddptrain
+    strategy keeps each rank's own ``path`` (its temp folder when ``RayTrainReportCallback``
+    saves, its copy of the checkpoint when loading); ddptrain merges the folders the ranks
+    report into one checkpoint. Other strategies keep Lightning's behaviour."""
+    if not hasattr(strategy, "_ddptrain_own_path") or path is None:
+        yield
+        return
     previous = strategy._ddptrain_own_path
-    strategy._ddptrain_own_path = None if path is None else os.fspath(path)
+    strategy._ddptrain_own_path = os.fspath(path)
     try:
         yield
     finally:
         strategy._ddptrain_own_path = previous
-
-
-@contextlib.contextmanager
-def _saving_locally(strategy: Any) -> Iterator[None]:
-    """``trainer.save_checkpoint`` called by ``RayTrainReportCallback``: each rank's own folder."""
-    if not hasattr(strategy, "_ddptrain_own_path"):  # not a ddptrain strategy: Lightning's behaviour
-        yield
-        return
-    strategy._ddptrain_save_locally = True
-    try:
-        yield
-    finally:
-        strategy._ddptrain_save_locally = False
 
 
 def mesh_sizes(data_parallel: int | str, tensor_parallel: int | str, world: int, local: int) -> tuple[int, int]:
@@ -183,10 +174,6 @@ def build_classes(package: str, module_name: str) -> dict[str, Any]:
                 return obj  # the collective ran; this rank keeps its own folder (see _own_path)
             return result
 
-        def save_checkpoint(self: Any, checkpoint: Any, filepath: Any, storage_options: Any = None) -> None:
-            with _own_path(self, filepath if self._ddptrain_save_locally else None):
-                base.save_checkpoint(self, checkpoint, filepath, storage_options=storage_options)
-
         def load_checkpoint(self: Any, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
             with _own_path(self, checkpoint_path if os.path.exists(checkpoint_path) else None):
                 return base.load_checkpoint(self, checkpoint_path, *args, **kwargs)
@@ -206,9 +193,7 @@ def build_classes(package: str, module_name: str) -> dict[str, Any]:
             "__init__": __init__,
             "root_device": property(root_device),
             "broadcast": broadcast,
-            "save_checkpoint": save_checkpoint,
             "load_checkpoint": load_checkpoint,
-            "_ddptrain_save_locally": False,
             "__doc__": doc,
         }
         if sampler:
@@ -293,8 +278,9 @@ def build_classes(package: str, module_name: str) -> dict[str, Any]:
                 return
             folder = tempfile.mkdtemp(prefix="ddptrain_lightning_")
             try:
-                with _saving_locally(trainer.strategy):
-                    trainer.save_checkpoint(str(Path(folder, CHECKPOINT_NAME)), weights_only=False)
+                path = str(Path(folder, CHECKPOINT_NAME))
+                with _own_path(trainer.strategy, path):
+                    trainer.save_checkpoint(path, weights_only=False)
                 wrote = any(Path(folder).iterdir())  # DDP: rank 0 only; sharded: every rank
                 checkpoint = Checkpoint.from_directory(folder) if wrote else None
                 context.report(metrics, checkpoint=checkpoint, checkpoint_upload_mode=self.checkpoint_upload_mode)
