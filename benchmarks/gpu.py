@@ -173,6 +173,19 @@ def start_mode(storage: str, name: str, mode: str, num_workers: int = 2) -> floa
         del os.environ["DDPTRAIN_WORKER_START"]
 
 
+def _against_targets(med: dict[str, float], prefix: str, tput: str, base: str, first: str, metric: str) -> list[str]:
+    """Emit the throughput and first-line ratios of one set of medians; their summary lines."""
+    throughput = med[tput] / med[base]
+    launch = med[first] / med["spawn_first_line_s"]
+    _bench.emit({"bench": BENCH, "metric": metric, "throughput": throughput, "first_line_vs_spawn": launch})
+    return [
+        f"  {prefix}throughput: {med[tput]:,.0f} vs plain {med[base]:,.0f} samples/s = {throughput:.3f}x "
+        f"(target >= 0.99x: {'met' if throughput >= 0.99 else 'NOT met'})",
+        f"  {prefix}fit() to first line {med[first]:.3f} s vs mp.spawn {med['spawn_first_line_s']:.3f} s "
+        f"= {launch:.2f}x (target <= 1.0x: {'met' if launch <= 1.0 else 'NOT met'})",
+    ]
+
+
 def main() -> int:
     args = _bench.parse_args(
         __doc__.splitlines()[0],
@@ -235,31 +248,13 @@ def main() -> int:
         f"clean start {med['start_clean_s']:.3f} s ({med['start_clean_s'] / med['start_shared_s']:.2f}x)"
     )
     if has_gpu:
-        tput = med["samples_per_s"] / med["baseline_samples_per_s"]
-        launch = med["first_line_s"] / med["spawn_first_line_s"]
-        _bench.emit({"bench": BENCH, "metric": "ratios", "throughput": tput, "first_line_vs_spawn": launch})
-        lines.append(
-            f"  throughput: {med['samples_per_s']:,.0f} vs plain {med['baseline_samples_per_s']:,.0f} samples/s "
-            f"= {tput:.3f}x (target >= 0.99x: {'met' if tput >= 0.99 else 'NOT met'})"
-        )
-        lines.append(
-            f"  fit() to first line {med['first_line_s']:.3f} s vs mp.spawn {med['spawn_first_line_s']:.3f} s "
-            f"= {launch:.2f}x (target <= 1.0x: {'met' if launch <= 1.0 else 'NOT met'})"
-        )
+        lines += _against_targets(med, "", "samples_per_s", "baseline_samples_per_s", "first_line_s", "ratios")
     else:
         lines.append("  no CUDA device: GPU throughput and GPU launch not measured")
     if "cpu_samples_per_s" in med:
-        tput = med["cpu_samples_per_s"] / med["cpu_baseline_samples_per_s"]
-        launch = med["clean_first_line_s"] / med["spawn_first_line_s"]
-        _bench.emit({"bench": BENCH, "metric": "cpu_proxy_ratios", "throughput": tput, "first_line_vs_spawn": launch})
-        lines.append(
-            f"  CPU stand-in, throughput: {med['cpu_samples_per_s']:,.0f} vs plain "
-            f"{med['cpu_baseline_samples_per_s']:,.0f} samples/s = {tput:.3f}x (GPU target >= 0.99x)"
-        )
-        lines.append(
-            f"  CPU stand-in, 1 worker started as on a GPU: fit() to first line {med['clean_first_line_s']:.3f} s "
-            f"vs mp.spawn {med['spawn_first_line_s']:.3f} s = {launch:.2f}x (GPU target <= 1.0x)"
-        )
+        prefix = "CPU stand-in (first line: 1 worker started as on a GPU), "
+        keys = ("cpu_samples_per_s", "cpu_baseline_samples_per_s", "clean_first_line_s", "cpu_proxy_ratios")
+        lines += _against_targets(med, prefix, *keys)
     lines.append(f"  leftover processes: {len(left)}")
     print("\n".join(lines))
     return 1 if left else 0
