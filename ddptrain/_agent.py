@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
+import select
 import selectors
 import signal
 import socket
@@ -39,6 +40,7 @@ from ddptrain._agent_start import check_versions
 from ddptrain._process import kill_group_strays, other_threads, process_state, set_pdeathsig
 from ddptrain.protocol import (
     AGENT_RANK,
+    ALIVE_S,
     AgentFailed,
     Bootstrap,
     Kind,
@@ -211,7 +213,58 @@ def _kill_all(children: list[_Child], grace_s: float) -> None:
             pass
 
 
-def _report_states(out_fd: int, children: list[_Child], dump_stacks: bool) -> None:
+class _DriverGone(Exception):
+    """The driver closed the agent's stdin or asked it to stop; or, over SSH, went silent (the
+    message says so)."""
+
+
+class _DriverLink:
+    """The agent's side of its pipe to the driver: requests on stdin, frames on stdout.
+
+    Over SSH (``heartbeat_s`` set) a write never blocks for long. While the pipe to sshd is full
+    (a network that is down: sshd cannot forward), the agent keeps reading its stdin, and gives
+    up once the driver has been silent for ``heartbeat_s``. It also writes ``Kind.ALIVE`` when
+    it has written nothing for ``ALIVE_S``, so the driver can tell a host that stopped answering.
+    """
+
+    def __init__(self, out_fd: int, stdin_fd: int, heartbeat_s: float | None) -> None:
+        self.out_fd = out_fd
+        self.stdin_fd = stdin_fd
+        self.heartbeat_s = heartbeat_s
+        self.last_heard = self.last_sent = time.monotonic()
+        if heartbeat_s is not None:
+            os.set_blocking(out_fd, False)
+
+    def read_requests(self) -> bytes:
+        """What the driver wrote (stdin is readable)."""
+        data = os.read(self.stdin_fd, 4096)
+        if not data or Request.KILL in data:
+            raise _DriverGone()
+        self.last_heard = time.monotonic()
+        return data
+
+    def check_heartbeat(self) -> None:
+        if self.heartbeat_s is not None and time.monotonic() - self.last_heard > self.heartbeat_s:
+            raise _DriverGone(f"no heartbeat from the driver for {self.heartbeat_s:g} s")
+
+    def send(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[os.write(self.out_fd, view) :]
+            except BlockingIOError:  # requests other than KILL that come meanwhile are dropped
+                readable, _, _ = select.select([self.stdin_fd], [self.out_fd], [], _POLL_S)
+                if readable:
+                    self.read_requests()
+                self.check_heartbeat()
+        self.last_sent = time.monotonic()
+
+    def keep_alive(self) -> None:
+        if self.heartbeat_s is not None and time.monotonic() - self.last_sent >= ALIVE_S:
+            self.send(encode_frame(Kind.ALIVE, AGENT_RANK, b""))
+
+
+def _report_states(link: _DriverLink, children: list[_Child], dump_stacks: bool) -> None:
     """Send the driver each live worker's process state; with ``dump_stacks``, also make each
     worker that can run print its Python stacks (faulthandler on SIGUSR1, see ``worker``)."""
     states = {}
@@ -224,7 +277,7 @@ def _report_states(out_fd: int, children: list[_Child], dump_stacks: bool) -> No
                 os.kill(child.pid, signal.SIGUSR1)
             except ProcessLookupError:
                 pass
-    write_all(out_fd, encode_event(WorkerStates(AGENT_RANK, states)))
+    link.send(encode_event(WorkerStates(AGENT_RANK, states)))
 
 
 def _reaped(child: _Child) -> bool:
@@ -243,8 +296,20 @@ def _reaped(child: _Child) -> bool:
 def _relay(
     out_fd: int, stdin_fd: int, children: list[_Child], grace_s: float, heartbeat_s: float | None = None
 ) -> None:
+    """Relay the workers' output and exits until every worker exited; kill them all when the
+    driver is gone, asks to stop, or (``heartbeat_s``) is silent that long."""
+    link = _DriverLink(out_fd, stdin_fd, heartbeat_s)
+    try:
+        _relay_until_done(link, children)
+    except _DriverGone as gone:
+        if str(gone):
+            print(f"ddptrain agent: {gone}; stopping", file=sys.stderr)
+        _kill_all(children, grace_s)
+
+
+def _relay_until_done(link: _DriverLink, children: list[_Child]) -> None:
     selector = selectors.DefaultSelector()
-    selector.register(stdin_fd, selectors.EVENT_READ, ("stdin", None))
+    selector.register(link.stdin_fd, selectors.EVENT_READ, ("stdin", None))
     for child in children:
         for fd in child.fds:
             selector.register(fd, selectors.EVENT_READ, ("out", child))
@@ -261,29 +326,22 @@ def _relay(
             else:
                 child.status_fd = -1
         elif what == "out":
-            write_all(out_fd, encode_frame(child.fds[key.fd], child.rank, data))
+            link.send(encode_frame(child.fds[key.fd], child.rank, data))
         else:
             child.status.extend(data)
 
     pending = list(children)  # children whose exit has not been reported
     oom_kills = _memory.oom_kills()  # a worker dead of SIGKILL is then checked against it
-    last_heard = time.monotonic()
     while pending:
         for key, _ in selector.select(_POLL_S):
             if key.data[0] == "stdin":
-                data = os.read(key.fd, 4096)
-                if not data or Request.KILL in data:  # driver gone, or asked us to stop
-                    _kill_all(children, grace_s)
-                    return
+                data = link.read_requests()
                 if Request.STATES in data or Request.STACKS in data:  # the driver asks how the workers are
-                    _report_states(out_fd, children, dump_stacks=Request.STACKS in data)
-                last_heard = time.monotonic()
+                    _report_states(link, children, dump_stacks=Request.STACKS in data)
             else:
                 forward(key)
-        if heartbeat_s is not None and time.monotonic() - last_heard > heartbeat_s:
-            print(f"ddptrain agent: no heartbeat from the driver for {heartbeat_s:.0f} s; stopping", file=sys.stderr)
-            _kill_all(children, grace_s)
-            return
+        link.check_heartbeat()
+        link.keep_alive()
         for child in list(pending):
             if child.exitcode is None and not _reaped(child):
                 continue
@@ -302,7 +360,7 @@ def _relay(
                 child.status_fd = -1
             assert child.exitcode is not None
             memory = _memory.evidence(oom_kills, child.maxrss_kb) if child.exitcode == -signal.SIGKILL else None
-            write_all(out_fd, encode_event(WorkerExited(child.rank, child.exitcode, bytes(child.status), memory)))
+            link.send(encode_event(WorkerExited(child.rank, child.exitcode, bytes(child.status), memory)))
             pending.remove(child)
 
 

@@ -175,5 +175,9 @@ def forwarded_env() -> dict[str, str]:
 
 
 def ssh_heartbeat_timeout_s() -> float:
-    """Seconds without a heartbeat after which a remote agent stops its workers."""
-    return _float("DDPTRAIN_SSH_HEARTBEAT_TIMEOUT_S", 5.0)
+    """Seconds of silence after which a remote agent stops its workers (nothing from the
+    driver), and after which the driver declares that host lost (nothing from its agent)."""
+    value = _float("DDPTRAIN_SSH_HEARTBEAT_TIMEOUT_S", 5.0)
+    if value < 1.0:  # heartbeats go every half second both ways
+        raise ValueError(f"`DDPTRAIN_SSH_HEARTBEAT_TIMEOUT_S` must be >= 1 (seconds), got {value:g}.")
+    return value

@@ -6,13 +6,14 @@ its exit status, and how to stop it. Today there are two: a local subprocess
 (``srun``, ``kubectl exec``) is one more small class. :class:`AgentSession` does the rest once
 for all of them: the bootstrap frame, reading framed worker output and agent events (all in
 ``ddptrain.protocol``), the agent's stderr (prefixed, and its tail kept for errors),
-heartbeats, requests, and the event that says the agent is gone.
+heartbeats, requests, and the events that say the agent stopped answering or is gone.
 """
 
 from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import IO, Protocol
 
@@ -21,9 +22,11 @@ from ddptrain._logs import LogSink
 from ddptrain.errors import LaunchError
 from ddptrain.protocol import (
     AGENT_RANK,
+    ALIVE_S,
     AgentEvent,
     AgentFailed,
     AgentGone,
+    AgentLost,
     Bootstrap,
     Kind,
     Request,
@@ -54,6 +57,10 @@ class HostConnection(Protocol):
     def close(self, grace_s: float) -> None:
         """Stop the agent (it has been asked to) and release the connection."""
 
+    def abort(self) -> None:
+        """Drop the connection at once, without a word to the agent (it stopped answering):
+        every read and write on it ends."""
+
 
 class AgentSession:
     """Drives one agent through ``connection``.
@@ -72,6 +79,11 @@ class AgentSession:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._stderr_tail: list[str] = []
+        # When something last came from the agent; `None` until its workers run (before that,
+        # the worker start timeout bounds the wait). `_busy`: the driver is handling a frame.
+        self._heard_at: float | None = None
+        self._busy = False
+        self.lost: AgentLost | None = None  # set when the agent stopped answering
         # Read stderr from the start: a full pipe would stall the agent.
         self._spawn(self._read_stderr, "stderr")
 
@@ -84,6 +96,8 @@ class AgentSession:
         try:
             for line in self.connection.stderr:
                 text = line.decode("utf-8", errors="replace").rstrip()
+                if self._heard_at is not None:
+                    self._heard_at = time.monotonic()
                 if text:
                     self._stderr_tail = (self._stderr_tail + [text])[-20:]
                     sys.stderr.write(f"[{self._label}] {text}\n")
@@ -100,7 +114,9 @@ class AgentSession:
     def start(self, bootstrap: Bootstrap, sink: LogSink, on_event: Callable[[AgentEvent], None]) -> None:
         """Send the bootstrap; from now on worker output goes to ``sink`` and agent events to
         ``on_event``, ending with :class:`AgentGone` (after an :class:`AgentFailed` if the agent
-        never ran).
+        never ran). With ``bootstrap.heartbeat_s`` (SSH hosts), an agent whose workers run and
+        from which nothing came for that long is declared lost (:class:`AgentLost`) and its
+        connection dropped.
 
         Raises:
             LaunchError: The agent is gone before it got its work.
@@ -115,8 +131,11 @@ class AgentSession:
             seen = False
             while (frame := read_frame(self.connection.stdout)) is not None:
                 seen = True
+                self._busy = True  # a slow sink is the driver's delay, not the host's
                 kind, rank, data = frame
-                if kind in (Kind.STDOUT, Kind.STDERR):
+                if kind == Kind.ALIVE:
+                    pass
+                elif kind in (Kind.STDOUT, Kind.STDERR):
                     sink.write(rank, kind, data)
                 else:
                     try:
@@ -125,6 +144,9 @@ class AgentSession:
                         where = self.connection.where
                         event = AgentFailed(rank, f"{where} the agent sent an unreadable frame: {exc!r}")
                     on_event(event)
+                self._heard_at = time.monotonic()
+                self._busy = False
+            self._busy = True  # the pipe ended: nothing more to watch
             if not seen and not self._stop.is_set():  # the agent never ran: wrong python, missing ddptrain, ...
                 detail = self.exit_detail()
                 on_event(AgentFailed(AGENT_RANK, f"{self.connection.where} the agent did not start ({detail})"))
@@ -133,6 +155,24 @@ class AgentSession:
         self._spawn(read_frames, "frames")
         if self._heartbeat_s is not None:
             self._spawn(self._heartbeat, "heartbeat")
+        if bootstrap.heartbeat_s is not None:
+            timeout_s = bootstrap.heartbeat_s
+            self._spawn(lambda: self._watch(timeout_s, on_event), "watch")
+
+    def _watch(self, timeout_s: float, on_event: Callable[[AgentEvent], None]) -> None:
+        """Declare the agent lost once nothing came from it for ``timeout_s`` while its workers
+        run; then drop the connection, which ends every wait on it (a copy of checkpoint files
+        included). Its own heartbeat check stops the agent's workers on the host."""
+        while not self._stop.wait(ALIVE_S / 2):
+            heard = self._heard_at
+            if heard is None or self._busy:
+                continue
+            silent_s = time.monotonic() - heard
+            if silent_s > timeout_s:
+                self.lost = AgentLost(AGENT_RANK, silent_s, timeout_s)
+                on_event(self.lost)
+                self.connection.abort()
+                return
 
     def _heartbeat(self) -> None:
         assert self._heartbeat_s is not None

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import cloudpickle
 
 from ddptrain import _env, protocol, storage
-from ddptrain.errors import WorkerFailure
+from ddptrain.errors import LaunchError, WorkerFailure
 from ddptrain.watch import Watch
 from ddptrain.worker import begin_run
 from ddptrain.worker_group import GroupFailed, WorkerGroup
@@ -188,13 +188,17 @@ class Attempt:
 
     def _fetch_if_remote(self, rank: int, index: int, staged: str) -> str:
         """The staged folder of ``rank`` on this machine: copied back over SSH if its host
-        cannot see the run directory."""
+        cannot see the run directory. A copy that fails (the host stopped answering, say) is
+        a failure of ``rank``: the group fails, and ``FailureConfig`` decides what follows."""
         launcher = self.group.launcher
         if launcher is None or rank not in launcher.unshared_ranks or self.run.remote is not None:
             return staged  # seen here, or (on remote storage) uploaded there
         local = str(storage.RunLayout(self.run.run_dir).fetched(self.index, index, rank))
-        with storage.naming_full_disk(local):
-            launcher.fetch_dir(rank, staged, local)
+        try:
+            with storage.naming_full_disk(local):
+                launcher.fetch_dir(rank, staged, local)
+        except LaunchError as exc:
+            raise self.group.fail([self.group.failure(rank, None, exc)]) from None
         return local
 
     def _check_rounds(self) -> None:

@@ -16,6 +16,7 @@ __all__ = [
     "ConfigError",
     "ConfigTypeError",
     "LaunchError",
+    "HostLostError",
     "TrainingFailedError",
     "ControllerError",
     "DiskFullError",
@@ -56,6 +57,33 @@ class LaunchError(DdpTrainError, RuntimeError):
 
 def _launch_error(args: tuple[object, ...], hosts: list[str]) -> LaunchError:
     return LaunchError(*args, hosts=hosts)
+
+
+class HostLostError(LaunchError):
+    """An SSH host stopped answering mid-run: nothing came from it (not even its agent's
+    heartbeat) for longer than ``DDPTRAIN_SSH_HEARTBEAT_TIMEOUT_S``. Its network or the machine
+    went away; its agent stops its workers once it misses the driver's heartbeat in turn.
+
+    Attributes:
+        host: The host's name in the host list.
+        silent_s: Seconds nothing came from it when it was declared lost.
+        timeout_s: The heartbeat timeout it was allowed.
+    """
+
+    def __init__(self, host: str, silent_s: float, timeout_s: float, ranks: list[int] | None = None) -> None:
+        on_it = f"; rank(s) {ranks} ran there" if ranks else ""
+        super().__init__(
+            f"host {host!r} stopped answering: nothing came from it for {silent_s:.1f} s "
+            f"(DDPTRAIN_SSH_HEARTBEAT_TIMEOUT_S={timeout_s:g}){on_it}. Its network or the machine went away.",
+            hosts=[host],
+        )
+        self.host = host
+        self.silent_s = silent_s
+        self.timeout_s = timeout_s
+        self.ranks = list(ranks or [])
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (HostLostError, (self.host, self.silent_s, self.timeout_s, self.ranks))
 
 
 class TrainingFailedError(DdpTrainError, RuntimeError):

@@ -21,6 +21,7 @@ from ddptrain import protocol
 from ddptrain._logs import LogSink
 from ddptrain.channel import LostMessageError
 from ddptrain.errors import (
+    HostLostError,
     LaunchError,
     WorkerDiedError,
     WorkerError,
@@ -180,6 +181,11 @@ class GroupEvents:
             error = LaunchError(f"The ddptrain agent could not start the workers:\n{event.text}")
             return self.failure(agent_ranks[0], None, error, event.text)
         missing = sorted(set(agent_ranks) - self.exited)
+        if isinstance(event, protocol.AgentLost):
+            if not missing or self.exit_expected:
+                return None
+            lost = HostLostError(self.plan.host_of(missing[0]), event.silent_s, event.timeout_s, missing)
+            return self.failure(missing[0], None, lost)
         if missing and not self.exit_expected:
             code = event.exitcode
             how = "connection lost" if code is None else describe_exitcode(code)

@@ -117,6 +117,12 @@ class LocalConnection:
         except subprocess.TimeoutExpired:
             return None
 
+    def abort(self) -> None:
+        try:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
     def close(self, grace_s: float) -> None:
         proc = self._proc
         try:

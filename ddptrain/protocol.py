@@ -7,9 +7,11 @@ Two transports carry them:
   read by :func:`read_frame`. Driver to agent: one :class:`Bootstrap` (kind
   ``Kind.BOOTSTRAP``), then one-byte requests (:class:`Request`). Agent to driver: worker output
   (``Kind.STDOUT``/``Kind.STDERR``, raw bytes), :class:`WorkerStarted`, :class:`WorkerExited`,
-  :class:`WorkerStates` (pickled), and :class:`AgentFailed` (plain text, so that even an agent
-  of another version can say why it stopped). :func:`decode_agent_event` turns a frame into an
-  event; the driver adds :class:`AgentGone` when the pipe ends.
+  :class:`WorkerStates` (pickled), :class:`AgentFailed` (plain text, so that even an agent
+  of another version can say why it stopped), and ``Kind.ALIVE`` (empty: an agent on an SSH
+  host says it is still there). :func:`decode_agent_event` turns a frame into an event; the
+  driver adds :class:`AgentLost` when an SSH host stops answering and :class:`AgentGone` when
+  the pipe ends.
 - **The driver's store**, once a worker has joined it. Messages are pickled, signed with the
   run's secret and numbered per sender (``ddptrain.channel``); nothing is unpickled before its
   signature checks out. Workers send with plain ``pickle`` (data only); the driver's commands
@@ -34,11 +36,13 @@ from typing import IO, Any
 
 __all__ = [
     "AGENT_RANK",
+    "ALIVE_S",
     "FRAME",
     "Ack",
     "AgentEvent",
     "AgentFailed",
     "AgentGone",
+    "AgentLost",
     "Bootstrap",
     "Kind",
     "Request",
@@ -71,7 +75,7 @@ __all__ = [
     "VERSION",
 ]
 
-VERSION = 4
+VERSION = 5
 
 
 # ----------------------------------------------------------------- worker -> driver
@@ -227,6 +231,11 @@ class Kind:
     EXITED = b"X"  # :class:`WorkerExited`
     STATES = b"P"  # :class:`WorkerStates`
     FAILED = b"F"  # :class:`AgentFailed`, as UTF-8 text
+    ALIVE = b"A"  # no payload: the agent is still there (SSH hosts, at least every `ALIVE_S`)
+
+
+# How often the driver and an agent on an SSH host tell each other they are alive.
+ALIVE_S = 0.5
 
 
 class Request:
@@ -389,7 +398,17 @@ class AgentGone:
     exitcode: int | None
 
 
-AgentEvent = WorkerStarted | WorkerExited | WorkerStates | AgentFailed | AgentGone
+@dataclass(frozen=True)
+class AgentLost:
+    """Nothing came from an agent on an SSH host for ``silent_s`` seconds, more than the
+    ``timeout_s`` it was allowed (added by the driver): its host or network went away."""
+
+    rank: int
+    silent_s: float
+    timeout_s: float
+
+
+AgentEvent = WorkerStarted | WorkerExited | WorkerStates | AgentFailed | AgentLost | AgentGone
 _EVENT_KINDS: dict[type, bytes] = {WorkerStarted: Kind.STARTED, WorkerExited: Kind.EXITED, WorkerStates: Kind.STATES}
 
 

@@ -6,7 +6,9 @@ environment over stdin (never on the command line, which every user of the host 
 the bootstrap (function and secret); it reads framed output and exit events from stdout, and
 sends a heartbeat byte every half second: the agent kills its whole process tree when stdin
 closes (the connection dropped, the driver died) or when heartbeats stop (a host or network that
-vanished without closing the connection).
+vanished without closing the connection). The agent says it is alive as often; a host from which
+nothing came for ``DDPTRAIN_SSH_HEARTBEAT_TIMEOUT_S`` is declared lost and its connection dropped
+(``AgentSession``), so nothing waits on it any longer.
 """
 
 from __future__ import annotations
@@ -27,15 +29,14 @@ from ddptrain._agent_start import agent_command
 from ddptrain._host_scripts import PID_LINE, PRESTART, STAGING_PREFIX, STORAGE_PREP, env_frame, one_line
 from ddptrain._logs import LogSink
 from ddptrain.agent_session import AgentSession
-from ddptrain.errors import ConfigError, LaunchError
+from ddptrain.errors import ConfigError, HostLostError, LaunchError, is_disk_full
 from ddptrain.hosts import HostSpec, gpus_needed, is_local, slots_for_gpus
-from ddptrain.protocol import AgentEvent, Bootstrap
+from ddptrain.protocol import ALIVE_S, AgentEvent, Bootstrap
 from ddptrain.storage import RunLayout
 
 __all__ = ["SSHLauncher", "connect", "remote_command", "run_program"]
 
 _logger = logging.getLogger(__name__)
-_HEARTBEAT_S = 0.5
 
 
 def remote_command(python: str, workdir: str | None, program: list[str] | None = None) -> str:
@@ -264,6 +265,12 @@ class SSHConnection:
             _logger.warning("ddptrain: the agent %s did not stop in %.0f s", self.where, deadline_s)
         self._channel.close()
 
+    def abort(self) -> None:
+        # The whole SSH connection: a copy of checkpoint files on it must end too.
+        transport = self._channel.get_transport()
+        if transport is not None:
+            transport.close()
+
 
 class SSHLauncher:
     """Runs one host's workers under an agent started over SSH.
@@ -289,7 +296,7 @@ class SSHLauncher:
             raise LaunchError(f"host {host.name!r}: cannot start the ddptrain agent: {exc}.") from None
         self.local_address = self._connection.local_address
         # Over SSH the agent also stops when the heartbeat stops (a host or network that vanished).
-        self._session = AgentSession(self._connection, _HEARTBEAT_S, f"ddptrain agent {host.name}")
+        self._session = AgentSession(self._connection, ALIVE_S, f"ddptrain agent {host.name}")
 
     @property
     def agent_pid(self) -> int | None:
@@ -307,6 +314,9 @@ class SSHLauncher:
             try:
                 self._sftp_client = self._client.open_sftp()
             except paramiko.SSHException as exc:
+                transport = self._client.get_transport()
+                if self._session.lost is not None or transport is None or not transport.is_active():
+                    raise self._failed("opening SFTP", exc) from exc  # the connection failed, not SFTP
                 raise LaunchError(
                     f"host {self.host.name!r} cannot see the run directory, so checkpoints are copied over "
                     f"SFTP, but its SSH server refused SFTP ({exc}). Enable the sftp subsystem there, or put "
@@ -321,7 +331,8 @@ class SSHLauncher:
         (their driver was killed before it could remove them).
 
         Raises:
-            LaunchError: The staging folder exists but is not a private folder of this user.
+            LaunchError: The staging folder exists but is not a private folder of this user, or
+                the host could not be asked (the error names it).
         """
         if not self._connection.pid_known.wait(_env.worker_start_timeout_s()):
             raise LaunchError(f"the ddptrain agent on host {self.host.name!r} did not start in time")
@@ -331,8 +342,11 @@ class SSHLauncher:
         owner = f"driver {socket.gethostname()} pid {os.getpid()}"
         args = [str(RunLayout(run_dir).run_json), run_id, cache, str(self.agent_pid), owner]
         command = shlex.join([self.python, "-I", "-S", "-c", one_line(STORAGE_PREP), *args])
-        _, stdout, stderr = self._client.exec_command(command, timeout=60)
-        out, err = stdout.read().decode(errors="replace"), stderr.read().decode(errors="replace")
+        try:
+            _, stdout, stderr = self._client.exec_command(command, timeout=60)
+            out, err = stdout.read().decode(errors="replace"), stderr.read().decode(errors="replace")
+        except Exception as exc:  # paramiko's, OSError (a timeout), EOFError: the connection failed
+            raise self._failed("checking whether it sees the run directory", exc) from exc
         try:
             answer = json.loads(out)
         except ValueError:
@@ -344,13 +358,33 @@ class SSHLauncher:
         self.cache_dir = cache  # removed from the host when the launcher shuts down
         return cache
 
+    def _failed(self, doing: str, exc: BaseException) -> LaunchError:
+        """The error of an SSH operation on this host that failed: it names the host, and says
+        so when the host stopped answering (the connection was dropped for that)."""
+        lost = self._session.lost
+        if lost is not None:
+            return HostLostError(self.host.name, lost.silent_s, lost.timeout_s)
+        return LaunchError(f"host {self.host.name!r}: {doing} failed: {exc!r}", hosts=[self.host.name])
+
     def fetch_dir(self, rank: int, remote: str, local: str) -> None:
         """Copy a folder from the host to this machine (recursively), then delete it there.
 
         Raises:
             LaunchError: The host listed a name that is not a plain file name (``..``, an absolute
-                path, a ``/``): a compromised host must not write outside ``local``.
+                path, a ``/``): a compromised host must not write outside ``local``. Or the copy
+                failed: the error names the host (:class:`HostLostError` if it stopped answering).
         """
+        try:
+            self._fetch(remote, local)
+            self._client.exec_command(f"rm -rf -- {shlex.quote(remote)}")[1].channel.recv_exit_status()
+        except LaunchError:
+            raise
+        except Exception as exc:  # paramiko's, OSError, EOFError: mostly, the connection failed
+            if is_disk_full(exc):
+                raise  # this machine's disk: the caller names the file
+            raise self._failed(f"copying {remote} back to this machine", exc) from exc
+
+    def _fetch(self, remote: str, local: str) -> None:
         sftp = self._sftp()
         os.makedirs(local, exist_ok=True)
         for entry in sftp.listdir_attr(remote):
@@ -362,19 +396,30 @@ class SSHLauncher:
                 )
             source = f"{remote}/{entry.filename}"
             if stat.S_ISDIR(entry.st_mode or 0):
-                self.fetch_dir(rank, source, target)
+                self._fetch(source, target)
             else:
                 sftp.get(source, target)
-        self._client.exec_command(f"rm -rf -- {shlex.quote(remote)}")[1].channel.recv_exit_status()
 
     def push_dir(self, local: str, remote: str) -> None:
-        """Copy a folder from this machine to the host (recursively)."""
+        """Copy a folder from this machine to the host (recursively).
+
+        Raises:
+            LaunchError: The copy failed (it names the host).
+        """
+        try:
+            self._push(local, remote)
+        except LaunchError:
+            raise
+        except Exception as exc:
+            raise self._failed(f"copying {local} to it", exc) from exc
+
+    def _push(self, local: str, remote: str) -> None:
         sftp = self._sftp()
         self._client.exec_command(f"mkdir -p -- {shlex.quote(remote)}")[1].channel.recv_exit_status()
         for name in os.listdir(local):
             source, target = os.path.join(local, name), f"{remote}/{name}"
             if os.path.isdir(source):
-                self.push_dir(source, target)
+                self._push(source, target)
             else:
                 sftp.put(source, target)
 
@@ -389,7 +434,13 @@ class SSHLauncher:
         if self._client is None:
             return
         self._session.shutdown(grace_s)
-        if self.cache_dir is not None:  # staged and pushed checkpoint copies on this host
+        if self.cache_dir is not None and self._session.lost is not None:
+            _logger.info(
+                "ddptrain: %s stays on %s, which stopped answering (the next run there removes it)",
+                self.cache_dir,
+                self.host.name,
+            )
+        elif self.cache_dir is not None:  # staged and pushed checkpoint copies on this host
             try:
                 self._client.exec_command(f"rm -rf -- {shlex.quote(self.cache_dir)}")[1].channel.recv_exit_status()
             except Exception as exc:

@@ -3,12 +3,13 @@ leaves a process of ours behind (found by a tag in the environment every child i
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -186,10 +187,8 @@ def isolated(ssh, tmp_path: Path):
     ssh.remove_host(host)
 
 
-@pytest.fixture
-def netns(ssh, monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
-    """Two hosts n0, n1 with their own network stacks and host names (network namespaces),
-    reached over a bridge; fails the test if anything started through them is left running."""
+@contextlib.contextmanager
+def _netns_hosts(ssh, monkeypatch: pytest.MonkeyPatch, **options: object) -> Iterator[object]:
     from sshd import NetnsHosts, why_no_netns
 
     reason = why_no_netns()
@@ -197,7 +196,7 @@ def netns(ssh, monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
         if os.environ.get("DDPTRAIN_REQUIRE_SSHD") == "1":
             pytest.fail(f"DDPTRAIN_REQUIRE_SSHD=1 but {reason}")
         pytest.skip(reason)
-    hosts = NetnsHosts(ssh, count=2)
+    hosts = NetnsHosts(ssh, **options)
     # Their host names do not resolve: ddptrain must find each host's interface by itself.
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
@@ -211,3 +210,19 @@ def netns(ssh, monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
             pytest.fail(f"processes started on the namespace hosts were left behind: {left}")
     finally:
         hosts.close()
+
+
+@pytest.fixture
+def netns(ssh, monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
+    """Two hosts n0, n1 with their own network stacks and host names (network namespaces),
+    reached over a bridge; fails the test if anything started through them is left running."""
+    with _netns_hosts(ssh, monkeypatch) as hosts:
+        yield hosts
+
+
+@pytest.fixture
+def make_netns(ssh, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., object]]:
+    """``make_netns(**options)``: hosts as ``netns`` gives, made with ``sshd.NetnsHosts``'s
+    options (a folder a host does not see, its SFTP server command...)."""
+    with contextlib.ExitStack() as stack:
+        yield lambda **options: stack.enter_context(_netns_hosts(ssh, monkeypatch, **options))

@@ -262,8 +262,18 @@ class NetnsHosts:
     vanish with their processes; the bridge is deleted on close (and a leftover of a crashed
     run is swept when its subnet is claimed again)."""
 
-    def __init__(self, servers: SSHServers, count: int = 2) -> None:
+    def __init__(
+        self,
+        servers: SSHServers,
+        count: int = 2,
+        hidden: dict[int, Path] | None = None,
+        sftp: dict[int, str] | None = None,
+    ) -> None:
+        """``hidden``: host index -> a folder that host does not see (an empty tmpfs over it, as
+        in ``SSHServers.add_isolated_host``); ``sftp``: host index -> its SFTP server command."""
         self.servers = servers
+        self._hidden = hidden or {}
+        self._sftp = sftp or {}
         self.hosts: list[SSHHost] = []
         links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
         for subnet in range(10, 250):
@@ -309,21 +319,24 @@ class NetnsHosts:
         if not (folder / "host_key").exists():
             _keygen(folder / "host_key")
         config = folder / "sshd_config"
+        sftp = self._sftp.get(index, "internal-sftp")
         config.write_text(
-            _CONFIG.format(
-                addr="0.0.0.0", port=22, dir=folder, authorized=self.servers.authorized, sftp="internal-sftp", extra=""
-            )
+            _CONFIG.format(addr="0.0.0.0", port=22, dir=folder, authorized=self.servers.authorized, sftp=sftp, extra="")
         )
         log = folder / "sshd.log"
         log.write_text("")
+        hidden = self._hidden.get(index)
+        isolate = ["--mount", "--propagation", "private"] if hidden else []
+        hide = f'mount -t tmpfs tmpfs "{hidden}" && ' if hidden else ""
         proc = subprocess.Popen(
             [
                 "unshare",
                 "--net",
                 "--uts",
+                *isolate,
                 "sh",
                 "-c",
-                f'hostname {name} && ip link set lo up && exec "$0" "$@"',
+                f'{hide}hostname {name} && ip link set lo up && exec "$0" "$@"',
                 SSHD,
                 "-D",
                 "-E",
@@ -358,6 +371,11 @@ class NetnsHosts:
     def processes(self) -> list[int]:
         """Live processes started through these hosts' sshd (their SSH_CONNECTION names it)."""
         return processes_served_by(self.hosts)
+
+    def set_link(self, index: int, up: bool) -> None:
+        """Bring host ``index``'s network link (its ``eth0``) up or down, as a cable pulled."""
+        inside = ["nsenter", "-t", str(self.hosts[index].proc.pid), "-n"]
+        subprocess.run([*inside, "ip", "link", "set", "eth0", "up" if up else "down"], check=True)
 
     def close(self) -> None:
         stop_hosts(self.hosts)

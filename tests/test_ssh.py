@@ -236,6 +236,67 @@ def test_a_cut_connection_fails_the_run_and_leaves_nothing(ssh, storage: str) ->
     assert "rank(s) [1] on h1 died (connection lost)" in str(info.value)
 
 
+def reports_a_checkpoint_then_waits() -> None:
+    import tempfile
+    import time
+
+    with tempfile.TemporaryDirectory() as folder:
+        Path(folder, "weights.txt").write_text("w")
+        train.report({"step": 1}, checkpoint=train.Checkpoint.from_directory(folder))
+    time.sleep(600)
+
+
+@pytest.mark.timeout(120)
+def test_a_host_whose_network_goes_away_is_named_and_restarting_fails_fast(
+    make_netns, tmp_path: Path, monkeypatch
+) -> None:
+    """Issue 23. n1 does not see the run directory, so the driver copies its checkpoint back
+    over SFTP; its link goes down as that copy starts (its SFTP server pulls the cable). The
+    driver must declare n1 lost within the heartbeat timeout (not wait on the copy for good),
+    fail the attempt naming it, let FailureConfig restart, and fail the restart fast because
+    n1 is still unreachable. Once the link is back, nothing of the run is left on n1."""
+    import shutil
+    import threading
+    import time
+
+    sftp_server = next(p for p in ("/usr/lib/openssh/sftp-server", "/usr/libexec/sftp-server") if os.path.exists(p))
+    storage, cut = tmp_path / "runs", tmp_path / "cut"
+    storage.mkdir()
+    pull_cable = f"touch {cut}; {shutil.which('ip')} link set eth0 down; exec {sftp_server}"
+    hosts = make_netns(hidden={1: storage}, sftp={1: pull_cable})
+    monkeypatch.setenv("DDPTRAIN_SSH_HEARTBEAT_TIMEOUT_S", "2")
+    monkeypatch.setenv("DDPTRAIN_SSH_CONNECT_TIMEOUT_S", "2")
+    ended = threading.Event()
+
+    def restore_if_stuck() -> None:  # without the fix the copy waits until the link is back
+        if not ended.wait(60):
+            hosts.set_link(1, True)
+
+    threading.Thread(target=restore_if_stuck, daemon=True).start()
+    try:
+        with pytest.raises(train.TrainingFailedError) as caught:
+            train.DataParallelTrainer(
+                reports_a_checkpoint_then_waits,
+                scaling_config=train.ScalingConfig(num_workers=2, hosts=["n0 slots=1", "n1 slots=1"]),
+                run_config=train.RunConfig(
+                    name="cut", storage_path=str(storage), failure_config=train.FailureConfig(max_failures=1)
+                ),
+            ).fit()
+        took = time.time() - cut.stat().st_mtime
+    finally:
+        ended.set()
+    message = str(caught.value)
+    assert re.search(r"host 'n1' stopped answering: nothing came from it for \d+\.\d s", message), message
+    # FailureConfig allowed a restart; it failed at once, as n1 is still unreachable.
+    assert "The next attempt could not start: host 'n1'" in message, message
+    assert took < 30, f"fit() ended {took:.0f} s after the link went down"
+    hosts.set_link(1, True)
+    deadline = time.monotonic() + 15
+    while hosts.processes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert hosts.processes() == []  # the agent stopped its workers, and the sessions are gone
+
+
 @pytest.mark.timeout(120)
 def test_remote_workers_stop_when_heartbeats_stop(ssh, storage: str, tmp_path: Path, monkeypatch) -> None:
     import signal
