@@ -297,6 +297,55 @@ def test_a_host_whose_network_goes_away_is_named_and_restarting_fails_fast(
     assert hosts.processes() == []  # the agent stopped its workers, and the sessions are gone
 
 
+def pulls_its_cable_then_floods_its_output() -> None:
+    import shutil
+    import subprocess
+    import time
+
+    if train.get_context().get_node_rank() == 1:
+        subprocess.run([shutil.which("ip") or "ip", "link", "set", "eth0", "down"], check=True)
+        line = "x" * 1023
+        for _ in range(8 * 1024):  # 8 MiB: more than the SSH window, so its agent's pipe fills up
+            print(line)
+    time.sleep(600)
+
+
+@pytest.mark.timeout(120)
+def test_a_host_cut_off_mid_run_is_named_and_leaves_nothing(netns, storage: str, monkeypatch) -> None:
+    """n1's link goes down mid-run while its worker prints a flood (nothing can reach the driver
+    and the pipe to sshd fills up): the driver names n1 within the heartbeat timeout, and n1's
+    agent stops its workers even though its own writes are stuck."""
+    import threading
+    import time
+
+    monkeypatch.setenv("DDPTRAIN_SSH_HEARTBEAT_TIMEOUT_S", "2")
+    ended = threading.Event()
+
+    def restore_if_stuck() -> None:
+        if not ended.wait(60):
+            netns.set_link(1, True)
+
+    threading.Thread(target=restore_if_stuck, daemon=True).start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(train.TrainingFailedError) as caught:
+            train.DataParallelTrainer(
+                pulls_its_cable_then_floods_its_output,
+                scaling_config=train.ScalingConfig(num_workers=2, hosts=["n0 slots=1", "n1 slots=1"]),
+                run_config=train.RunConfig(name="flood", storage_path=storage),
+            ).fit()
+        took = time.monotonic() - started
+        assert re.search(r"host 'n1' stopped answering: .*; rank\(s\) \[1\] ran there", str(caught.value))
+        assert took < 30, f"fit() took {took:.0f} s"
+        deadline = time.monotonic() + 10  # the agent's heartbeat check, then SIGTERM and its grace
+        while netns.processes() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert netns.processes() == [], "n1's agent and worker outlived the heartbeat timeout"
+    finally:
+        ended.set()
+        netns.set_link(1, True)
+
+
 @pytest.mark.timeout(120)
 def test_remote_workers_stop_when_heartbeats_stop(ssh, storage: str, tmp_path: Path, monkeypatch) -> None:
     import signal
