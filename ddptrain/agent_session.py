@@ -4,9 +4,10 @@ A :class:`HostConnection` is a byte pipe to an agent process: its stdin, stdout 
 its exit status, and how to stop it. Today there are two: a local subprocess
 (``launcher.LocalConnection``) and an SSH channel (``ssh.SSHConnection``); a new kind of host
 (``srun``, ``kubectl exec``) is one more small class. :class:`AgentSession` does the rest once
-for all of them: the bootstrap frame, reading framed worker output and agent events (all in
-``ddptrain.protocol``), the agent's stderr (prefixed, and its tail kept for errors),
-heartbeats, requests, and the events that say the agent stopped answering or is gone.
+for all of them: the bootstrap frame, reading framed worker output and agent events
+(``ddptrain.protocol``, ``ddptrain.agent_events``), the agent's stderr (prefixed, and its tail
+kept for errors), heartbeats, requests, and the events that say the agent stopped answering or
+is gone.
 """
 
 from __future__ import annotations
@@ -19,21 +20,9 @@ from typing import IO, Protocol
 
 from ddptrain._agent_start import versions
 from ddptrain._logs import LogSink
+from ddptrain.agent_events import AgentEvent, AgentFailed, AgentGone, AgentLost, decode_agent_event
 from ddptrain.errors import LaunchError
-from ddptrain.protocol import (
-    AGENT_RANK,
-    ALIVE_S,
-    AgentEvent,
-    AgentFailed,
-    AgentGone,
-    AgentLost,
-    Bootstrap,
-    Kind,
-    Request,
-    decode_agent_event,
-    encode_bootstrap,
-    read_frame,
-)
+from ddptrain.protocol import AGENT_RANK, ALIVE_S, Bootstrap, Kind, Request, encode_bootstrap, read_frame
 
 __all__ = ["AgentEvent", "AgentSession", "HostConnection"]
 

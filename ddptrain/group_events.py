@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ddptrain import protocol
+from ddptrain import agent_events, protocol
 from ddptrain._logs import LogSink
 from ddptrain.channel import LostMessageError
 from ddptrain.errors import (
@@ -165,23 +165,23 @@ class GroupEvents:
             _logger.warning("ddptrain: a worker sent %r outside a training run; ignored", message)
         return None
 
-    def _handle_agent(self, event: protocol.AgentEvent) -> WorkerFailure | None:
-        if isinstance(event, protocol.WorkerStates):
+    def _handle_agent(self, event: agent_events.AgentEvent) -> WorkerFailure | None:
+        if isinstance(event, agent_events.WorkerStates):
             if self.watch is not None:
                 self.watch.on_states(event.states)
             return None
-        if isinstance(event, protocol.WorkerStarted):
+        if isinstance(event, agent_events.WorkerStarted):
             self.hosts.setdefault(event.rank, (event.pid, event.host))
             return None
-        if isinstance(event, protocol.WorkerExited):
+        if isinstance(event, agent_events.WorkerExited):
             return self._worker_exited(event)
         # Agent events name the agent by its first rank (AGENT_RANK: the only agent).
         agent_ranks = self.plan.ranks_of_agent(None if event.rank == protocol.AGENT_RANK else event.rank)
-        if isinstance(event, protocol.AgentFailed):
+        if isinstance(event, agent_events.AgentFailed):
             error = LaunchError(f"The ddptrain agent could not start the workers:\n{event.text}")
             return self.failure(agent_ranks[0], None, error, event.text)
         missing = sorted(set(agent_ranks) - self.exited)
-        if isinstance(event, protocol.AgentLost):
+        if isinstance(event, agent_events.AgentLost):
             if not missing or self.exit_expected:
                 return None
             lost = HostLostError(self.plan.host_of(missing[0]), event.silent_s, event.timeout_s, missing)
@@ -197,7 +197,7 @@ class GroupEvents:
             return self.failure(missing[0], None, error)
         return None
 
-    def _worker_exited(self, event: protocol.WorkerExited) -> WorkerFailure | None:
+    def _worker_exited(self, event: agent_events.WorkerExited) -> WorkerFailure | None:
         rank, exitcode = event.rank, event.exitcode
         self.exited.add(rank)
         if event.status:  # it wrote a failure record

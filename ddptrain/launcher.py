@@ -21,8 +21,9 @@ from typing import IO, Protocol
 
 from ddptrain._agent_start import agent_command, import_roots
 from ddptrain._logs import LogSink
+from ddptrain.agent_events import AgentEvent
 from ddptrain.agent_session import AgentSession
-from ddptrain.protocol import AGENT_RANK, AgentEvent, Bootstrap
+from ddptrain.protocol import AGENT_RANK, Bootstrap
 
 __all__ = ["GroupLauncher", "HostLauncher", "Launcher", "LocalLauncher", "AgentEvent"]
 

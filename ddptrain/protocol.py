@@ -6,12 +6,8 @@ Two transports carry them:
   ``FRAME`` (kind byte, rank, length) then the payload, written by :func:`encode_frame` and
   read by :func:`read_frame`. Driver to agent: one :class:`Bootstrap` (kind
   ``Kind.BOOTSTRAP``), then one-byte requests (:class:`Request`). Agent to driver: worker output
-  (``Kind.STDOUT``/``Kind.STDERR``, raw bytes), :class:`WorkerStarted`, :class:`WorkerExited`,
-  :class:`WorkerStates` (pickled), :class:`AgentFailed` (plain text, so that even an agent
-  of another version can say why it stopped), and ``Kind.ALIVE`` (empty: an agent on an SSH
-  host says it is still there). :func:`decode_agent_event` turns a frame into an event; the
-  driver adds :class:`AgentLost` when an SSH host stops answering and :class:`AgentGone` when
-  the pipe ends.
+  (``Kind.STDOUT``/``Kind.STDERR``, raw bytes), ``Kind.ALIVE`` (empty: an agent on an SSH host
+  is still there), and the events of ``ddptrain.agent_events``.
 - **The driver's store**, once a worker has joined it. Messages are pickled, signed with the
   run's secret and numbered per sender (``ddptrain.channel``); nothing is unpickled before its
   signature checks out. Workers send with plain ``pickle`` (data only); the driver's commands
@@ -39,23 +35,14 @@ __all__ = [
     "ALIVE_S",
     "FRAME",
     "Ack",
-    "AgentEvent",
-    "AgentFailed",
-    "AgentGone",
-    "AgentLost",
     "Bootstrap",
     "Kind",
     "Request",
     "RunInfo",
     "StoreAddress",
-    "WorkerExited",
     "WorkerSpec",
-    "WorkerStarted",
-    "WorkerStates",
-    "decode_agent_event",
     "decode_bootstrap",
     "encode_bootstrap",
-    "encode_event",
     "encode_frame",
     "read_frame",
     "Beat",
@@ -351,79 +338,3 @@ def decode_bootstrap(payload: bytes, check_versions: Callable[[dict[str, str]], 
     if not isinstance(bootstrap, Bootstrap):
         raise TypeError(f"expected a Bootstrap, got {type(bootstrap).__name__}")
     return bootstrap
-
-
-# ----------------------------------------------------------------- agent -> driver
-@dataclass(frozen=True)
-class WorkerStarted:
-    rank: int
-    pid: int
-    host: str
-
-
-@dataclass(frozen=True)
-class WorkerExited:
-    """A worker's exit: its code, and the :class:`FailureRecord` it wrote, pickled (empty if none)."""
-
-    rank: int
-    exitcode: int
-    status: bytes
-    memory: dict[str, Any] | None = None  # its host's memory evidence, for a worker killed by SIGKILL
-
-
-@dataclass(frozen=True)
-class WorkerStates:
-    """The kernel's view of each live worker (``{rank: {"pid", "state", "wchan"}}``)."""
-
-    rank: int  # the agent's (see :class:`AgentFailed`)
-    states: dict[int, dict[str, Any]]
-
-
-@dataclass(frozen=True)
-class AgentFailed:
-    """The agent could not start or run its workers (``text``: a traceback or a reason).
-
-    ``rank`` names the agent: ``AGENT_RANK`` as sent, its first worker's rank once a driver
-    of several agents has tagged it."""
-
-    rank: int
-    text: str
-
-
-@dataclass(frozen=True)
-class AgentGone:
-    """The agent's pipe ended (added by the driver): ``exitcode`` ``None`` if unknown."""
-
-    rank: int
-    exitcode: int | None
-
-
-@dataclass(frozen=True)
-class AgentLost:
-    """Nothing came from an agent on an SSH host for ``silent_s`` seconds, more than the
-    ``timeout_s`` it was allowed (added by the driver): its host or network went away."""
-
-    rank: int
-    silent_s: float
-    timeout_s: float
-
-
-AgentEvent = WorkerStarted | WorkerExited | WorkerStates | AgentFailed | AgentLost | AgentGone
-_EVENT_KINDS: dict[type, bytes] = {WorkerStarted: Kind.STARTED, WorkerExited: Kind.EXITED, WorkerStates: Kind.STATES}
-
-
-def encode_event(event: WorkerStarted | WorkerExited | WorkerStates | AgentFailed) -> bytes:
-    """The frame an agent writes for ``event``."""
-    if isinstance(event, AgentFailed):
-        return encode_frame(Kind.FAILED, event.rank, event.text.encode("utf-8", errors="replace"))
-    return encode_frame(_EVENT_KINDS[type(event)], event.rank, pickle.dumps(event))
-
-
-def decode_agent_event(kind: bytes, rank: int, payload: bytes) -> AgentEvent:
-    """The event of a frame that is not worker output."""
-    if kind == Kind.FAILED:
-        return AgentFailed(rank, payload.decode("utf-8", errors="replace"))
-    if kind not in _EVENT_KINDS.values():
-        raise ValueError(f"unknown frame kind {kind!r} from the agent")
-    event: AgentEvent = pickle.loads(payload)
-    return event

@@ -14,25 +14,22 @@ nothing came for ``DDPTRAIN_SSH_HEARTBEAT_TIMEOUT_S`` is declared lost and its c
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import os
 import shlex
-import socket
-import stat
 import threading
 from collections.abc import Callable
 from typing import IO, Any
 
 from ddptrain import _env
 from ddptrain._agent_start import agent_command
-from ddptrain._host_scripts import PID_LINE, PRESTART, STAGING_PREFIX, STORAGE_PREP, env_frame, one_line
+from ddptrain._host_scripts import PID_LINE, PRESTART, env_frame, one_line
 from ddptrain._logs import LogSink
+from ddptrain.agent_events import AgentEvent
 from ddptrain.agent_session import AgentSession
-from ddptrain.errors import ConfigError, HostLostError, LaunchError, is_disk_full
+from ddptrain.errors import ConfigError, LaunchError
 from ddptrain.hosts import HostSpec, gpus_needed, is_local, slots_for_gpus
-from ddptrain.protocol import ALIVE_S, AgentEvent, Bootstrap
-from ddptrain.storage import RunLayout
+from ddptrain.protocol import ALIVE_S, Bootstrap
+from ddptrain.ssh_files import HostFiles
 
 __all__ = ["SSHLauncher", "connect", "remote_command", "run_program"]
 
@@ -195,13 +192,6 @@ def gpu_slots(hosts: list[HostSpec], gpus_per_worker: float) -> list[HostSpec]:
     return counted
 
 
-def _child_path(folder: str, name: str) -> str | None:
-    """``folder/name`` if ``name`` is a plain file name (no ``/``, not ``.`` or ``..``), else ``None``."""
-    if not name or name in (".", "..") or "/" in name or "\0" in name:
-        return None
-    return os.path.join(folder, name)
-
-
 class SSHConnection:
     """The pipe to an agent started over an SSH channel (no pty): its stdin, stdout and stderr
     are the channel's. The agent first prints its pid on a line of its own.
@@ -286,8 +276,6 @@ class SSHLauncher:
         self.host = host
         self.workdir = workdir
         self._client: Any = connect(host, _env.ssh_connect_timeout_s())
-        self._sftp_client: Any = None
-        self.cache_dir: str | None = None
         self.python = python
         try:
             self._connection = SSHConnection(self._client, host, remote_command(python, workdir), env)
@@ -297,6 +285,7 @@ class SSHLauncher:
         self.local_address = self._connection.local_address
         # Over SSH the agent also stops when the heartbeat stops (a host or network that vanished).
         self._session = AgentSession(self._connection, ALIVE_S, f"ddptrain agent {host.name}")
+        self._files = HostFiles(self._client, host.name, python, lambda: self._session.lost)
 
     @property
     def agent_pid(self) -> int | None:
@@ -307,121 +296,27 @@ class SSHLauncher:
         self._session.start(bootstrap, sink, on_event)
 
     # ----------------------------------------------------------------- files (no shared storage)
-    def _sftp(self) -> Any:
-        import paramiko
-
-        if self._sftp_client is None:
-            try:
-                self._sftp_client = self._client.open_sftp()
-            except paramiko.SSHException as exc:
-                transport = self._client.get_transport()
-                if self._session.lost is not None or transport is None or not transport.is_active():
-                    raise self._failed("opening SFTP", exc) from exc  # the connection failed, not SFTP
-                raise LaunchError(
-                    f"host {self.host.name!r} cannot see the run directory, so checkpoints are copied over "
-                    f"SFTP, but its SSH server refused SFTP ({exc}). Enable the sftp subsystem there, or put "
-                    "`storage_path` on a file system the hosts share."
-                ) from None
-        return self._sftp_client
-
     def prepare_storage(self, run_dir: str, run_id: str) -> str | None:
         """Check whether this host sees the run directory; if not, create its private staging
         folder (``/tmp/ddptrain-<run id>``, 0700, owned by this host's agent) and return its
-        path. Either way, remove the staging folders of runs whose agent is gone from this host
-        (their driver was killed before it could remove them).
+        path (see ``HostFiles.prepare``).
 
         Raises:
-            LaunchError: The staging folder exists but is not a private folder of this user, or
-                the host could not be asked (the error names it).
+            LaunchError: The agent did not start in time, or see ``HostFiles.prepare``.
         """
         if not self._connection.pid_known.wait(_env.worker_start_timeout_s()):
             raise LaunchError(f"the ddptrain agent on host {self.host.name!r} did not start in time")
         if self.agent_pid is None:
             return None  # the agent did not start: `start` reports why
-        cache = f"{STAGING_PREFIX}{run_id}"
-        owner = f"driver {socket.gethostname()} pid {os.getpid()}"
-        args = [str(RunLayout(run_dir).run_json), run_id, cache, str(self.agent_pid), owner]
-        command = shlex.join([self.python, "-I", "-S", "-c", one_line(STORAGE_PREP), *args])
-        try:
-            _, stdout, stderr = self._client.exec_command(command, timeout=60)
-            out, err = stdout.read().decode(errors="replace"), stderr.read().decode(errors="replace")
-        except Exception as exc:  # paramiko's, OSError (a timeout), EOFError: the connection failed
-            raise self._failed("checking whether it sees the run directory", exc) from exc
-        try:
-            answer = json.loads(out)
-        except ValueError:
-            raise LaunchError(f"host {self.host.name!r}: cannot prepare its storage: {err.strip() or out!r}") from None
-        if answer.get("error"):
-            raise LaunchError(f"host {self.host.name!r}: {answer['error']}")
-        if answer["shared"]:
-            return None
-        self.cache_dir = cache  # removed from the host when the launcher shuts down
-        return cache
-
-    def _failed(self, doing: str, exc: BaseException) -> LaunchError:
-        """The error of an SSH operation on this host that failed: it names the host, and says
-        so when the host stopped answering (the connection was dropped for that)."""
-        lost = self._session.lost
-        if lost is not None:
-            return HostLostError(self.host.name, lost.silent_s, lost.timeout_s)
-        return LaunchError(f"host {self.host.name!r}: {doing} failed: {exc!r}", hosts=[self.host.name])
+        return self._files.prepare(run_dir, run_id, self.agent_pid)
 
     def fetch_dir(self, rank: int, remote: str, local: str) -> None:
-        """Copy a folder from the host to this machine (recursively), then delete it there.
-
-        Raises:
-            LaunchError: The host listed a name that is not a plain file name (``..``, an absolute
-                path, a ``/``): a compromised host must not write outside ``local``. Or the copy
-                failed: the error names the host (:class:`HostLostError` if it stopped answering).
-        """
-        try:
-            self._fetch(remote, local)
-            self._client.exec_command(f"rm -rf -- {shlex.quote(remote)}")[1].channel.recv_exit_status()
-        except LaunchError:
-            raise
-        except Exception as exc:  # paramiko's, OSError, EOFError: mostly, the connection failed
-            if is_disk_full(exc):
-                raise  # this machine's disk: the caller names the file
-            raise self._failed(f"copying {remote} back to this machine", exc) from exc
-
-    def _fetch(self, remote: str, local: str) -> None:
-        sftp = self._sftp()
-        os.makedirs(local, exist_ok=True)
-        for entry in sftp.listdir_attr(remote):
-            target = _child_path(local, entry.filename)
-            if target is None:
-                raise LaunchError(
-                    f"host {self.host.name!r} listed {entry.filename!r} in {remote}, which is not a plain file "
-                    f"name; refusing to copy it to {local}."
-                )
-            source = f"{remote}/{entry.filename}"
-            if stat.S_ISDIR(entry.st_mode or 0):
-                self._fetch(source, target)
-            else:
-                sftp.get(source, target)
+        """Copy a folder from the host to this machine, then delete it there (``HostFiles.fetch_dir``)."""
+        self._files.fetch_dir(remote, local)
 
     def push_dir(self, local: str, remote: str) -> None:
-        """Copy a folder from this machine to the host (recursively).
-
-        Raises:
-            LaunchError: The copy failed (it names the host).
-        """
-        try:
-            self._push(local, remote)
-        except LaunchError:
-            raise
-        except Exception as exc:
-            raise self._failed(f"copying {local} to it", exc) from exc
-
-    def _push(self, local: str, remote: str) -> None:
-        sftp = self._sftp()
-        self._client.exec_command(f"mkdir -p -- {shlex.quote(remote)}")[1].channel.recv_exit_status()
-        for name in os.listdir(local):
-            source, target = os.path.join(local, name), f"{remote}/{name}"
-            if os.path.isdir(source):
-                self._push(source, target)
-            else:
-                sftp.put(source, target)
+        """Copy a folder from this machine to the host (``HostFiles.push_dir``)."""
+        self._files.push_dir(local, remote)
 
     def ask(self, command: bytes) -> None:
         """Send the agent a one-byte request (see ``Launcher.ask``)."""
@@ -434,18 +329,6 @@ class SSHLauncher:
         if self._client is None:
             return
         self._session.shutdown(grace_s)
-        if self.cache_dir is not None and self._session.lost is not None:
-            _logger.info(
-                "ddptrain: %s stays on %s, which stopped answering (the next run there removes it)",
-                self.cache_dir,
-                self.host.name,
-            )
-        elif self.cache_dir is not None:  # staged and pushed checkpoint copies on this host
-            try:
-                self._client.exec_command(f"rm -rf -- {shlex.quote(self.cache_dir)}")[1].channel.recv_exit_status()
-            except Exception as exc:
-                _logger.warning("ddptrain: could not remove %s on %s: %s", self.cache_dir, self.host.name, exc)
-        if self._sftp_client is not None:
-            self._sftp_client.close()
+        self._files.close()
         self._client.close()
         self._client = None

@@ -13,7 +13,7 @@ from pathlib import Path
 import cloudpickle
 import pytest
 
-from ddptrain import protocol
+from ddptrain import agent_events, protocol
 from ddptrain._agent_start import versions
 from ddptrain._logs import LogSink
 from ddptrain.agent_session import AgentSession
@@ -58,24 +58,24 @@ def test_a_version_mismatch_is_refused_before_the_bootstrap_is_unpickled() -> No
 @pytest.mark.parametrize(
     "event",
     [
-        protocol.WorkerStarted(3, 1234, "box"),
-        protocol.WorkerExited(1, -9, b"", {"maxrss": 1024}),
-        protocol.WorkerStates(protocol.AGENT_RANK, {0: {"pid": 5, "state": "S", "wchan": "futex"}}),
-        protocol.AgentFailed(protocol.AGENT_RANK, "Traceback: boom \N{SNOWMAN}"),
+        agent_events.WorkerStarted(3, 1234, "box"),
+        agent_events.WorkerExited(1, -9, b"", {"maxrss": 1024}),
+        agent_events.WorkerStates(protocol.AGENT_RANK, {0: {"pid": 5, "state": "S", "wchan": "futex"}}),
+        agent_events.AgentFailed(protocol.AGENT_RANK, "Traceback: boom \N{SNOWMAN}"),
     ],
 )
-def test_agent_events_round_trip(event: protocol.AgentEvent) -> None:
-    frame = protocol.read_frame(io.BytesIO(protocol.encode_event(event)))  # type: ignore[arg-type]
+def test_agent_events_round_trip(event: agent_events.AgentEvent) -> None:
+    frame = protocol.read_frame(io.BytesIO(agent_events.encode_event(event)))  # type: ignore[arg-type]
     assert frame is not None
-    assert protocol.decode_agent_event(*frame) == event
+    assert agent_events.decode_agent_event(*frame) == event
 
 
 def test_a_truncated_stream_reads_as_its_end() -> None:
-    data = protocol.encode_event(protocol.WorkerStarted(0, 1, "h"))
+    data = agent_events.encode_event(agent_events.WorkerStarted(0, 1, "h"))
     assert protocol.read_frame(io.BytesIO(data[:-1])) is None
     assert protocol.read_frame(io.BytesIO(data[:3])) is None
     with pytest.raises(ValueError, match="unknown frame kind"):
-        protocol.decode_agent_event(b"Z", 0, b"")
+        agent_events.decode_agent_event(b"Z", 0, b"")
 
 
 class ReplayConnection:
@@ -101,6 +101,9 @@ class ReplayConnection:
     def close(self, grace_s: float) -> None:
         pass
 
+    def abort(self) -> None:
+        pass
+
 
 def _replay(frames: bytes, exit_code: int | None, tmp_path: Path) -> tuple[GroupEvents, ReplayConnection]:
     """Feed ``frames`` through a real AgentSession into a real event pump of a 2-rank group."""
@@ -110,9 +113,9 @@ def _replay(frames: bytes, exit_code: int | None, tmp_path: Path) -> tuple[Group
     session = AgentSession(connection, heartbeat_s=None, label="replay")
     gone = threading.Event()
 
-    def on_event(event: protocol.AgentEvent) -> None:
+    def on_event(event: agent_events.AgentEvent) -> None:
         group.events.put(("agent", event))
-        if isinstance(event, protocol.AgentGone):
+        if isinstance(event, agent_events.AgentGone):
             gone.set()
 
     session.start(_bootstrap(), group.sink, on_event)
@@ -124,10 +127,10 @@ def test_a_worker_failure_record_becomes_the_users_exception(tmp_path: Path) -> 
     record = failure_record(ValueError("bad batch"))
     frames = b"".join(
         [
-            protocol.encode_event(protocol.WorkerStarted(0, 100, "replayhost")),
-            protocol.encode_event(protocol.WorkerStarted(1, 101, "replayhost")),
+            agent_events.encode_event(agent_events.WorkerStarted(0, 100, "replayhost")),
+            agent_events.encode_event(agent_events.WorkerStarted(1, 101, "replayhost")),
             protocol.encode_frame(protocol.Kind.STDOUT, 1, b"epoch 0\n"),
-            protocol.encode_event(protocol.WorkerExited(1, 1, cloudpickle.dumps(record))),
+            agent_events.encode_event(agent_events.WorkerExited(1, 1, cloudpickle.dumps(record))),
         ]
     )
     group, connection = _replay(frames, exit_code=None, tmp_path=tmp_path)
@@ -144,7 +147,7 @@ def test_a_worker_failure_record_becomes_the_users_exception(tmp_path: Path) -> 
 
 
 def test_an_agent_that_vanishes_names_its_ranks_and_the_lost_connection(tmp_path: Path) -> None:
-    frames = protocol.encode_event(protocol.WorkerStarted(0, 100, "replayhost"))
+    frames = agent_events.encode_event(agent_events.WorkerStarted(0, 100, "replayhost"))
     group, _ = _replay(frames, exit_code=None, tmp_path=tmp_path)
     with pytest.raises(GroupFailed, match=r"rank\(s\) \[0, 1\].*connection lost") as caught:
         group.pump_until(lambda: False, timeout_s=5.0)

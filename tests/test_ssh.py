@@ -709,7 +709,7 @@ def test_fetched_names_must_stay_inside_the_destination(ssh, tmp_path: Path) -> 
 
 
 def test_only_plain_names_are_fetched() -> None:
-    from ddptrain.ssh import _child_path
+    from ddptrain.ssh_files import _child_path
 
     assert _child_path("/dst", "rank_0.pt") == "/dst/rank_0.pt"
     assert _child_path("/dst", "..hidden") == "/dst/..hidden"
