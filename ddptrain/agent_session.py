@@ -12,6 +12,7 @@ is gone.
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 import time
@@ -25,6 +26,8 @@ from ddptrain.errors import LaunchError
 from ddptrain.protocol import AGENT_RANK, ALIVE_S, Bootstrap, Kind, Request, encode_bootstrap, read_frame
 
 __all__ = ["AgentEvent", "AgentSession", "HostConnection"]
+
+_logger = logging.getLogger(__name__)
 
 
 class HostConnection(Protocol):
@@ -158,6 +161,13 @@ class AgentSession:
                 continue
             silent_s = time.monotonic() - heard
             if silent_s > timeout_s:
+                _logger.warning(
+                    "ddptrain: nothing came from the agent %s for %.1f s (DDPTRAIN_SSH_HEARTBEAT_TIMEOUT_S=%g): "
+                    "the host stopped answering; dropping its connection",
+                    self.connection.where,
+                    silent_s,
+                    timeout_s,
+                )
                 self.lost = AgentLost(AGENT_RANK, silent_s, timeout_s)
                 on_event(self.lost)
                 self.connection.abort()
