@@ -53,7 +53,7 @@ from ddptrain.protocol import (
     read_frame,
 )
 
-__all__ = ["entry", "load_user", "main", "write_all"]
+__all__ = ["entry", "load_user", "main", "worker_sys_path", "write_all"]
 
 _POLL_S = 0.05
 # After a worker exits, how long its pipes may stay open (held by processes it started,
@@ -324,10 +324,27 @@ def _read_bootstrap(stdin: IO[bytes]) -> Bootstrap | None:
     return decode_bootstrap(payload, check_versions)
 
 
-def _user_sys_path(bootstrap: Bootstrap) -> list[str]:
-    """The driver's ``sys.path`` for the user's imports ('' meant the driver's working directory)."""
-    cwd = bootstrap.cwd or os.getcwd()
-    return [p or cwd for p in bootstrap.sys_path]
+def worker_sys_path(driver: list[str], cwd: str, own: list[str]) -> list[str]:
+    """The ``sys.path`` of the workers: the driver's, in the driver's order ('' meant the
+    driver's working directory, ``cwd``), so that they import what the driver imports (a folder on
+    ``PYTHONPATH`` that shadows an installed package included). Entries only this process has
+    (``own``: a ``PYTHONPATH`` of the workers' environment, a host's own installation) go where
+    Python put them here: before the next entry that the driver has too, else last."""
+    driver = [p or cwd for p in driver]
+    known = set(driver)
+    before: dict[str, list[str]] = {}
+    pending: list[str] = []
+    for entry in own:
+        if entry in known:
+            before.setdefault(entry, []).extend(pending)
+            pending = []
+        elif entry:
+            pending.append(entry)
+    merged: list[str] = []
+    for entry in [e for d in driver for e in (*before.get(d, ()), d)] + pending:
+        if entry not in merged:
+            merged.append(entry)
+    return merged
 
 
 def main() -> int:
@@ -349,7 +366,7 @@ def main() -> int:
             return 0
         if os.environ.get(ray_compat.ENV_VAR) == "1":  # under `ddptrain run`: the user's code may import ray.*
             ray_compat.install()
-        sys.path[:0] = [p for p in _user_sys_path(bootstrap) if p not in sys.path]
+        sys.path[:] = worker_sys_path(list(bootstrap.sys_path), bootstrap.cwd or os.getcwd(), sys.path)
         if bootstrap.cwd:
             try:
                 os.chdir(bootstrap.cwd)

@@ -672,6 +672,36 @@ def returns_ddptrain_file() -> str:
     return ddptrain.__file__
 
 
+def shadowed_filelock() -> str:
+    import filelock
+
+    return getattr(filelock, "SHADOW", filelock.__file__)
+
+
+@pytest.mark.timeout(120)
+def test_workers_on_every_host_import_what_a_pythonpath_folder_shadows(
+    ssh, storage: str, tmp_path: Path, monkeypatch
+) -> None:
+    """A patched copy of an installed package, first on the driver's PYTHONPATH (forwarded to
+    the hosts): the workers import it, on this machine and on an SSH host, as the driver does."""
+    import shutil
+
+    import filelock
+
+    shadow = tmp_path / "patched"
+    shutil.copytree(os.path.dirname(filelock.__file__), shadow / "filelock")
+    init = shadow / "filelock" / "__init__.py"
+    init.write_text(init.read_text() + "\nSHADOW = 'patched'\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(shadow), os.environ.get("PYTHONPATH")) if p))
+    monkeypatch.syspath_prepend(str(shadow))  # where a driver started with that PYTHONPATH has it
+    result = train.DataParallelTrainer(
+        shadowed_filelock,
+        scaling_config=train.ScalingConfig(num_workers=2, hosts=["localhost slots=1", "h0 slots=1"]),
+        run_config=train.RunConfig(storage_path=storage),
+    ).fit()
+    assert result.return_values == ["patched", "patched"]
+
+
 @pytest.mark.timeout(120)
 def test_check_probes_what_a_run_uses(ssh, storage: str, tmp_path: Path, monkeypatch) -> None:
     """A host python without ddptrain installed, which gets it from a PYTHONPATH relative to the
