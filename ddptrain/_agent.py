@@ -364,7 +364,7 @@ def main() -> int:
         bootstrap = _read_bootstrap(stdin)
         if bootstrap is None:
             return 0
-        if os.environ.get(ray_compat.ENV_VAR) == "1":  # under `ddptrain run`: the user's code may import ray.*
+        if bootstrap.ray_compat:  # under `ddptrain run`: the user's code may import ray.*
             ray_compat.install()
         sys.path[:] = worker_sys_path(list(bootstrap.sys_path), bootstrap.cwd or os.getcwd(), sys.path)
         if bootstrap.cwd:

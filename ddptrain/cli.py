@@ -27,12 +27,15 @@ __all__ = ["main", "check_hosts"]
 # Runs on each host the way its agent would (same python, working directory and environment, see
 # `_probe`): versions, GPUs, disk, and whether the driver's port can be reached. Arguments: the
 # driver's address and port, then the agent's pins (``NAME=FOLDER``, see ``ddptrain._agent_start.PIN``).
-_PROBE = r"""
+_PROBE = (
+    r"""
 import json, os, shutil, socket, sys
 address, port = sys.argv[1:3]
 del sys.argv[1:3]
 # Import as the agent does (ddptrain._agent_start.PIN): never from the working directory.
-""" + PIN + r"""
+"""
+    + PIN
+    + r"""
 out = {"python": sys.executable, "python_version": sys.version.split()[0]}
 for name in ("ddptrain", "torch", "cloudpickle"):
     try:
@@ -56,6 +59,7 @@ except (OSError, ValueError) as exc:
     out["reaches_driver"] = str(exc) or type(exc).__name__
 print("DDPTRAIN_CHECK " + json.dumps(out))
 """
+)
 
 _COLUMNS = ("host", "ssh", "python", "ddptrain", "torch", "cloudpickle", "gpus", "free disk", "driver port")
 
@@ -200,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         "run",
         help="run a Ray Train script unmodified: `import ray.train` and friends resolve to ddptrain",
         description="Run SCRIPT as `python SCRIPT ARGS...` would, with `ray`, `ray.train`, `ray.train.torch`, "
-        "`ray.data`, `ray.tune`, `ray.util.sgd`... resolving to ddptrain's modules (in the workers too).",
+        "`ray.data`, `ray.tune`, `ray.util.sgd`... resolving to ddptrain's modules (in its workers and "
+        "multiprocessing children too, not in programs it starts).",
     )
     run.add_argument("--hosts", metavar="FILE", help="host file for the script's trainers (sets DDPTRAIN_HOSTFILE)")
     run.add_argument("script", help="the Python script")

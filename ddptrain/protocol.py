@@ -327,6 +327,7 @@ class Bootstrap:
     run: RunInfo
     store: StoreAddress
     heartbeat_s: float | None = None  # stop when the driver is silent this long (SSH hosts)
+    ray_compat: bool = False  # under `ddptrain run`: `import ray...` resolves to ddptrain (``ray_compat``)
 
 
 def encode_bootstrap(bootstrap: Bootstrap, versions: dict[str, str]) -> bytes:
