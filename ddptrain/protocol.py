@@ -71,7 +71,7 @@ __all__ = [
     "VERSION",
 ]
 
-VERSION = 4
+VERSION = 5  # 5: Bootstrap.ray_compat (the Ray names travel in the bootstrap, not the environment)
 
 
 # ----------------------------------------------------------------- worker -> driver

@@ -702,6 +702,28 @@ def test_workers_on_every_host_import_what_a_pythonpath_folder_shadows(
     assert result.return_values == ["patched", "patched"]
 
 
+@pytest.mark.timeout(180)
+def test_ddptrain_run_gives_the_ray_names_to_workers_on_ssh_hosts(ssh, storage: str, tmp_path: Path) -> None:
+    import json
+
+    scripts = Path(__file__).resolve().parent / "ray_scripts"
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("h0 slots=2\n")
+    root = str(Path(__file__).resolve().parent.parent)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddptrain", "run", "--hosts", str(hostfile), str(scripts / "uses_helper.py")],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        cwd=scripts,  # the host's working directory too: the workers import helper_module from there
+        env={**os.environ, "PYTHONPATH": root, "DDPTRAIN_STORAGE_PATH": storage},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "returned: ['ray', 'ray'] metrics: {'rank': 0}" in proc.stdout
+    [run] = Path(storage).iterdir()
+    assert json.loads((run / "run.json").read_text())["hosts"] == ["h0"]  # the workers ran there
+
+
 @pytest.mark.timeout(120)
 def test_check_probes_what_a_run_uses(ssh, storage: str, tmp_path: Path, monkeypatch) -> None:
     """A host python without ddptrain installed, which gets it from a PYTHONPATH relative to the
