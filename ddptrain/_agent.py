@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from ddptrain import _memory, ray_compat
-from ddptrain._agent_start import check_versions
+from ddptrain._agent_start import check_versions, worker_sys_path
 from ddptrain._process import kill_group_strays, other_threads, process_state, set_pdeathsig
 from ddptrain.protocol import (
     AGENT_RANK,
@@ -53,7 +53,7 @@ from ddptrain.protocol import (
     read_frame,
 )
 
-__all__ = ["entry", "load_user", "main", "worker_sys_path", "write_all"]
+__all__ = ["entry", "load_user", "main", "write_all"]
 
 _POLL_S = 0.05
 # After a worker exits, how long its pipes may stay open (held by processes it started,
@@ -322,29 +322,6 @@ def _read_bootstrap(stdin: IO[bytes]) -> Bootstrap | None:
     if kind != Kind.BOOTSTRAP:
         raise RuntimeError(f"expected a bootstrap frame from the driver, got kind {kind!r}")
     return decode_bootstrap(payload, check_versions)
-
-
-def worker_sys_path(driver: list[str], cwd: str, own: list[str]) -> list[str]:
-    """The ``sys.path`` of the workers: the driver's, in the driver's order ('' meant the
-    driver's working directory, ``cwd``), so that they import what the driver imports (a folder on
-    ``PYTHONPATH`` that shadows an installed package included). Entries only this process has
-    (``own``: a ``PYTHONPATH`` of the workers' environment, a host's own installation) go where
-    Python put them here: before the next entry that the driver has too, else last."""
-    driver = [p or cwd for p in driver]
-    known = set(driver)
-    before: dict[str, list[str]] = {}
-    pending: list[str] = []
-    for entry in own:
-        if entry in known:
-            before.setdefault(entry, []).extend(pending)
-            pending = []
-        elif entry:
-            pending.append(entry)
-    merged: list[str] = []
-    for entry in [e for d in driver for e in (*before.get(d, ()), d)] + pending:
-        if entry not in merged:
-            merged.append(entry)
-    return merged
 
 
 def main() -> int:

@@ -2,7 +2,9 @@
 
 Both launchers (a local subprocess, an SSH channel) start an agent with :func:`agent_command`;
 the agent checks the driver's :func:`versions` against its own before it unpickles anything
-of the driver's (``protocol.decode_bootstrap``).
+of the driver's (``protocol.decode_bootstrap``). Where it imports from: ddptrain and its runtime
+dependencies from the driver's folders (``PIN``), the rest through the driver's ``sys.path``
+(:func:`worker_sys_path`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import sys
 import ddptrain
 from ddptrain.protocol import VERSION
 
-__all__ = ["PIN", "agent_command", "check_versions", "import_pins", "versions"]
+__all__ = ["PIN", "agent_command", "check_versions", "import_pins", "versions", "worker_sys_path"]
 
 # What the agent, and `ddptrain check`'s probe, run first: ``python -c`` puts the working
 # directory first on ``sys.path``; it is taken off before anything is imported. Each ``NAME=FOLDER``
@@ -56,6 +58,29 @@ def import_pins() -> list[str]:
 def agent_command(python: str, pins: list[str] | None = None) -> list[str]:
     """The command line of an agent: ``python -c BOOT NAME=FOLDER...`` (see ``PIN``)."""
     return [python, "-c", _BOOT, *(pins or [])]
+
+
+def worker_sys_path(driver: list[str], cwd: str, own: list[str]) -> list[str]:
+    """The ``sys.path`` of the workers: the driver's, in the driver's order ('' meant the
+    driver's working directory, ``cwd``), so that they import what the driver imports (a folder on
+    ``PYTHONPATH`` that shadows an installed package included). Entries only this process has
+    (``own``: a ``PYTHONPATH`` of the workers' environment, a host's own installation) go where
+    Python put them here: before the next entry that the driver has too, else last."""
+    driver = [p or cwd for p in driver]
+    known = set(driver)
+    before: dict[str, list[str]] = {}
+    pending: list[str] = []
+    for entry in own:
+        if entry in known:
+            before.setdefault(entry, []).extend(pending)
+            pending = []
+        elif entry:
+            pending.append(entry)
+    merged: list[str] = []
+    for entry in [e for d in driver for e in (*before.get(d, ()), d)] + pending:
+        if entry not in merged:
+            merged.append(entry)
+    return merged
 
 
 def versions() -> dict[str, str]:

@@ -17,7 +17,7 @@ Two transports carry them:
   :class:`CallResult`, :class:`Report`, :class:`Collective`, :class:`CheckpointsQuery`,
   :class:`Done`, :class:`Beat` (heartbeat connection). Driver to worker: :class:`Execute`,
   :class:`Train`, :class:`Exit`, :class:`Ack`, :class:`CollectiveResult`,
-  :class:`CheckpointsReply`. Inside the driver: :class:`Lost` (a message someone removed).
+  :class:`CheckpointsReply`.
 
 ``VERSION`` changes whenever a message changes shape; an agent refuses a driver of another
 version (``_agent_start.versions``) before it unpickles anything but the version table. Only
@@ -65,13 +65,12 @@ __all__ = [
     "Exit",
     "FailureRecord",
     "Hello",
-    "Lost",
     "Report",
     "Train",
     "VERSION",
 ]
 
-VERSION = 5  # 5: Bootstrap.ray_compat (the Ray names travel in the bootstrap, not the environment)
+VERSION = 5
 
 
 # ----------------------------------------------------------------- worker -> driver
@@ -197,18 +196,6 @@ class CheckpointsReply:
     """The run's reported checkpoints: ``(path, metrics)`` pairs, oldest first."""
 
     reported: list[tuple[str, dict[str, Any]]]
-
-
-# ----------------------------------------------------------------- inside the driver
-@dataclass(frozen=True)
-class Lost:
-    """Messages from ``error.rank`` were removed from the store (``channel.LostMessageError``)."""
-
-    error: Any
-
-    @property
-    def rank(self) -> int:
-        return 0 if self.error.rank is None else int(self.error.rank)
 
 
 # ================================================================= the agent's pipe

@@ -212,7 +212,7 @@ import os, signal, sys
 
 def excepthook(kind, value, tb, default=sys.excepthook):
     default(kind, value, tb)
-    if "PoolWorker" in name:
+    if "PoolWorker" in name and not issubclass(kind, KeyboardInterrupt):  # (Ctrl-C reached the parent too)
         print(
             "ddptrain run: multiprocessing Pool worker %s (pid %d) could not start (see above); the Pool would "
             "replace it with workers that fail the same way, forever, so the process that started the Pool "

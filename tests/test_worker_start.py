@@ -221,7 +221,7 @@ def test_workers_import_the_packages_a_pythonpath_folder_shadows_as_the_driver_d
 
 
 def test_the_workers_path_is_the_drivers_with_their_own_entries_where_python_put_them() -> None:
-    from ddptrain._agent import worker_sys_path
+    from ddptrain._agent_start import worker_sys_path
 
     driver = ["", "/shadow", "/usr/lib/python3", "/venv/site"]
     # The agent's own path: a PYTHONPATH of the workers' environment first, then Python's order.
