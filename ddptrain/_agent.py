@@ -34,7 +34,7 @@ from typing import IO, Any
 
 from ddptrain import ray_compat
 from ddptrain._agent_relay import Child, kill_all, relay
-from ddptrain._agent_start import check_versions
+from ddptrain._agent_start import check_versions, worker_sys_path
 from ddptrain._process import kill_group_strays, other_threads, set_pdeathsig
 from ddptrain.agent_events import AgentFailed, WorkerStarted, encode_event
 from ddptrain.protocol import (
@@ -183,12 +183,6 @@ def _read_bootstrap(stdin: IO[bytes]) -> Bootstrap | None:
     return decode_bootstrap(payload, check_versions)
 
 
-def _user_sys_path(bootstrap: Bootstrap) -> list[str]:
-    """The driver's ``sys.path`` for the user's imports ('' meant the driver's working directory)."""
-    cwd = bootstrap.cwd or os.getcwd()
-    return [p or cwd for p in bootstrap.sys_path]
-
-
 def main() -> int:
     """Agent entry point."""
     _START_ENV.update(os.environ)
@@ -206,9 +200,9 @@ def main() -> int:
         bootstrap = _read_bootstrap(stdin)
         if bootstrap is None:
             return 0
-        if os.environ.get(ray_compat.ENV_VAR) == "1":  # under `ddptrain run`: the user's code may import ray.*
+        if bootstrap.ray_compat:  # under `ddptrain run`: the user's code may import ray.*
             ray_compat.install()
-        sys.path[:0] = [p for p in _user_sys_path(bootstrap) if p not in sys.path]
+        sys.path[:] = worker_sys_path(list(bootstrap.sys_path), bootstrap.cwd or os.getcwd(), sys.path)
         if bootstrap.cwd:
             try:
                 os.chdir(bootstrap.cwd)

@@ -27,6 +27,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import cloudpickle
@@ -37,6 +38,7 @@ from ddptrain import protocol
 __all__ = [
     "Keys",
     "ForgedMessageError",
+    "Lost",
     "LostMessageError",
     "sign",
     "verify",
@@ -82,6 +84,18 @@ class LostMessageError(Exception):
 
     def __reduce__(self) -> tuple[Any, ...]:  # crosses processes inside failure records
         return (LostMessageError, (self.sender, self.first, self.last))
+
+
+@dataclass(frozen=True)
+class Lost:
+    """What the driver's consumer hands on when messages from ``error.rank`` were removed from
+    the store (never on the wire: the driver makes it from a :class:`LostMessageError`)."""
+
+    error: LostMessageError
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.error.rank is None else int(self.error.rank)
 
 
 class Keys:
@@ -267,7 +281,7 @@ class DriverChannel:
     def start(self, on_message: Callable[[Any], None]) -> None:
         """Start consuming; ``on_message`` runs in the consumer thread.
 
-        Messages that went missing on the store are handed on as :class:`protocol.Lost`
+        Messages that went missing on the store are handed on as :class:`Lost`
         (a :class:`LostMessageError`).
         """
         reader = connect(self._store.host, self._store.port, timeout_s=30)
@@ -282,7 +296,7 @@ class DriverChannel:
                     _logger.warning("ddptrain: %s (someone else is writing to this run's store)", exc)
                     continue
                 except LostMessageError as exc:
-                    on_message(protocol.Lost(exc))
+                    on_message(Lost(exc))
                     continue
                 except (pickle.UnpicklingError, AttributeError, ImportError, EOFError) as exc:
                     _logger.warning("ddptrain: could not decode a worker message: %r", exc)
@@ -295,7 +309,7 @@ class DriverChannel:
                 if isinstance(message, protocol.Beat):
                     lost = self._check_beat(inbox, message.rank, message.pushed)
                     if lost is not None:
-                        on_message(protocol.Lost(lost))
+                        on_message(Lost(lost))
                     continue
                 on_message(message)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import ddptrain
 from ddptrain import _env, dashboard, inspect_runs
-from ddptrain._agent_start import import_roots
+from ddptrain._agent_start import PIN, import_pins
 from ddptrain.errors import DdpTrainError
 from ddptrain.hosts import HostSpec, is_local, parse_hosts, with_ssh_config
 from ddptrain.ray_compat import install as install_ray_compat
@@ -26,14 +26,16 @@ __all__ = ["main", "check_hosts"]
 
 # Runs on each host the way its agent would (same python, working directory and environment, see
 # `_probe`): versions, GPUs, disk, and whether the driver's port can be reached. Arguments: the
-# driver's address and port, then the folders to import from first (as the agent's).
-_PROBE = r"""
+# driver's address and port, then the agent's pins (``NAME=FOLDER``, see ``ddptrain._agent_start.PIN``).
+_PROBE = (
+    r"""
 import json, os, shutil, socket, sys
 address, port = sys.argv[1:3]
-roots = sys.argv[3:]
-del sys.argv[1:]
-# Import as the agent does (ddptrain._agent_start._BOOT): never from the working directory.
-sys.path[:] = roots + [p for p in sys.path if p and p not in roots]
+del sys.argv[1:3]
+# Import as the agent does (ddptrain._agent_start.PIN): never from the working directory.
+"""
+    + PIN
+    + r"""
 out = {"python": sys.executable, "python_version": sys.version.split()[0]}
 for name in ("ddptrain", "torch", "cloudpickle"):
     try:
@@ -57,6 +59,7 @@ except (OSError, ValueError) as exc:
     out["reaches_driver"] = str(exc) or type(exc).__name__
 print("DDPTRAIN_CHECK " + json.dumps(out))
 """
+)
 
 _COLUMNS = ("host", "ssh", "python", "ddptrain", "torch", "cloudpickle", "gpus", "free disk", "driver port")
 
@@ -76,7 +79,7 @@ def _driver_versions() -> dict[str, str]:
 def _probe(host: HostSpec, port: int) -> dict[str, Any]:
     """Run the probe on ``host`` exactly as a run starts its agent there."""
     if is_local(host):  # as `LocalLauncher`: this python, the driver's environment and directory
-        args = [sys.executable, "-c", _PROBE, "127.0.0.1", str(port), *import_roots()]
+        args = [sys.executable, "-c", _PROBE, "127.0.0.1", str(port), *import_pins()]
         proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
         return _parse(proc.stdout, proc.stderr, "local")
 
@@ -201,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         "run",
         help="run a Ray Train script unmodified: `import ray.train` and friends resolve to ddptrain",
         description="Run SCRIPT as `python SCRIPT ARGS...` would, with `ray`, `ray.train`, `ray.train.torch`, "
-        "`ray.data`, `ray.tune`, `ray.util.sgd`... resolving to ddptrain's modules (in the workers too).",
+        "`ray.data`, `ray.tune`, `ray.util.sgd`... resolving to ddptrain's modules (in its workers and "
+        "multiprocessing children too, not in programs it starts).",
     )
     run.add_argument("--hosts", metavar="FILE", help="host file for the script's trainers (sets DDPTRAIN_HOSTFILE)")
     run.add_argument("script", help="the Python script")

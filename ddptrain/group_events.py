@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ddptrain import agent_events, protocol
 from ddptrain._logs import LogSink
-from ddptrain.channel import LostMessageError
+from ddptrain.channel import Lost, LostMessageError
 from ddptrain.errors import (
     HostLostError,
     LaunchError,
@@ -157,7 +157,7 @@ class GroupEvents:
             self._results.setdefault(message.call_id, {})[message.rank] = (message.ok, message.value)
         elif isinstance(message, protocol.Done):
             self.done[message.rank] = (message.returned, message.note)
-        elif isinstance(message, protocol.Lost):
+        elif isinstance(message, Lost):
             return self.failure(message.rank, None, message.error)
         elif self.handler is not None:
             return self.handler(message)

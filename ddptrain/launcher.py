@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable, Collection
 from typing import IO, Protocol
 
-from ddptrain._agent_start import agent_command, import_roots
+from ddptrain._agent_start import agent_command, import_pins
 from ddptrain._logs import LogSink
 from ddptrain.agent_events import AgentEvent
 from ddptrain.agent_session import AgentSession
@@ -88,7 +88,7 @@ class LocalConnection:
 
     def __init__(self, env: dict[str, str]) -> None:
         self._proc = subprocess.Popen(
-            agent_command(sys.executable, import_roots()),
+            agent_command(sys.executable, import_pins()),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -14,7 +14,7 @@ import sys
 import threading
 from typing import Any
 
-from ddptrain import _env
+from ddptrain import _env, ray_compat
 from ddptrain.config import ScalingConfig
 from ddptrain.errors import ConfigError, LaunchError
 from ddptrain.hosts import HostSpec, Placement, is_local, parse_hosts, place_workers, with_ssh_config
@@ -98,7 +98,14 @@ class Plan:
     def reuse_key(self) -> tuple[Any, ...]:
         """Two plans with equal keys start identical groups: a warm group of one can serve the other."""
         env = sorted(self.agent_env().items())
-        return (repr(self.scaling_config), self.share_visible_gpus, env, tuple(sys.path), os.getcwd())
+        return (
+            repr(self.scaling_config),
+            self.share_visible_gpus,
+            env,
+            tuple(sys.path),
+            os.getcwd(),
+            ray_compat.installed(),
+        )
 
     # ----------------------------------------------------------------- starting agents
     def agent_env(self, remote: bool = False, host: HostSpec | None = None) -> dict[str, str]:
@@ -181,6 +188,7 @@ class Plan:
             workers=self.worker_specs(run.attempt, store.host, store.port, datasets),
             run=run,
             store=store,
+            ray_compat=ray_compat.installed(),
         )
 
     def worker_specs(

@@ -15,7 +15,7 @@ Two transports carry them:
   :class:`CallResult`, :class:`Report`, :class:`Collective`, :class:`CheckpointsQuery`,
   :class:`Done`, :class:`Beat` (heartbeat connection). Driver to worker: :class:`Execute`,
   :class:`Train`, :class:`Exit`, :class:`Ack`, :class:`CollectiveResult`,
-  :class:`CheckpointsReply`. Inside the driver: :class:`Lost` (a message someone removed).
+  :class:`CheckpointsReply`.
 
 ``VERSION`` changes whenever a message changes shape; an agent refuses a driver of another
 version (``_agent_start.versions``) before it unpickles anything but the version table. Only
@@ -56,7 +56,6 @@ __all__ = [
     "Exit",
     "FailureRecord",
     "Hello",
-    "Lost",
     "Report",
     "Train",
     "VERSION",
@@ -190,18 +189,6 @@ class CheckpointsReply:
     reported: list[tuple[str, dict[str, Any]]]
 
 
-# ----------------------------------------------------------------- inside the driver
-@dataclass(frozen=True)
-class Lost:
-    """Messages from ``error.rank`` were removed from the store (``channel.LostMessageError``)."""
-
-    error: Any
-
-    @property
-    def rank(self) -> int:
-        return 0 if self.error.rank is None else int(self.error.rank)
-
-
 # ================================================================= the agent's pipe
 # kind (1 byte), rank, payload length
 FRAME = struct.Struct(">cII")
@@ -323,6 +310,7 @@ class Bootstrap:
     run: RunInfo
     store: StoreAddress
     heartbeat_s: float | None = None  # stop when the driver is silent this long (SSH hosts)
+    ray_compat: bool = False  # under `ddptrain run`: `import ray...` resolves to ddptrain (``ray_compat``)
 
 
 def encode_bootstrap(bootstrap: Bootstrap, versions: dict[str, str]) -> bytes:

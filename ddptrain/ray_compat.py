@@ -13,9 +13,17 @@ its submodules, whether or not the real ``ray`` package is installed:
   :class:`RayAPIUnavailable`, naming it and what to use instead.
 
 The mapping aliases modules: ``ray.train.torch`` *is* ``ddptrain.torch`` (same object), so
-functions and classes pickle under their ddptrain names and workers need no mapping for the
-script's own code. Workers still get it (``DDPTRAIN_RAY_COMPAT=1`` in their environment): a
-module of the user's that a worker imports may say ``import ray.train`` too.
+functions and classes pickle under their ddptrain names.
+
+Every process that runs the script's own code gets the mapping, and no other program: the
+workers of its trainers (the bootstrap says so, ``Bootstrap.ray_compat``: a module of the user's
+that a worker imports may say ``import ray.train`` too), and the processes ``multiprocessing``
+starts from any of these with ``spawn`` or ``forkserver`` (a ``Pool``, a ``Process``, a
+``DataLoader``'s workers), which import the script again: their preparation data carries a hook
+that installs the mapping before they do (:func:`install` adds it). Forked children inherit it.
+A program the script starts (``subprocess.run([sys.executable, "other.py"])``) is not the
+script: it gets ``ray`` as it would without ``ddptrain run``. Nothing goes through the
+environment.
 """
 
 from __future__ import annotations
@@ -31,9 +39,7 @@ from typing import Any
 
 from ddptrain.errors import DdpTrainError
 
-__all__ = ["ENV_VAR", "RayAPIUnavailable", "install", "installed", "target_of"]
-
-ENV_VAR = "DDPTRAIN_RAY_COMPAT"
+__all__ = ["RayAPIUnavailable", "install", "installed", "target_of"]
 
 # Ray module -> ddptrain module; a longer prefix wins. ``ray.train.<x>`` falls back to ``ddptrain.<x>``.
 _PREFIXES = {
@@ -179,16 +185,75 @@ _FINDER = _RayFinder()
 
 
 def install() -> None:
-    """Make ``import ray...`` resolve to ddptrain in this process (and, through the
-    environment, in the workers it starts). Safe to call twice. Ray modules imported before
-    (the real package) are dropped from ``sys.modules`` first."""
-    os.environ[ENV_VAR] = "1"
-    if _FINDER in sys.meta_path:
-        return
-    for name in [n for n in sys.modules if n == "ray" or n.startswith("ray.")]:
-        del sys.modules[name]
-    sys.meta_path.insert(0, _FINDER)
+    """Make ``import ray...`` resolve to ddptrain in this process and in the processes
+    ``multiprocessing`` starts from it (see the module's docstring). Safe to call twice. Ray
+    modules imported before (the real package) are dropped from ``sys.modules`` first."""
+    if _FINDER not in sys.meta_path:
+        for name in [n for n in sys.modules if n == "ray" or n.startswith("ray.")]:
+            del sys.modules[name]
+        sys.meta_path.insert(0, _FINDER)
+    _hook_multiprocessing()
 
 
 def installed() -> bool:
     return _FINDER in sys.meta_path
+
+
+# Run by a process that multiprocessing started with "spawn" or "forkserver" while it reads its
+# preparation data, before `multiprocessing.spawn.prepare` imports the script again as
+# `__mp_main__` (globals: `name`, the process's name; `parent`, the pid that started it;
+# `sys_path`, the path `prepare` sets next). Only the standard library is used before the
+# mapping is installed, so that a failure to import ddptrain here is reported like any other.
+# A Pool worker that cannot start (here, or while importing the script) would be replaced by
+# the Pool with workers that fail the same way, forever: the process that started the Pool is
+# interrupted instead (KeyboardInterrupt), after the worker's traceback.
+_SPAWNED = """
+import os, signal, sys
+
+def excepthook(kind, value, tb, default=sys.excepthook):
+    default(kind, value, tb)
+    if "PoolWorker" in name and not issubclass(kind, KeyboardInterrupt):  # (Ctrl-C reached the parent too)
+        print(
+            "ddptrain run: multiprocessing Pool worker %s (pid %d) could not start (see above); the Pool would "
+            "replace it with workers that fail the same way, forever, so the process that started the Pool "
+            "(pid %d) is interrupted." % (name, os.getpid(), parent),
+            file=sys.stderr,
+            flush=True,
+        )
+        os.kill(parent, signal.SIGINT)
+
+sys.excepthook = excepthook
+sys.path[:] = sys_path
+import ddptrain.ray_compat
+ddptrain.ray_compat.install()
+"""
+_PREPARATION_KEY = "ddptrain_ray_compat"
+
+
+class _SpawnedHook:
+    """An entry of the preparation data of a process that multiprocessing spawns: unpickling it
+    runs ``_SPAWNED`` there."""
+
+    def __init__(self, name: str, parent: int, sys_path: list[str]) -> None:
+        self._globals = {"name": name, "parent": parent, "sys_path": list(sys_path)}
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (exec, (_SPAWNED, self._globals))
+
+
+def _hook_multiprocessing() -> None:
+    """Add a :class:`_SpawnedHook` to the preparation data of every process multiprocessing
+    starts from this one with ``spawn`` or ``forkserver`` (both send it)."""
+    from multiprocessing import spawn
+
+    if getattr(spawn.get_preparation_data, "_ddptrain_ray_compat", False):
+        return
+    original = spawn.get_preparation_data
+
+    def get_preparation_data(name: str) -> dict[str, Any]:
+        data: dict[str, Any] = original(name)
+        data[_PREPARATION_KEY] = _SpawnedHook(name, os.getpid(), data.get("sys_path") or sys.path)
+        return data
+
+    get_preparation_data._ddptrain_ray_compat = True  # type: ignore[attr-defined]
+    spawn.get_preparation_data = get_preparation_data

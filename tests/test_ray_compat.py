@@ -19,12 +19,14 @@ def python_env(**extra: str) -> dict[str, str]:
     return {**os.environ, **extra, "PYTHONPATH": path}
 
 
-def ddptrain_run(script: str, storage: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+def ddptrain_run(
+    script: str, storage: str, *args: str, timeout_s: float = 240, **env: str
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "ddptrain", "run", str(SCRIPTS / script), *args],
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=timeout_s,
         cwd=SCRIPTS,
         env=python_env(DDPTRAIN_STORAGE_PATH=storage, **env),
     )
@@ -60,6 +62,38 @@ def test_workers_resolve_ray_in_the_users_own_modules_and_an_installed_ray_is_no
     proc = ddptrain_run("uses_helper.py", storage, PYTHONPATH=str(tmp_path / "site"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "returned: ['ray', 'ray'] metrics: {'rank': 0}" in proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_processes_multiprocessing_spawns_get_the_ray_names(storage: str) -> None:
+    # A spawn Pool, a DataLoader's spawned workers and a forkserver Process, from the script
+    # and from a worker: each imports the script's code again, `import ray.train` included.
+    proc = ddptrain_run("spawns_processes.py", storage)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "spawn pool: ['ddptrain', 'ddptrain']" in proc.stdout
+    assert "spawn loader: [['ddptrain', 0], ['ddptrain', 1], ['ddptrain', 4], ['ddptrain', 9]]" in proc.stdout
+    assert "forkserver process: ddptrain" in proc.stdout
+    assert "a worker's spawn loader: [['ddptrain', 0], ['ddptrain', 1]]" in proc.stdout
+
+
+def test_a_pool_whose_workers_cannot_import_the_script_fails_instead_of_hanging(storage: str) -> None:
+    proc = ddptrain_run("pool_workers_fail.py", storage, timeout_s=60)
+    assert proc.returncode != 0
+    assert "No module named 'module_only_the_children_miss'" in proc.stderr
+    assert "could not start (see above); the Pool would replace it" in proc.stderr
+    assert "KeyboardInterrupt" in proc.stderr  # where the script was: in pool.map
+
+
+@pytest.mark.timeout(300)
+def test_programs_the_script_starts_do_not_get_the_ray_names(storage: str, tmp_path: Path) -> None:
+    real = tmp_path / "site" / "ray"  # stands for an installed Ray, which other programs want
+    real.mkdir(parents=True)
+    (real / "__init__.py").write_text("WHICH = 'the installed ray'\n")
+    proc = ddptrain_run("starts_programs.py", storage, PYTHONPATH=str(tmp_path / "site"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "script's ray.train: ddptrain" in proc.stdout
+    assert "other program's ray: the installed ray" in proc.stdout
+    assert "other program's workers' ray: the installed ray" in proc.stdout, proc.stdout
 
 
 @pytest.mark.timeout(300)

@@ -782,6 +782,58 @@ def returns_ddptrain_file() -> str:
     return ddptrain.__file__
 
 
+def shadowed_filelock() -> str:
+    import filelock
+
+    return getattr(filelock, "SHADOW", filelock.__file__)
+
+
+@pytest.mark.timeout(120)
+def test_workers_on_every_host_import_what_a_pythonpath_folder_shadows(
+    ssh, storage: str, tmp_path: Path, monkeypatch
+) -> None:
+    """A patched copy of an installed package, first on the driver's PYTHONPATH (forwarded to
+    the hosts): the workers import it, on this machine and on an SSH host, as the driver does."""
+    import shutil
+
+    import filelock
+
+    shadow = tmp_path / "patched"
+    shutil.copytree(os.path.dirname(filelock.__file__), shadow / "filelock")
+    init = shadow / "filelock" / "__init__.py"
+    init.write_text(init.read_text() + "\nSHADOW = 'patched'\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(shadow), os.environ.get("PYTHONPATH")) if p))
+    monkeypatch.syspath_prepend(str(shadow))  # where a driver started with that PYTHONPATH has it
+    result = train.DataParallelTrainer(
+        shadowed_filelock,
+        scaling_config=train.ScalingConfig(num_workers=2, hosts=["localhost slots=1", "h0 slots=1"]),
+        run_config=train.RunConfig(storage_path=storage),
+    ).fit()
+    assert result.return_values == ["patched", "patched"]
+
+
+@pytest.mark.timeout(180)
+def test_ddptrain_run_gives_the_ray_names_to_workers_on_ssh_hosts(ssh, storage: str, tmp_path: Path) -> None:
+    import json
+
+    scripts = Path(__file__).resolve().parent / "ray_scripts"
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("h0 slots=2\n")
+    root = str(Path(__file__).resolve().parent.parent)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddptrain", "run", "--hosts", str(hostfile), str(scripts / "uses_helper.py")],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        cwd=scripts,  # the host's working directory too: the workers import helper_module from there
+        env={**os.environ, "PYTHONPATH": root, "DDPTRAIN_STORAGE_PATH": storage},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "returned: ['ray', 'ray'] metrics: {'rank': 0}" in proc.stdout
+    [run] = Path(storage).iterdir()
+    assert json.loads((run / "run.json").read_text())["hosts"] == ["h0"]  # the workers ran there
+
+
 @pytest.mark.timeout(120)
 def test_check_probes_what_a_run_uses(ssh, storage: str, tmp_path: Path, monkeypatch) -> None:
     """A host python without ddptrain installed, which gets it from a PYTHONPATH relative to the

@@ -172,6 +172,77 @@ def test_a_ddptrain_planted_in_the_working_directory_is_never_imported(tmp_path:
     assert not marker.exists(), marker.read_text()
 
 
+SHADOWS = """
+import os
+import ddptrain as train
+from ddptrain.torch import TorchTrainer
+
+def where():
+    import filelock, typing_extensions
+    return [getattr(m, "SHADOW", m.__file__) for m in (typing_extensions, filelock)]
+
+if __name__ == "__main__":
+    print("DRIVER", where())
+    result = TorchTrainer(
+        where,
+        scaling_config=train.ScalingConfig(num_workers=2),
+        run_config=train.RunConfig(storage_path=os.environ["STORAGE"]),
+    ).fit()
+    print("WORKERS", result.return_values)
+"""
+
+
+def test_workers_import_the_packages_a_pythonpath_folder_shadows_as_the_driver_does(
+    tmp_path: Path, storage: str
+) -> None:
+    # Patched copies of two installed packages, first on PYTHONPATH: typing_extensions (torch
+    # imports it, so the agent loads it before the bootstrap arrives) and filelock (imported by
+    # the training function). The workers must import the copies, as the driver does.
+    import shutil
+
+    import filelock
+    import typing_extensions
+
+    shadow = tmp_path / "patched"
+    shutil.copytree(os.path.dirname(filelock.__file__), shadow / "filelock")
+    shutil.copy(typing_extensions.__file__, shadow / "typing_extensions.py")
+    for path in (shadow / "filelock" / "__init__.py", shadow / "typing_extensions.py"):
+        path.write_text(path.read_text() + "\nSHADOW = 'patched'\n")
+    script = tmp_path / "train.py"
+    script.write_text(SHADOWS)
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(shadow), root]), "STORAGE": storage}
+    proc = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "DRIVER ['patched', 'patched']" in proc.stdout, proc.stdout
+    assert f"WORKERS {[['patched', 'patched']] * 2}" in proc.stdout, proc.stdout
+
+
+def test_the_workers_path_is_the_drivers_with_their_own_entries_where_python_put_them() -> None:
+    from ddptrain._agent_start import worker_sys_path
+
+    driver = ["", "/shadow", "/usr/lib/python3", "/venv/site"]
+    # The agent's own path: a PYTHONPATH of the workers' environment first, then Python's order.
+    own = ["/runtime-env", "/shadow", "/usr/lib/python3", "/venv/site", "/host/extra"]
+    assert worker_sys_path(driver, "/work", own) == [
+        "/work",
+        "/runtime-env",
+        "/shadow",
+        "/usr/lib/python3",
+        "/venv/site",
+        "/host/extra",
+    ]
+    # An agent that found the installation first (before this fix) still gets the driver's order.
+    assert worker_sys_path(driver, "/work", ["/venv/site", "/shadow", "/usr/lib/python3"]) == [
+        "/work",
+        "/shadow",
+        "/usr/lib/python3",
+        "/venv/site",
+    ]
+
+
 def test_the_fork_probe_reads_a_forked_childs_cuda_state() -> None:
     # CUDA's mark on a process (after `torch.cuda.is_available()`) shows only in its children; a
     # CPU build of torch has none, so a stand-in module answers for the child here.
