@@ -495,8 +495,8 @@ def test_a_runs_page_reads_its_latest_reports_then_only_new_ones(tmp_path: Path,
     dashboard = Dashboard(str(tmp_path / "runs"), port=0).start()
     try:
         status, run = api(dashboard, "/api/runs/long")
-        assert status == 200 and run["reports"] == 20 and run["keep"] == 5
         assert [(r["report"], r["step"]) for r in run["rows"]] == [(n + 1, n) for n in range(15, 20)]
+        assert status == 200 and run["reports"] == 20 and run["keep"] == 5
         assert run["next"] == metrics.stat().st_size
         assert api(dashboard, f"/api/runs/long/metrics?offset={run['next']}&after=20")[1] == {
             "rows": [],
