@@ -264,11 +264,17 @@ class MetricsSummary:
         self.offset = end
         if self.stats is None:
             return
-        for key, value in line["metrics"].items():
-            if _number(value) and math.isfinite(value):
+        for key, value in line["metrics"].items():  # once per report in the driver: kept lean
+            if (value.__class__ is float or value.__class__ is int) and value - value == 0:  # finite, not bool
                 was = self.stats.get(key)
-                value = float(value)
-                self.stats[key] = [value, min(was[1], value), max(was[2], value)] if was else [value, value, value]
+                if was is None:
+                    self.stats[key] = [value, value, value]
+                    continue
+                was[0] = value
+                if value < was[1]:
+                    was[1] = value
+                elif value > was[2]:
+                    was[2] = value
 
     def write(self, run_dir: str | os.PathLike[str]) -> None:
         """Replace the run's summary file (atomically; private, as metrics may be)."""
