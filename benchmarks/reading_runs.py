@@ -4,7 +4,7 @@ summary) and, with ``--baseline SRC``, against another ddptrain source tree (e.g
 
 Each run's ``metrics.jsonl`` has 1.5 M reports of four metrics (about 190 MB; written once in
 the driver's format and hard-linked into every run folder: readers see 100 files). Each run's
-``metrics_summary.json`` is what the driver keeps (:class:`ddptrain.run_files.MetricsSummary`,
+``metrics_summary.json`` is what the driver keeps (:class:`ddptrain.run_metrics.MetricsSummary`,
 built here by one full read, as a driver resuming the run would).
 
 Measured, each a median over ``--repeats``:
@@ -40,7 +40,7 @@ from typing import Any
 
 import _bench
 
-from ddptrain import run_files
+from ddptrain import run_metrics
 from ddptrain.storage import RunLayout
 
 BENCH = "reading_runs"
@@ -57,7 +57,7 @@ def write_history(path: Path, reports: int) -> None:
 
 
 def make_runs(storage: Path, history: Path, count: int, summaries: bool) -> None:
-    summary = run_files.read_metrics_summary(history.parent, full=True) if summaries else None
+    summary = run_metrics.read_metrics_summary(history.parent, full=True) if summaries else None
     for n in range(count):
         run = storage / f"run_{n:03d}"
         run.mkdir(parents=True)
@@ -127,10 +127,25 @@ def main() -> int:
         __doc__.splitlines()[0], default_repeats=5, quick_repeats=2, extra=[("--keep", "keep the runs' folder")]
     )
     reports, count = (50_000, 10) if args.quick else (1_500_000, 100)
-    load = _bench.ForeignLoad()
     folder = Path(tempfile.mkdtemp(prefix="ddptrain_bench_reading_"))
     env = {**os.environ, "PYTHONPATH": ROOT}
     results: dict[str, Any] = {}
+
+    def record(metric: str, measure: Any) -> None:
+        """Measure ``metric`` ``--repeats`` times (``measure()``: seconds); print it at once."""
+        load = _bench.ForeignLoad()
+        results[metric] = [measure() for _ in range(args.repeats)]
+        _bench.emit(
+            {"bench": BENCH, "metric": metric, "summary": True, **_bench.summary(results[metric]), **load.result()}
+        )
+
+    def in_process(storage: Path) -> float:
+        """``list_runs`` alone, in a fresh process."""
+        code = "import sys, time; from ddptrain.inspect_runs import list_runs; t = time.perf_counter(); "
+        code += "list_runs(sys.argv[1]); print(time.perf_counter() - t)"
+        done = subprocess.run([sys.executable, "-c", code, str(storage)], env=env, capture_output=True, text=True)
+        return float(done.stdout)
+
     try:
         history = folder / "history" / RunLayout.METRICS
         history.parent.mkdir()
@@ -138,39 +153,26 @@ def main() -> int:
         new, old = folder / "new", folder / "old"
         make_runs(new, history, count, summaries=True)
         make_runs(old, history, min(count, 10), summaries=False)
-        # Python's start and ddptrain's imports, the part of each command that is not reading runs.
-        runs = {"startup_s": [sys.executable, "-c", "import ddptrain.cli"]}
-        reading = "import sys, time; from ddptrain.inspect_runs import list_runs; t = time.perf_counter(); "
-        reading += "n = len(list_runs(sys.argv[1])); print(time.perf_counter() - t)"
-        runs |= {"runs_100_s": cli("runs", str(new)), "show_s": cli("show", str(new / "run_000"))}
-        runs |= {"old_runs_10_s": cli("runs", str(old)), "old_show_s": cli("show", str(old / "run_000"))}
-        for metric, command in runs.items():
-            results[metric] = [timed(command, env) for _ in range(args.repeats)]
-        results["list_runs_100_s"] = [  # ddptrain.inspect_runs.list_runs alone, in a fresh process
-            float(
-                subprocess.run(
-                    [sys.executable, "-c", reading, str(new)], env=env, capture_output=True, text=True
-                ).stdout
-            )
-            for _ in range(args.repeats)
-        ]
+        # Python's start and ddptrain's imports: the part of each command that is not reading runs.
+        record("startup_s", lambda: timed([sys.executable, "-c", "import ddptrain.cli"], env))
+        record("runs_100_s", lambda: timed(cli("runs", str(new)), env))
+        record("list_runs_100_s", lambda: in_process(new))
+        record("show_s", lambda: timed(cli("show", str(new / "run_000")), env))
+        record("old_runs_10_s", lambda: timed(cli("runs", str(old)), env))
+        record("old_show_s", lambda: timed(cli("show", str(old / "run_000")), env))
+        served = dashboard(new, env, args.repeats)
+        for metric in ("dashboard_runs_s", "dashboard_run_s", "dashboard_poll_s"):
+            results[metric] = served[metric]
+            _bench.emit({"bench": BENCH, "metric": metric, "summary": True, **_bench.summary(served[metric])})
+        _bench.emit(
+            {"bench": BENCH, "metric": "dashboard_peak_rss_mib", "value": round(served["dashboard_peak_rss_mib"])}
+        )
         if baseline:
             one = folder / "one"
             make_runs(one, history, 1, summaries=False)
             base_env = {**os.environ, "PYTHONPATH": baseline}
-            results["baseline_runs_1_s"] = [timed(cli("runs", str(one)), base_env) for _ in range(args.repeats)]
-            results["baseline_show_s"] = [
-                timed(cli("show", str(one / "run_000")), base_env) for _ in range(args.repeats)
-            ]
-        served = dashboard(new, env, args.repeats)
-        for metric in ("dashboard_runs_s", "dashboard_run_s", "dashboard_poll_s"):
-            results[metric] = served[metric]
-        foreign = load.result()
-        for metric, values in results.items():
-            _bench.emit({"bench": BENCH, "metric": metric, "summary": True, **_bench.summary(values), **foreign})
-        _bench.emit(
-            {"bench": BENCH, "metric": "dashboard_peak_rss_mib", "value": round(served["dashboard_peak_rss_mib"])}
-        )
+            record("baseline_runs_1_s", lambda: timed(cli("runs", str(one)), base_env))
+            record("baseline_show_s", lambda: timed(cli("show", str(one / "run_000")), base_env))
         _bench.emit(
             {
                 "bench": BENCH,

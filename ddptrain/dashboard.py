@@ -9,7 +9,7 @@ small JSON endpoints and draws its charts itself (SVG, no script from elsewhere)
 * ``GET /api/runs/<name>/metrics?offset=B&after=N`` the reports from byte ``B`` of the metrics
   file (a ``next`` of an earlier answer), numbered from ``N + 1``; and the new ``next``.
 
-No request's work grows with a run's history (see :mod:`ddptrain.run_files`).
+No request's work grows with a run's history (see :mod:`ddptrain.run_metrics`).
 
 Who can read it: each start makes a new token, part of the URL it prints
 (``http://127.0.0.1:8278/?token=...``, as Jupyter does); the page sends it with each request
@@ -43,7 +43,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any
 
-from ddptrain import run_files
+from ddptrain import run_files, run_metrics
 from ddptrain.inspect_runs import list_runs, report_row, run_summary
 from ddptrain.run_views import RunView
 
@@ -318,7 +318,7 @@ class Dashboard:
             if parts[3] == "metrics":
                 query = urllib.parse.parse_qs(url.query)
                 offset, after = (int(query.get(key, ["0"])[-1]) for key in ("offset", "after"))
-                lines, end = run_files.read_metrics_after(view.folder, offset)
+                lines, end = run_metrics.read_metrics_after(view.folder, offset)
                 rows = [report_row(after + i, line) for i, line in enumerate(lines, start=1)]
                 return self._json(request, {"rows": rows, "next": end})
         except run_files.RunFileError as exc:
@@ -332,9 +332,9 @@ class Dashboard:
         """One run's page: its summary, last reports and log tails."""
         summary = run_summary(view)
         try:
-            lines, metrics = run_files.read_metrics_tail(view.folder, _CHART_REPORTS)
+            lines, metrics = run_metrics.read_metrics_tail(view.folder, _CHART_REPORTS)
         except run_files.RunFileError:  # the summary's problem says so
-            lines, metrics = [], run_files.MetricsSummary()
+            lines, metrics = [], run_metrics.MetricsSummary()
         first = metrics.reports - len(lines) + 1
         summary["rows"] = [report_row(first + i, line) for i, line in enumerate(lines)]
         summary["next"] = metrics.offset

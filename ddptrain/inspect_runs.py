@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ddptrain import _env, run_files, storage
+from ddptrain import _env, run_files, run_metrics, storage
 from ddptrain.progress import format_duration, format_metrics
 from ddptrain.remote import on_remote_storage
 from ddptrain.run_views import RunView, list_views, open_run
@@ -110,7 +110,7 @@ def run_summary(run: Path | RunView, full: bool = False) -> dict[str, Any]:
 
     A run whose files cannot be read (not JSON, of other types, a link, a FIFO...) is
     ``UNREADABLE``, and ``problem`` says why; what could be read is shown as usual. Reading it
-    does not grow with its reports: see :func:`ddptrain.run_files.read_metrics_summary` (``full``:
+    does not grow with its reports: see :func:`ddptrain.run_metrics.read_metrics_summary` (``full``:
     each metric's min and max are known even for a long run of an older ddptrain).
     """
     view = run if isinstance(run, RunView) else RunView(run, str(run))
@@ -119,9 +119,9 @@ def run_summary(run: Path | RunView, full: bool = False) -> dict[str, Any]:
     if status in ("RUNNING", "RESTARTING") and view.driver_alive(info) is False:
         status = "ABORTED"  # its driver died without a word
     try:
-        metrics = run_files.read_metrics_summary(view.folder, full)
+        metrics = run_metrics.read_metrics_summary(view.folder, full)
     except run_files.RunFileError as exc:
-        metrics = run_files.MetricsSummary(stats=None)
+        metrics = run_metrics.MetricsSummary(stats=None)
         problems.append(str(exc))
     if metrics.foreign:
         problems.append(f"{view.shown_path(view.layout.metrics)}: {metrics.foreign} line(s) are not reports (skipped)")
@@ -299,7 +299,7 @@ def report_row(index: int, line: dict[str, Any]) -> dict[str, Any]:
 
 def export_rows(run_dir: Path) -> list[dict[str, Any]]:
     """One row per report (:func:`report_row`), oldest first."""
-    return [report_row(index, line) for index, line in enumerate(run_files.iter_metric_lines(run_dir), start=1)]
+    return [report_row(index, line) for index, line in enumerate(run_metrics.iter_metric_lines(run_dir), start=1)]
 
 
 def main_export(run: str, fmt: str, output: str | None) -> int:

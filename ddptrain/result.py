@@ -7,7 +7,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddptrain import remote, run_files
+from ddptrain import remote, run_metrics
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.checkpoint_manager import CheckpointManager
 from ddptrain.remote_checkpoints import RemoteCheckpointManager
@@ -158,7 +158,7 @@ def read_metric_lines(run_dir: str) -> list[dict[str, Any]]:
     Raises:
         RunFileError: ``metrics.jsonl`` is not a regular file of the run folder (a link, a FIFO...).
     """
-    return list(run_files.iter_metric_lines(run_dir))
+    return list(run_metrics.iter_metric_lines(run_dir))
 
 
 def read_metrics(run_dir: str) -> list[dict[str, Any]]:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 
-from ddptrain import protocol, run_files, storage
+from ddptrain import protocol, run_metrics, storage
 from ddptrain.callbacks import TrainRunContext
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.checkpoint_manager import CheckpointManager
@@ -99,7 +99,7 @@ class Run:
         )
         self.start_checkpoint: Checkpoint | None = None  # resume_from_checkpoint
         self._metrics_file: Any = None
-        self._summary = run_files.MetricsSummary()  # of metrics.jsonl, for its readers
+        self._summary = run_metrics.MetricsSummary()  # of metrics.jsonl, for its readers
         self._summary_due = 0.0
         # Workers on other hosts get the storage's credentials and endpoint from the driver.
         self._env_vars = {**(self.remote.credential_env() if self.remote else {}), **run_config._env_vars()}
@@ -240,7 +240,7 @@ class Run:
             if self._metrics_file.read(1) != "\n":
                 self._metrics_file.write("\n")
                 self._metrics_file.flush()
-        self._summary = run_files.read_metrics_summary(self.run_dir, full=True)
+        self._summary = run_metrics.read_metrics_summary(self.run_dir, full=True)
         self._write_summary()
 
     def save_status(self, status: str, **fields: Any) -> None:

@@ -286,9 +286,9 @@ def test_runs_and_show_read_the_summary_and_the_lines_after_it(runs: str, tmp_pa
 def test_a_long_run_of_an_older_ddptrain_is_read_from_its_tail(tmp_path: Path, capfd, monkeypatch) -> None:
     """No summary (written before there was one): `runs` counts lines and reads the last one;
     `show` reads it all, for the min and max."""
-    from ddptrain import run_files
+    from ddptrain import run_metrics
 
-    monkeypatch.setattr(run_files, "_DELTA_MAX_BYTES", 1000)  # "long": over 1000 bytes
+    monkeypatch.setattr(run_metrics, "_DELTA_MAX_BYTES", 1000)  # "long": over 1000 bytes
     write_run(tmp_path / "old", metrics=[{"loss": 1.0 / (i + 1), "step": i} for i in range(100)])
     code, out, _ = cli(capfd, "runs", str(tmp_path), "--json")
     [summary] = json.loads(out)
