@@ -70,7 +70,8 @@ def make_runs(storage: Path, history: Path, count: int, summaries: bool) -> None
 
 def timed(command: list[str], env: dict[str, str]) -> float:
     started = time.perf_counter()
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    # Run from "/": a ddptrain/ folder in the working directory would come first on sys.path.
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd="/")
     elapsed = time.perf_counter() - started
     if done.returncode != 0:
         raise RuntimeError(f"{command} failed: {done.stderr[-2000:]}")
@@ -87,6 +88,7 @@ def dashboard(storage: Path, env: dict[str, str], repeats: int) -> dict[str, Any
         env=env,
         stdout=subprocess.PIPE,
         text=True,
+        cwd="/",
     )
     try:
         url = re.search(r"(http://\S+)", proc.stdout.readline()).group(1)  # type: ignore[union-attr]
@@ -143,7 +145,9 @@ def main() -> int:
         """``list_runs`` alone, in a fresh process."""
         code = "import sys, time; from ddptrain.inspect_runs import list_runs; t = time.perf_counter(); "
         code += "list_runs(sys.argv[1]); print(time.perf_counter() - t)"
-        done = subprocess.run([sys.executable, "-c", code, str(storage)], env=env, capture_output=True, text=True)
+        done = subprocess.run(
+            [sys.executable, "-c", code, str(storage)], env=env, capture_output=True, text=True, cwd="/"
+        )
         return float(done.stdout)
 
     try:

@@ -30,7 +30,10 @@ __all__ = [
 ]
 
 _LINE_MAX_BYTES = 16 << 20  # a longer metrics line is skipped
-_DELTA_MAX_BYTES = 16 << 20  # what a summary read parses after the summary's offset, at most
+# What a read that is not `full` parses after the summary's offset, at most (about 10 000 reports;
+# the driver rewrites the summary every second): past it, lines are counted, not parsed.
+_DELTA_MAX_BYTES = 1 << 20
+_POLL_MAX_BYTES = 4 << 20  # what one read of new reports (a dashboard's poll) reads, at most
 _CHUNK_BYTES = 1 << 20
 _SUMMARY_VERSION = 1
 
@@ -194,13 +197,14 @@ def _scan(f: IO[bytes], summary: MetricsSummary, limit_bytes: int | None = None)
 
 def _last_lines(f: IO[bytes], end: int, count: int, limit_bytes: int = 4 * _LINE_MAX_BYTES) -> list[dict[str, Any]]:
     """Up to ``count`` reports of the lines before byte ``end``, read backwards from it."""
-    start, data = end, b""
-    while start > 0 and data.count(b"\n") <= count and end - start < limit_bytes:
+    start, chunks, newlines = end, [], 0
+    while start > 0 and newlines <= count and end - start < limit_bytes:
         step = min(_CHUNK_BYTES, start)
         start -= step
         f.seek(start)
-        data = f.read(step) + data
-    texts = data.split(b"\n")
+        chunks.append(f.read(step))
+        newlines += chunks[-1].count(b"\n")
+    texts = b"".join(reversed(chunks)).split(b"\n")
     if start > 0:
         texts = texts[1:]  # its start is before what was read
     lines = [line for line in map(_metric_line, texts) if line is not None]
@@ -210,9 +214,9 @@ def _last_lines(f: IO[bytes], end: int, count: int, limit_bytes: int = 4 * _LINE
 def read_metrics_summary(run_dir: str | os.PathLike[str], full: bool = False) -> MetricsSummary:
     """The reports of the run, from its summary and the lines after it.
 
-    Without the summary (a run written by an older ddptrain) and over 16 MiB of lines, a read
-    that is not ``full`` counts the lines and reads the last report from the end of the file;
-    its ``stats`` is ``None``. A ``full`` read reads every line after the summary.
+    When more than 1 MiB of lines follow the summary (a run written by an older ddptrain, which
+    has none), a read that is not ``full`` counts them and reads the last report from the end of
+    the file; its ``stats`` is ``None``. A ``full`` read reads every line after the summary.
 
     Raises:
         RunFileError: ``metrics.jsonl`` cannot be read (see :func:`open_file`).
@@ -255,7 +259,7 @@ def read_metrics_tail(run_dir: str | os.PathLike[str], count: int) -> tuple[list
 
 
 def read_metrics_after(
-    run_dir: str | os.PathLike[str], offset: int, limit_bytes: int = _DELTA_MAX_BYTES
+    run_dir: str | os.PathLike[str], offset: int, limit_bytes: int = _POLL_MAX_BYTES
 ) -> tuple[list[dict[str, Any]], int]:
     """The reports of the complete lines from byte ``offset`` (the end of a line, as returned
     by an earlier call), reading at most about ``limit_bytes``; and the offset after them.

@@ -6,7 +6,7 @@ spelled)::
     run.json                 the run's config summary and status
     trainer.pkl              the pickled trainer, for ``restore()``
     metrics.jsonl            one line per report (rank 0's metrics)
-    metrics_summary.json     what readers need of metrics.jsonl without reading it all (run_files)
+    metrics_summary.json     what readers need of metrics.jsonl without reading it all (run_metrics)
     checkpoints.json         committed checkpoints, replaced atomically
     checkpoint_000003/       committed checkpoints (renamed into place when complete)
     .commit.json             the checkpoint being committed, while it is (see checkpoint_manager)
