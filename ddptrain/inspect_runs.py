@@ -14,6 +14,7 @@ import io
 import json
 import math
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -104,14 +105,14 @@ def _run_info(view: RunView) -> tuple[dict[str, Any], list[str]]:
     return checked, problems
 
 
-def run_summary(run: Path | RunView, full: bool = False) -> dict[str, Any]:
+def run_summary(run: Path | RunView) -> dict[str, Any]:
     """What ``runs`` and ``show`` print of one run (a run directory, or a view of any run),
     as plain data, of the types ddptrain writes whatever the run's files hold.
 
     A run whose files cannot be read (not JSON, of other types, a link, a FIFO...) is
     ``UNREADABLE``, and ``problem`` says why; what could be read is shown as usual. Reading it
-    does not grow with its reports: see :func:`ddptrain.run_metrics.read_metrics_summary` (``full``:
-    each metric's min and max are known even for a long run of an older ddptrain).
+    does not grow with its reports (see :func:`ddptrain.run_metrics.read_metrics_summary`): for a
+    long run of an older ddptrain, ``metric_stats`` (each metric's last, min, max) is ``None``.
     """
     view = run if isinstance(run, RunView) else RunView(run, str(run))
     info, problems = _run_info(view)
@@ -119,7 +120,7 @@ def run_summary(run: Path | RunView, full: bool = False) -> dict[str, Any]:
     if status in ("RUNNING", "RESTARTING") and view.driver_alive(info) is False:
         status = "ABORTED"  # its driver died without a word
     try:
-        metrics = run_metrics.read_metrics_summary(view.folder, full)
+        metrics = run_metrics.read_metrics_summary(view.folder)
     except run_files.RunFileError as exc:
         metrics = run_metrics.MetricsSummary(stats=None)
         problems.append(str(exc))
@@ -220,7 +221,7 @@ def main_runs(storage_path: str | None, as_json: bool) -> int:
 
 def main_show(run: str, as_json: bool) -> int:
     view = open_run(run)
-    summary = run_summary(view, full=True)
+    summary = run_summary(view)
     if as_json:
         _print_json(summary)
         return 0
@@ -244,6 +245,9 @@ def main_show(run: str, as_json: bool) -> int:
     print(f"  reports: {s['reports']}")
     for key, (last, low, high) in (s["metric_stats"] or {}).items():
         print(f"    {key}: last {last:.6g}, min {low:.6g}, max {high:.6g}")
+    if s["metric_stats"] is None and s["last_metrics"]:
+        print(f"    last: {format_metrics(s['last_metrics'])} (min and max: not recorded by the ddptrain that wrote")
+        print(f"    this run; `ddptrain export {shlex.quote(run)}` has every report)")
     score = s["score_attribute"]
     print(f"  checkpoints ({len(s['checkpoints'])} kept" + (f", scored by {score!r}" if score else "") + "):")
     for path, metrics in s["checkpoints"]:
