@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from run_folders import write_run
 
 import ddptrain as train
 from ddptrain import dashboard as dashboard_module
@@ -271,18 +272,6 @@ def api(dashboard: Dashboard, path: str, *, token: str | None = "", host: str | 
         conn.close()
     is_json = response.getheader("Content-Type") == "application/json"
     return response.status, json.loads(body) if is_json else body
-
-
-def write_run(folder: Path, run_json: object = None, metrics: list[object] | None = None) -> None:
-    """A run folder as someone else may have written it."""
-    folder.mkdir(parents=True)
-    if run_json is None:
-        run_json = {"name": folder.name, "status": "FINISHED", "started": 1e9, "ended": 1e9 + 5}
-    data = run_json if isinstance(run_json, bytes) else json.dumps(run_json).encode()
-    (folder / "run.json").write_bytes(data)
-    if metrics is not None:
-        lines = [m if isinstance(m, str) else json.dumps({"time": 1e9, "attempt": 0, "metrics": m}) for m in metrics]
-        (folder / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
 
 
 def test_the_server_serves_only_runs_of_its_storage_folder(tmp_path: Path) -> None:

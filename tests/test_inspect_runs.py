@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from run_folders import write_run
 
 import ddptrain as train
 from ddptrain.cli import main
@@ -171,17 +172,6 @@ def ddptrain(*args: str) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=60,
     )
-
-
-def write_run(folder: Path, run_json: object = None, metrics: list[object] | None = None) -> None:
-    """A run folder as someone else may have written it."""
-    folder.mkdir(parents=True)
-    if run_json is None:
-        run_json = {"name": folder.name, "status": "FINISHED", "started": 1e9, "ended": 1e9 + 5}
-    (folder / "run.json").write_bytes(run_json if isinstance(run_json, bytes) else json.dumps(run_json).encode())
-    if metrics is not None:
-        lines = [m if isinstance(m, str) else json.dumps({"time": 1e9, "attempt": 0, "metrics": m}) for m in metrics]
-        (folder / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
 
 
 def test_runs_shows_unreadable_runs_as_such_beside_the_others(tmp_path: Path) -> None:
