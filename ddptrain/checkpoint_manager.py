@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ddptrain import storage
+from ddptrain import run_files, storage
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.config import CheckpointConfig
 from ddptrain.errors import DdpTrainError
@@ -286,14 +286,14 @@ class CheckpointManager:
                 latest checkpoint that is missing. Nothing is changed on disk.
         """
         path = self.layout.index
-        if not path.exists():
-            return
         hint = (
             "Nothing was changed. Fix or move the file away to start this run from scratch, "
             "or pick another `RunConfig(name=...)`."
         )
         try:
-            data = json.loads(path.read_text())
+            data = run_files.read_json(self.run_dir, storage.RunLayout.INDEX)
+            if data is None:
+                return
             version = data.get("version")
             entries = [
                 _Entry(str(e["dir_name"]), dict(e.get("metrics", {})), int(e.get("report_index", 0)))
@@ -327,15 +327,14 @@ class CheckpointManager:
 def read_config(run_dir: str) -> CheckpointConfig:
     """The retention settings recorded in ``run_dir``'s index (defaults when unreadable:
     :meth:`CheckpointManager.load` reports that)."""
-    path = storage.RunLayout(run_dir).index
-    if path.exists():
-        try:
-            data = json.loads(path.read_text())
+    try:
+        data = run_files.read_json(run_dir, storage.RunLayout.INDEX)
+        if data is not None:
             return CheckpointConfig(
                 num_to_keep=data.get("num_to_keep"),
                 checkpoint_score_attribute=data.get("checkpoint_score_attribute"),
                 checkpoint_score_order=data.get("checkpoint_score_order") or "max",
             )
-        except (OSError, ValueError, AttributeError):
-            pass
+    except (OSError, ValueError, TypeError, AttributeError):
+        pass
     return CheckpointConfig()

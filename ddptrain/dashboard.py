@@ -4,26 +4,48 @@ A standard-library HTTP server (no web framework) on 127.0.0.1 by default. The p
 small JSON endpoints and draws its charts itself (SVG, no script from elsewhere):
 
 * ``GET /`` the page; ``GET /api/runs`` every run's summary (``ddptrain runs --json``);
-* ``GET /api/runs/<name>`` one run: summary, every report, the latest attempt's log tails;
-* ``GET /api/runs/<name>/metrics?after=N`` the reports after the N-th (live charts).
+* ``GET /api/runs/<name>`` one run: summary, its last reports (``rows``, up to ``keep``;
+  ``next``: where the metrics file's next line starts), the latest attempt's log tails;
+* ``GET /api/runs/<name>/metrics?offset=B&after=N`` the reports from byte ``B`` of the metrics
+  file (a ``next`` of an earlier answer), numbered from ``N + 1``; and the new ``next``.
 
-Only direct children of the storage folder are served: a name with a ``/``, ``..`` or a
-symlink that leads elsewhere is a 404. Nothing can be written through it.
+No request's work grows with a run's history (see :mod:`ddptrain.run_metrics`).
+
+Who can read it: each start makes a new token, part of the URL it prints
+(``http://127.0.0.1:8278/?token=...``, as Jupyter does); the page sends it with each request
+(``Authorization: Token ...``; ``?token=`` works too). A request without it gets 403, and so
+does one whose ``Host`` is not this machine's loopback address and port (a page elsewhere whose
+DNS name is rebound to 127.0.0.1 cannot read it). The dashboard writes no file.
+
+Only direct children of the storage folder are served, through :mod:`ddptrain.run_files` (no
+link is followed, only regular files are read). Nothing can be written through it.
+
+Connections are served by a few threads; a connection waits for its request in one selector,
+not in a thread, is closed after ``idle_timeout_s`` without one, and at most
+``max_connections`` are open (the oldest idle one is closed to make room).
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
+import math
 import os
+import secrets
+import selectors
+import socket
 import threading
+import time
 import urllib.parse
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any
 
-from ddptrain.inspect_runs import export_rows, list_runs, run_summary
-from ddptrain.storage import RunLayout
+from ddptrain import run_files, run_metrics
+from ddptrain.inspect_runs import list_runs, report_row, run_summary
+from ddptrain.run_views import RunView
 
 __all__ = ["DEFAULT_PORT", "Dashboard", "serve"]
 
@@ -32,6 +54,9 @@ _logger = logging.getLogger(__name__)
 # Not Ray's dashboard (8265) nor TensorBoard (6006).
 DEFAULT_PORT = 8278
 _TAIL_LINES = 40
+_CHART_REPORTS = 10_000  # the reports a run's page starts with (its latest)
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+_WILDCARD = ("", "0.0.0.0", "::")
 
 
 def _page() -> bytes:
@@ -39,21 +64,152 @@ def _page() -> bytes:
     return (Path(__file__).parent / "dashboard.html").read_bytes()
 
 
-def _log_tails(run_dir: Path) -> dict[str, Any]:
-    layout = RunLayout(run_dir)
-    attempts = layout.attempts()
-    if not attempts:
-        return {"attempt": None, "ranks": {}}
+def _strict(value: Any) -> Any:
+    """``value`` for strict JSON (a browser's): non-finite numbers become text ("NaN")."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value).replace("inf", "Infinity").replace("nan", "NaN")
+    if isinstance(value, dict):
+        return {str(k): _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    return value
+
+
+def _log_tails(view: RunView) -> dict[str, Any]:
+    """The last lines of each rank's log of the latest attempt (a log that is not read says why)."""
+    try:
+        attempts = view.attempts()
+        ranks = view.log_ranks(attempts[-1]) if attempts else []
+    except run_files.RunFileError as exc:
+        return {"attempt": None, "ranks": {}, "problem": str(exc)}
     tails = {}
-    for rank, path in layout.rank_logs(attempts[-1]).items():
+    for rank in ranks:
         try:
-            with open(path, "rb") as f:
-                f.seek(max(0, os.path.getsize(path) - 64 * 1024))
-                lines = f.read().decode("utf-8", errors="replace").splitlines()
-        except OSError:
-            continue
+            f = view.open_log(attempts[-1], rank)
+            if f is None:
+                continue
+            with f:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - 64 * 1024))
+                lines = f.read(64 * 1024).decode("utf-8", errors="replace").splitlines()
+        except OSError as exc:  # RunFileError among them
+            lines = [f"(not read: {exc})"]
         tails[str(rank)] = lines[-_TAIL_LINES:]
-    return {"attempt": attempts[-1], "ranks": tails}
+    return {"attempt": attempts[-1] if attempts else None, "ranks": tails}
+
+
+def _allowed_hosts(host: str, port: int) -> frozenset[str]:
+    """The ``Host`` headers answered: loopback names, and the address listened on."""
+    names = {"127.0.0.1", "localhost", "[::1]"}
+    if host in _WILDCARD:
+        names |= {socket.gethostname(), socket.getfqdn()}
+    elif host not in _LOOPBACK:
+        names.add(f"[{host}]" if ":" in host else host)
+    allowed = {f"{name}:{port}".lower() for name in names}
+    return frozenset(allowed | ({name.lower() for name in names} if port == 80 else set()))
+
+
+class _Server(HTTPServer):
+    """An ``HTTPServer`` with a fixed pool of threads (see the module's docstring)."""
+
+    request_queue_size = 64
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        handler: type[BaseHTTPRequestHandler],
+        workers: int,
+        idle_timeout_s: float,
+        max_connections: int,
+    ) -> None:
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6
+        super().__init__(address, handler)
+        self.workers, self.idle_timeout_s, self.max_connections = workers, idle_timeout_s, max_connections
+        self._stop = threading.Event()
+        self._stopped = threading.Event()
+        self._stopped.set()
+        self._lock = threading.Lock()
+        self._serving: set[socket.socket] = set()  # handed to the pool
+
+    def serve_forever(self, poll_interval: float = 0.25) -> None:
+        self._stop.clear()
+        self._stopped.clear()
+        waiting: dict[socket.socket, float] = {}  # connection -> when it is closed unless it speaks; oldest first
+        selector = selectors.DefaultSelector()
+        selector.register(self.socket, selectors.EVENT_READ)
+        pool = ThreadPoolExecutor(self.workers, thread_name_prefix="ddptrain-dashboard")
+        try:
+            while not self._stop.is_set():
+                for key, _ in selector.select(poll_interval):
+                    if key.fileobj is self.socket:
+                        self._accept(selector, waiting)
+                        continue
+                    conn, address = key.data
+                    del waiting[conn]
+                    selector.unregister(conn)
+                    with self._lock:
+                        self._serving.add(conn)
+                    pool.submit(self._serve, conn, address)
+                now = time.monotonic()
+                while waiting and next(iter(waiting.values())) < now:
+                    self._drop(selector, waiting, next(iter(waiting)))
+        finally:
+            for conn in list(waiting):
+                self._drop(selector, waiting, conn)
+            selector.close()
+            with self._lock:
+                for conn in self._serving:  # wakes the threads serving them
+                    try:
+                        conn.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+            pool.shutdown(wait=True)
+            self._stopped.set()
+
+    def _accept(self, selector: selectors.BaseSelector, waiting: dict[socket.socket, float]) -> None:
+        try:
+            conn, address = self.socket.accept()
+        except OSError:
+            return
+        with self._lock:
+            full = len(waiting) + len(self._serving) >= self.max_connections
+        if full and not waiting:  # every one is being served
+            conn.close()
+            return
+        if full:
+            self._drop(selector, waiting, next(iter(waiting)))
+        selector.register(conn, selectors.EVENT_READ, (conn, address))
+        waiting[conn] = time.monotonic() + self.idle_timeout_s
+
+    @staticmethod
+    def _drop(selector: selectors.BaseSelector, waiting: dict[socket.socket, float], conn: socket.socket) -> None:
+        del waiting[conn]
+        selector.unregister(conn)
+        conn.close()
+
+    def _serve(self, conn: socket.socket, address: Any) -> None:
+        try:
+            self.finish_request(conn, address)
+        except Exception:
+            _logger.debug("ddptrain dashboard: a connection from %s failed", address, exc_info=True)
+        finally:
+            self.shutdown_request(conn)
+            with self._lock:
+                self._serving.discard(conn)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._stopped.wait()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    dashboard: Dashboard  # set on the subclass each dashboard makes
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        self.dashboard._get(self)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        _logger.debug("dashboard: " + format, *args)
 
 
 class Dashboard:
@@ -63,28 +219,44 @@ class Dashboard:
         storage_path: The folder whose runs are shown.
         host: The address to listen on (127.0.0.1: this machine only).
         port: The port (0: any free one).
+        workers: The threads that serve requests.
+        idle_timeout_s: How long a connection may stay without sending its request (and
+            between the parts of one).
+        max_connections: The most connections open at once.
     """
 
-    def __init__(self, storage_path: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT) -> None:
+    def __init__(
+        self,
+        storage_path: str,
+        host: str = "127.0.0.1",
+        port: int = DEFAULT_PORT,
+        *,
+        workers: int = 8,
+        idle_timeout_s: float = 10.0,
+        max_connections: int = 128,
+    ) -> None:
         self.root = Path(storage_path).expanduser().resolve()
-        dashboard = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                dashboard._get(self)
-
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-                _logger.debug("dashboard: " + format, *args)
-
-        self.server = ThreadingHTTPServer((host, port), Handler)
-        self.server.daemon_threads = True
+        self.token = secrets.token_urlsafe(24)  # this start's, never written anywhere
+        handler = type("Handler", (_Handler,), {"dashboard": self, "timeout": idle_timeout_s})
+        self.server = _Server((host, port), handler, workers, idle_timeout_s, max_connections)
+        self._hosts = _allowed_hosts(host, self.port)
+        self._host = host
         self._thread: threading.Thread | None = None
 
     @property
+    def port(self) -> int:
+        return int(self.server.server_address[1])
+
+    @property
+    def base_url(self) -> str:
+        """The server's address, without the token."""
+        host = socket.gethostname() if self._host in _WILDCARD else self._host
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.port}/"
+
+    @property
     def url(self) -> str:
-        host, port = self.server.server_address[:2]
-        name = host.decode() if isinstance(host, bytes) else str(host)
-        return f"http://{name}:{port}/"
+        """The page's address, with the token (what ``ddptrain dashboard`` prints)."""
+        return f"{self.base_url}?token={self.token}"
 
     def start(self) -> Dashboard:
         self._thread = threading.Thread(target=self.server.serve_forever, name="ddptrain-dashboard", daemon=True)
@@ -96,48 +268,82 @@ class Dashboard:
         self.server.server_close()
 
     # ----------------------------------------------------------------- requests
-    def _run_dir(self, name: str) -> Path | None:
+    def _run_view(self, name: str) -> RunView | None:
         """The run folder ``name`` directly under the storage folder, or ``None``."""
-        if not name or "/" in name or "\\" in name or name in (".", ".."):
+        if not name or any(c in name for c in "/\\\0") or name in (".", "..") or len(name.encode()) > 255:
             return None
-        path = (self.root / name).resolve()
-        if path.parent != self.root or not RunLayout(path).run_json.is_file():
-            return None
-        return path
+        path = self.root / name
+        return RunView(path, str(path)) if run_files.is_run(path) else None
+
+    def _authorized(self, request: BaseHTTPRequestHandler, query: str) -> bool:
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "token":
+            given = urllib.parse.parse_qs(query).get("token", [""])[-1]
+        return hmac.compare_digest(given.strip().encode(), self.token.encode())
 
     def _get(self, request: BaseHTTPRequestHandler) -> None:
+        try:
+            self._answer(request)
+        except OSError:  # the connection is gone (or timed out): no one to answer
+            pass
+        except Exception:
+            _logger.warning("ddptrain dashboard: GET %.200s failed", request.path, exc_info=True)
+            try:
+                self._json(request, {"error": "internal error (the dashboard's log has the traceback)"}, 500)
+            except OSError:
+                pass
+
+    def _answer(self, request: BaseHTTPRequestHandler) -> None:
+        hosts = request.headers.get_all("Host") or []
+        if len(hosts) != 1 or hosts[0].strip().lower() not in self._hosts:
+            message = f"this dashboard answers requests to {self.base_url} (or localhost) only"
+            return self._json(request, {"error": message}, 403)
         url = urllib.parse.urlsplit(request.path)
         parts = [urllib.parse.unquote(p) for p in url.path.split("/") if p]
+        if parts == ["favicon.ico"]:
+            return self._send(request, 204, b"", "image/x-icon")
+        if not self._authorized(request, url.query):
+            message = "open the URL with the token that `ddptrain dashboard` printed when it started"
+            return self._json(request, {"error": message}, 403)
+        if not parts:
+            return self._send(request, 200, _page(), "text/html; charset=utf-8")
+        if parts == ["api", "runs"]:
+            return self._json(request, list_runs(str(self.root)))
+        view = self._run_view(parts[2]) if len(parts) in (3, 4) and parts[:2] == ["api", "runs"] else None
+        if view is None:
+            return self._json(request, {"error": "no such run" if parts[:2] == ["api", "runs"] else "not found"}, 404)
         try:
-            if not parts:
-                self._send(request, 200, _page(), "text/html; charset=utf-8")
-            elif parts == ["favicon.ico"]:
-                self._send(request, 204, b"", "image/x-icon")
-            elif parts == ["api", "runs"]:
-                self._json(request, list_runs(str(self.root)))
-            elif len(parts) in (3, 4) and parts[:2] == ["api", "runs"]:
-                run_dir = self._run_dir(parts[2])
-                if run_dir is None:
-                    self._json(request, {"error": "no such run"}, 404)
-                elif len(parts) == 3:
-                    summary = run_summary(run_dir)
-                    summary["rows"] = export_rows(run_dir)
-                    summary["logs"] = _log_tails(run_dir)
-                    self._json(request, summary)
-                elif parts[3] == "metrics":
-                    after = int(urllib.parse.parse_qs(url.query).get("after", ["0"])[0])
-                    self._json(request, export_rows(run_dir)[after:])
-                else:
-                    self._json(request, {"error": "not found"}, 404)
-            else:
-                self._json(request, {"error": "not found"}, 404)
-        except (BrokenPipeError, ConnectionResetError):
-            pass
-        except ValueError:
-            self._json(request, {"error": "bad request"}, 400)
+            if len(parts) == 3:
+                return self._json(request, self._run(view))
+            if parts[3] == "metrics":
+                query = urllib.parse.parse_qs(url.query)
+                offset, after = (int(query.get(key, ["0"])[-1]) for key in ("offset", "after"))
+                lines, end = run_metrics.read_metrics_after(view.folder, offset)
+                rows = [report_row(after + i, line) for i, line in enumerate(lines, start=1)]
+                return self._json(request, {"rows": rows, "next": end})
+        except run_files.RunFileError as exc:
+            return self._json(request, {"error": str(exc)}, 422)
+        except ValueError as exc:
+            return self._json(request, {"error": f"bad request: {exc}"}, 400)
+        return self._json(request, {"error": "not found"}, 404)
+
+    @staticmethod
+    def _run(view: RunView) -> dict[str, Any]:
+        """One run's page: its summary, last reports and log tails."""
+        summary = run_summary(view)
+        try:
+            lines, metrics = run_metrics.read_metrics_tail(view.folder, _CHART_REPORTS)
+        except run_files.RunFileError:  # the summary's problem says so
+            lines, metrics = [], run_metrics.MetricsSummary()
+        first = metrics.reports - len(lines) + 1
+        summary["rows"] = [report_row(first + i, line) for i, line in enumerate(lines)]
+        summary["next"] = metrics.offset
+        summary["keep"] = _CHART_REPORTS  # the page keeps the latest as more arrive
+        summary["logs"] = _log_tails(view)
+        return summary
 
     def _json(self, request: BaseHTTPRequestHandler, data: Any, status: int = 200) -> None:
-        self._send(request, status, json.dumps(data, default=str).encode(), "application/json")
+        self._send(request, status, json.dumps(_strict(data), default=str).encode(), "application/json")
 
     @staticmethod
     def _send(request: BaseHTTPRequestHandler, status: int, body: bytes, content_type: str) -> None:
@@ -145,9 +351,12 @@ class Dashboard:
         request.send_header("Content-Type", content_type)
         request.send_header("Content-Length", str(len(body)))
         request.send_header("Cache-Control", "no-store")
-        # The page's own script and styles only; nothing from elsewhere.
+        request.send_header("Referrer-Policy", "no-referrer")
+        request.send_header("X-Content-Type-Options", "nosniff")
+        # The page's own script and styles only; nothing from elsewhere, and in no one's frame.
         request.send_header(
-            "Content-Security-Policy", "default-src 'self'; script-src 'unsafe-inline'; style-src 'unsafe-inline'"
+            "Content-Security-Policy",
+            "default-src 'self'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; frame-ancestors 'none'",
         )
         request.end_headers()
         request.wfile.write(body)
@@ -160,9 +369,12 @@ def serve(storage_path: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT) 
     except OSError as exc:
         print(f"ddptrain dashboard: cannot listen on {host}:{port}: {exc} (choose another --port)")
         return 2
-    if host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"ddptrain dashboard: listening on {host}: anyone who can reach it can read these runs' metrics and logs")
-    print(f"ddptrain dashboard: {dashboard.url} (runs in {dashboard.root}); Ctrl-C stops it", flush=True)
+    if host not in _LOOPBACK:
+        print(
+            f"ddptrain dashboard: listening on {host}: anyone who can reach it and has the URL below can read "
+            "these runs' metrics and logs"
+        )
+    print(f"ddptrain dashboard: runs in {dashboard.root}; open {dashboard.url} (Ctrl-C stops it)", flush=True)
     try:
         dashboard.server.serve_forever()
     except KeyboardInterrupt:

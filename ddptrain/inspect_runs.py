@@ -14,16 +14,19 @@ import io
 import json
 import math
 import os
+import shlex
+import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ddptrain import _env, storage
+from ddptrain import _env, run_files, run_metrics, storage
 from ddptrain.progress import format_duration, format_metrics
 from ddptrain.remote import on_remote_storage
-from ddptrain.result import read_metric_lines
 from ddptrain.run_views import RunView, list_views, open_run
+from ddptrain.storage import RunLayout
 from ddptrain.watch import RunNotFound, driver_is_alive, find_run
 
 __all__ = [
@@ -31,6 +34,8 @@ __all__ = [
     "find_run",
     "list_runs",
     "run_summary",
+    "export_rows",
+    "report_row",
     "main_runs",
     "main_show",
     "main_logs",
@@ -39,40 +44,115 @@ __all__ = [
 ]
 
 
+_STATUSES = ("RUNNING", "RESTARTING", "FINISHED", "ERRORED", "ABORTED")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_text(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _are_texts(value: Any) -> bool:
+    return isinstance(value, list) and all(map(_is_text, value))
+
+
+def _is_failure(value: Any) -> bool:
+    return (
+        isinstance(value, dict)
+        and _is_count(value.get("attempt"))
+        and _is_text(value.get("error"))
+        and (value.get("log") is None or _is_text(value["log"]))
+    )
+
+
+# The fields of run.json that are read, and whether a value is what ddptrain writes there.
+_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "status": lambda value: value in _STATUSES,
+    "started": _is_number,
+    "ended": _is_number,
+    "attempt": _is_count,
+    "error": _is_text,
+    "attempt_errors": lambda value: isinstance(value, list) and all(map(_is_failure, value)),
+    "num_workers": _is_count,
+    "use_gpu": lambda value: isinstance(value, bool),
+    "hosts": _are_texts,
+    "argv": _are_texts,
+    "backend_config": _is_text,
+    "host": _is_text,
+}
+
+
+def _run_info(view: RunView) -> tuple[dict[str, Any], list[str]]:
+    """The fields of the run's ``run.json`` that are sound, and what is wrong with it."""
+    shown = view.shown_path(view.layout.run_json)
+    try:
+        info = run_files.read_json(view.folder, RunLayout.RUN_JSON)
+    except run_files.RunFileError as exc:
+        return {}, [str(exc).replace(str(view.layout.run_json), shown)]
+    if not isinstance(info, dict):
+        what = "is missing" if info is None else f"holds a JSON {type(info).__name__}, not an object"
+        return {}, [f"{shown} {what}"]
+    bad = [key for key, sound in _FIELDS.items() if info.get(key) is not None and not sound(info[key])]
+    checked = {key: info[key] for key in _FIELDS if info.get(key) is not None and key not in bad}
+    problems = [f"{shown}: " + ", ".join(f"`{key}` is {str(info[key])[:60]!r}" for key in bad)] if bad else []
+    return checked, problems
+
+
 def run_summary(run: Path | RunView) -> dict[str, Any]:
     """What ``runs`` and ``show`` print of one run (a run directory, or a view of any run),
-    as plain data."""
+    as plain data, of the types ddptrain writes whatever the run's files hold.
+
+    A run whose files cannot be read (not JSON, of other types, a link, a FIFO...) is
+    ``UNREADABLE``, and ``problem`` says why; what could be read is shown as usual. Reading it
+    does not grow with its reports (see :func:`ddptrain.run_metrics.read_metrics_summary`): for a
+    long run of an older ddptrain, ``metric_stats`` (each metric's last, min, max) is ``None``.
+    """
     view = run if isinstance(run, RunView) else RunView(run, str(run))
-    try:
-        info = json.loads(view.layout.run_json.read_text())
-    except (OSError, ValueError):
-        info = {}
+    info, problems = _run_info(view)
     status = info.get("status", "FINISHED" if info.get("ended") else "RUNNING")
     if status in ("RUNNING", "RESTARTING") and view.driver_alive(info) is False:
         status = "ABORTED"  # its driver died without a word
-    lines = read_metric_lines(str(view.folder))
+    try:
+        metrics = run_metrics.read_metrics_summary(view.folder)
+    except run_files.RunFileError as exc:
+        metrics = run_metrics.MetricsSummary(stats=None)
+        problems.append(str(exc))
+    if metrics.foreign:
+        problems.append(f"{view.shown_path(view.layout.metrics)}: {metrics.foreign} line(s) are not reports (skipped)")
+    checkpoints: list[tuple[str, dict[str, Any]]] = []
+    best, latest, score = None, None, None
     try:
         manager = view.checkpoints()
         checkpoints = [(c.path, m) for c, m in manager.reported_checkpoints()]
-        best = manager.best_checkpoints()
+        ranked = manager.best_checkpoints()
+        best = ranked[-1][0].path if ranked else None
         latest = manager.latest.path if manager.latest else None
         score = manager.config.checkpoint_score_attribute
     except Exception as exc:  # an unreadable index: say so, show the rest
-        checkpoints, best, latest, score = [], [], None, f"unreadable: {exc}"
+        problems.append(str(exc))
     started = info.get("started")
     ended = info.get("ended") or (time.time() if status in ("RUNNING", "RESTARTING") else None)
-    if ended is None and lines:
-        ended = lines[-1].get("time")
+    if ended is None and metrics.last:
+        ended = metrics.last["time"]
     return {
-        "name": info.get("name", view.name),
+        "name": view.name,
         "path": view.shown,
-        "status": status,
-        "attempts": int(info.get("attempt", 0)) + 1,
+        "status": "UNREADABLE" if problems else status,
+        "problem": "; ".join(problems) or None,
+        "attempts": info.get("attempt", 0) + 1,
         "started": started,
         "duration_s": (ended - started) if started and ended else None,
-        "reports": len(lines),
-        "last_metrics": lines[-1]["metrics"] if lines else None,
-        "best_checkpoint": best[-1][0].path if best else None,
+        "reports": metrics.reports,
+        "last_metrics": metrics.last["metrics"] if metrics.last else None,
+        "metric_stats": metrics.stats,
+        "best_checkpoint": best,
         "latest_checkpoint": latest,
         "checkpoints": checkpoints,
         "score_attribute": score,
@@ -129,6 +209,11 @@ def main_runs(storage_path: str | None, as_json: bool) -> int:
         for r in runs
     ]
     print(_table(["NAME", "STATUS", "ATTEMPTS", "STARTED", "DURATION", "LAST METRICS", "BEST CHECKPOINT"], rows))
+    unreadable = [r for r in runs if r["problem"]]
+    if unreadable:
+        print("\nunreadable runs (shown with what could be read):")
+        for r in unreadable:
+            print(f"  {r['name']}: {r['problem']}")
     shown = root if on_remote_storage(root) else os.path.abspath(os.path.expanduser(root))
     print(f"\n{len(runs)} run(s) in {shown}")
     return 0
@@ -142,6 +227,8 @@ def main_show(run: str, as_json: bool) -> int:
         return 0
     s = summary
     print(f"run {s['name']!r}: {s['status']}  ({s['path']})")
+    if s["problem"]:
+        print(f"  unreadable: {s['problem']}")
     print(
         f"  started {_when(s['started'])}, duration {format_duration(s['duration_s'] or 0)}, {s['attempts']} attempt(s)"
     )
@@ -155,15 +242,12 @@ def main_show(run: str, as_json: bool) -> int:
         )
     if s["error"] and not s["attempt_errors"]:
         print(f"  error: {s['error']}")
-    lines = read_metric_lines(str(view.folder))
-    print(f"  reports: {len(lines)}")
-    numeric: dict[str, list[float]] = {}
-    for line in lines:
-        for key, value in line["metrics"].items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                numeric.setdefault(key, []).append(float(value))
-    for key, values in numeric.items():
-        print(f"    {key}: last {values[-1]:.6g}, min {min(values):.6g}, max {max(values):.6g}")
+    print(f"  reports: {s['reports']}")
+    for key, (last, low, high) in (s["metric_stats"] or {}).items():
+        print(f"    {key}: last {last:.6g}, min {low:.6g}, max {high:.6g}")
+    if s["metric_stats"] is None and s["last_metrics"]:
+        print(f"    last: {format_metrics(s['last_metrics'])} (min and max: not recorded by the ddptrain that wrote")
+        print(f"    this run; `ddptrain export {shlex.quote(run)}` has every report)")
     score = s["score_attribute"]
     print(f"  checkpoints ({len(s['checkpoints'])} kept" + (f", scored by {score!r}" if score else "") + "):")
     for path, metrics in s["checkpoints"]:
@@ -186,16 +270,16 @@ def main_logs(run: str, rank: int, attempt: int | None, follow: bool) -> int:
         print(f"ddptrain logs: {view.shown} has no logs", file=sys.stderr)
         return 1
     chosen = attempts[-1] if attempt is None else attempt
-    path = view.rank_log(chosen, rank)
-    if path is None:
+    f = view.open_log(chosen, rank)
+    if f is None:
         print(
             f"ddptrain logs: no log {view.shown_path(view.layout.rank_log(chosen, rank))} (attempts: {attempts})",
             file=sys.stderr,
         )
         return 1
     out = sys.stdout.buffer
-    with open(path, "rb") as f:
-        out.write(f.read())
+    with f:
+        shutil.copyfileobj(f, out)
         out.flush()
         while follow:
             chunk = f.read()
@@ -209,15 +293,17 @@ def main_logs(run: str, rank: int, attempt: int | None, follow: bool) -> int:
     return 0
 
 
+def report_row(index: int, line: dict[str, Any]) -> dict[str, Any]:
+    """Report number ``index`` as a row: index, time, attempt, then every metric (nested ones as JSON)."""
+    row: dict[str, Any] = {"report": index, "time": line["time"], "attempt": line["attempt"]}
+    for key, value in line["metrics"].items():
+        row[key] = json.dumps(value) if isinstance(value, (dict, list)) else value
+    return row
+
+
 def export_rows(run_dir: Path) -> list[dict[str, Any]]:
-    """One row per report: index, time, attempt, then every metric (nested ones as JSON)."""
-    rows = []
-    for index, line in enumerate(read_metric_lines(str(run_dir)), start=1):
-        row: dict[str, Any] = {"report": index, "time": line.get("time"), "attempt": line.get("attempt")}
-        for key, value in line["metrics"].items():
-            row[key] = json.dumps(value) if isinstance(value, (dict, list)) else value
-        rows.append(row)
-    return rows
+    """One row per report (:func:`report_row`), oldest first."""
+    return [report_row(index, line) for index, line in enumerate(run_metrics.iter_metric_lines(run_dir), start=1)]
 
 
 def main_export(run: str, fmt: str, output: str | None) -> int:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddptrain import remote
+from ddptrain import remote, run_metrics
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.checkpoint_manager import CheckpointManager
 from ddptrain.remote_checkpoints import RemoteCheckpointManager
@@ -155,23 +154,11 @@ def read_metric_lines(run_dir: str) -> list[dict[str, Any]]:
     """Every line of ``run_dir/metrics.jsonl`` (``{"time", "attempt", "metrics"}``), oldest first.
 
     A line cut short by a crash is skipped.
+
+    Raises:
+        RunFileError: ``metrics.jsonl`` is not a regular file of the run folder (a link, a FIFO...).
     """
-    lines: list[dict[str, Any]] = []
-    path = RunLayout(run_dir).metrics
-    if not path.exists():
-        return lines
-    with open(path) as f:
-        for text in f:
-            text = text.strip()
-            if not text:
-                continue
-            try:
-                line = json.loads(text)
-                line["metrics"]  # noqa: B018 (a line without metrics is a cut one)
-            except (ValueError, KeyError, TypeError):
-                continue  # a line cut short by a crash
-            lines.append(line)
-    return lines
+    return list(run_metrics.iter_metric_lines(run_dir))
 
 
 def read_metrics(run_dir: str) -> list[dict[str, Any]]:

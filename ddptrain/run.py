@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 
-from ddptrain import protocol, storage
+from ddptrain import protocol, run_metrics, storage
 from ddptrain.callbacks import TrainRunContext
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.checkpoint_manager import CheckpointManager
@@ -43,6 +43,10 @@ if TYPE_CHECKING:
 __all__ = ["Run"]
 
 _logger = logging.getLogger(__name__)
+
+# How often the metrics summary that `ddptrain runs` and the dashboard read is rewritten (and
+# when the run's metrics file closes): readers add the lines written since.
+_SUMMARY_EVERY_S = 1.0
 
 
 class Run:
@@ -95,6 +99,8 @@ class Run:
         )
         self.start_checkpoint: Checkpoint | None = None  # resume_from_checkpoint
         self._metrics_file: Any = None
+        self._summary = run_metrics.MetricsSummary()  # of metrics.jsonl, for its readers
+        self._summary_due = 0.0
         # Workers on other hosts get the storage's credentials and endpoint from the driver.
         self._env_vars = {**(self.remote.credential_env() if self.remote else {}), **run_config._env_vars()}
         self.plan = self.new_plan()  # a bad host list fails here
@@ -145,9 +151,22 @@ class Run:
         """Persist rank 0's metrics of one report (one JSON line, flushed)."""
         self.metrics_history.append(metrics)
         line = {"time": time.time(), "attempt": attempt, "metrics": storage.to_jsonable(metrics)}
+        text = json.dumps(line) + "\n"  # ASCII: its length is its size in bytes
         with storage.naming_full_disk(self.layout.metrics):
-            self._metrics_file.write(json.dumps(line) + "\n")
+            self._metrics_file.write(text)
             self._metrics_file.flush()
+        self._summary.add(line, self._summary.offset + len(text))
+        if time.monotonic() >= self._summary_due:
+            self._write_summary()
+
+    def _write_summary(self) -> None:
+        """Rewrite the metrics summary. It only spares readers work: when it cannot be written
+        (a full disk stops the run at the next report anyway), they read the lines after it."""
+        self._summary_due = time.monotonic() + _SUMMARY_EVERY_S
+        try:
+            self._summary.write(self.run_dir)
+        except OSError as exc:
+            _logger.debug("ddptrain: could not write the metrics summary of %s: %s", self.run_dir, exc)
 
     @property
     def latest_checkpoint(self) -> Checkpoint | None:
@@ -220,6 +239,9 @@ class Run:
             self._metrics_file.seek(self._metrics_file.tell() - 1)
             if self._metrics_file.read(1) != "\n":
                 self._metrics_file.write("\n")
+                self._metrics_file.flush()
+        self._summary = run_metrics.read_metrics_summary(self.run_dir, full=True)
+        self._write_summary()
 
     def save_status(self, status: str, **fields: Any) -> None:
         """Record how the run stands in ``run.json`` (read by ``ddptrain runs`` and ``show``):
@@ -256,6 +278,7 @@ class Run:
                     raise
                 finally:
                     if self._metrics_file is not None:
+                        self._write_summary()
                         with contextlib.suppress(OSError):  # as above
                             self._metrics_file.close()
                     if self.remote is not None:

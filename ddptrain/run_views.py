@@ -12,9 +12,9 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-from ddptrain import _env, storage
+from ddptrain import _env, run_files, storage
 from ddptrain.checkpoint_manager import CheckpointManager
 from ddptrain.remote import RemoteRoot, on_remote_storage, resolve
 from ddptrain.remote_checkpoints import RemoteCheckpointManager
@@ -72,22 +72,46 @@ class RunView:
         return False if info.get("host") == socket.gethostname() else None
 
     def attempts(self) -> list[int]:
-        """The numbers of the attempts that left logs, in order."""
+        """The numbers of the attempts that left logs, in order.
+
+        Raises:
+            RunFileError: ``logs`` is not a folder of the run (a link, a file).
+        """
         if self.remote is None:
-            return self.layout.attempts()
+            return RunLayout.attempt_numbers(run_files.list_folder(self.folder, RunLayout.LOGS))
         return RunLayout.attempt_numbers(self.remote.list_names(self.remote.path(self.name, RunLayout.LOGS)))
 
-    def rank_log(self, attempt: int, rank: int) -> Path | None:
-        """A rank's log file of an attempt on this machine (downloaded for a run on remote
-        storage), or ``None`` when there is none."""
-        path = self.layout.rank_log(attempt, rank)
+    def _log_name(self, attempt: int, rank: int | None = None) -> str:
+        """An attempt's log folder, or a rank's log file in it (relative, posix)."""
+        folder = RunLayout.attempt_logs_name(attempt)
+        return folder if rank is None else f"{folder}/{RunLayout.rank_log_name(rank)}"
+
+    def log_ranks(self, attempt: int) -> list[int]:
+        """The ranks that left a log in ``attempt``, in order.
+
+        Raises:
+            RunFileError: The attempt's log folder is not a folder of the run.
+        """
+        if self.remote is None:
+            return RunLayout.log_ranks(run_files.list_folder(self.folder, self._log_name(attempt)))
+        return RunLayout.log_ranks(self.remote.list_names(self.remote.path(self.name, self._log_name(attempt))))
+
+    def open_log(self, attempt: int, rank: int) -> IO[bytes] | None:
+        """A rank's log of an attempt, open for reading (downloaded first for a run on remote
+        storage), or ``None`` when there is none.
+
+        Raises:
+            RunFileError: It is not a regular file of the run (a link, a FIFO...).
+        """
+        name = self._log_name(attempt, rank)
         if self.remote is not None:
-            data = self.remote.read_bytes(self.remote.path(self.name, path.relative_to(self.folder).as_posix()))
+            data = self.remote.read_bytes(self.remote.path(self.name, name))
             if data is None:
                 return None
+            path = self.folder / name
             path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             storage.write_atomic(path, data, private=True)
-        return path if path.is_file() else None
+        return run_files.open_file(self.folder, name)
 
 
 def _pull(root: RemoteRoot, name: str) -> RunView | None:
@@ -140,5 +164,4 @@ def list_views(storage_path: str) -> list[RunView]:
     folder = Path(storage_path.removeprefix("file://")).expanduser().resolve()
     if not folder.is_dir():
         return []
-    found = [p.resolve() for p in folder.iterdir() if RunLayout(p).run_json.is_file()]
-    return [RunView(p, str(p)) for p in found if p.parent == folder]
+    return [RunView(p, str(p)) for p in sorted(folder.iterdir()) if run_files.is_run(p)]

@@ -6,6 +6,7 @@ spelled)::
     run.json                 the run's config summary and status
     trainer.pkl              the pickled trainer, for ``restore()``
     metrics.jsonl            one line per report (rank 0's metrics)
+    metrics_summary.json     what readers need of metrics.jsonl without reading it all (run_metrics)
     checkpoints.json         committed checkpoints, replaced atomically
     checkpoint_000003/       committed checkpoints (renamed into place when complete)
     .commit.json             the checkpoint being committed, while it is (see checkpoint_manager)
@@ -57,6 +58,7 @@ class RunLayout:
     RUN_JSON = "run.json"
     TRAINER = "trainer.pkl"
     METRICS = "metrics.jsonl"
+    METRICS_SUMMARY = "metrics_summary.json"
     INDEX = "checkpoints.json"
     INTENT = ".commit.json"
     LOGS = "logs"
@@ -68,7 +70,7 @@ class RunLayout:
     # storage; a folder without RUN_JSON is not a run.
     SMALL_FILES = (RUN_JSON, METRICS, INDEX)
     # Names a checkpoint folder may never take.
-    RESERVED = frozenset({RUN_JSON, TRAINER, METRICS, INDEX, LOGS})
+    RESERVED = frozenset({RUN_JSON, TRAINER, METRICS, METRICS_SUMMARY, INDEX, LOGS})
 
     def __init__(self, run_dir: str | os.PathLike[str]) -> None:
         self.root = Path(run_dir)
@@ -84,6 +86,10 @@ class RunLayout:
     @property
     def metrics(self) -> Path:
         return self.root / self.METRICS
+
+    @property
+    def metrics_summary(self) -> Path:
+        return self.root / self.METRICS_SUMMARY
 
     @property
     def index(self) -> Path:
@@ -119,8 +125,13 @@ class RunLayout:
         number = name.removeprefix("attempt_")
         return int(number) if name.startswith("attempt_") and number.isdigit() else None
 
+    @classmethod
+    def attempt_logs_name(cls, attempt: int) -> str:
+        """An attempt's log folder (relative, posix)."""
+        return f"{cls.LOGS}/attempt_{attempt}"
+
     def attempt_logs(self, attempt: int) -> Path:
-        return self.logs / f"attempt_{attempt}"
+        return self.root / self.attempt_logs_name(attempt)
 
     @staticmethod
     def rank_log_name(rank: int) -> str:
@@ -130,14 +141,17 @@ class RunLayout:
     def rank_log(self, attempt: int, rank: int) -> Path:
         return self.attempt_logs(attempt) / self.rank_log_name(rank)
 
+    @staticmethod
+    def log_ranks(names: list[str]) -> list[int]:
+        """The ranks whose log files entries ``names`` of an attempt's folder are, in order."""
+        ranks = ((name, name.removeprefix("rank_").removesuffix(".log")) for name in names)
+        return sorted(int(r) for name, r in ranks if r.isdigit() and name == RunLayout.rank_log_name(int(r)))
+
     def rank_logs(self, attempt: int) -> dict[int, Path]:
         """The log files of an attempt, by rank, in rank order."""
-        found: dict[int, Path] = {}
-        for path in self.attempt_logs(attempt).glob("rank_*.log"):
-            rank = path.stem.removeprefix("rank_")
-            if rank.isdigit():
-                found[int(rank)] = path
-        return dict(sorted(found.items()))
+        folder = self.attempt_logs(attempt)
+        names = [entry.name for entry in folder.iterdir()] if folder.is_dir() else []
+        return {rank: self.rank_log(attempt, rank) for rank in self.log_ranks(names)}
 
     @classmethod
     def attempt_numbers(cls, names: list[str]) -> list[int]:

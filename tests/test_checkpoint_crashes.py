@@ -115,7 +115,8 @@ def assert_nothing_left_over(run_dir: Path) -> None:
     """Only the run's files and its committed checkpoints remain."""
     index = json.loads((run_dir / "checkpoints.json").read_text())
     committed = {entry["dir_name"] for entry in index["checkpoints"]}
-    expected = {"run.json", "trainer.pkl", "metrics.jsonl", "checkpoints.json", "logs"} | committed
+    expected = {"run.json", "trainer.pkl", "metrics.jsonl", "metrics_summary.json", "checkpoints.json", "logs"}
+    expected |= committed
     found = {p.name for p in run_dir.iterdir()}
     assert found <= expected, f"left over in {run_dir}: {sorted(found - expected)}"
     assert committed <= found

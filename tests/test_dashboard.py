@@ -4,22 +4,32 @@ errors; and the server refusing paths outside the storage folder."""
 
 from __future__ import annotations
 
+import http.client
 import json
+import math
 import os
+import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from run_folders import write_run
 
 import ddptrain as train
+from ddptrain import dashboard as dashboard_module
 from ddptrain.dashboard import Dashboard
 from ddptrain.torch import TorchTrainer
 
@@ -141,6 +151,64 @@ def test_the_runs_table_and_a_failed_runs_root_cause(browser, tmp_path: Path) ->
         dashboard.stop()
 
 
+def unreadable_runs(storage: Path) -> dict[str, str]:
+    """A storage folder with good runs and runs someone else wrote badly; returns each bad
+    run's name and what its problem must say."""
+    write_run(storage / "good", metrics=[{"loss": 0.5, "step": 0}, {"loss": 0.25, "step": 1}])
+    write_run(storage / "diverged", metrics=[{"loss": 0.5}, {"loss": math.nan}])  # a NaN loss is a real run's
+    write_run(storage / "not-json", b'{"status": "FINISHED", ')
+    write_run(storage / "not-utf8", b'{"status": "\xff"}')
+    write_run(storage / "a-list", [1, 2])
+    write_run(storage / "wrong-types", {"status": 5, "started": "yesterday", "attempt": "x", "hosts": "h"})
+    write_run(storage / "foreign-lines", metrics=['{"metrics": 5}', "[1, 2]"])
+    write_run(storage / "fifo")
+    os.mkfifo(storage / "fifo" / "metrics.jsonl")
+    write_run(storage / "bad-index")
+    (storage / "bad-index" / "checkpoints.json").write_text("{")
+    return {
+        "not-json": "run.json is not JSON",
+        "not-utf8": "run.json is not JSON",
+        "a-list": "run.json holds a JSON list, not an object",
+        "wrong-types": "`status` is '5', `started` is 'yesterday', `attempt` is 'x', `hosts` is 'h'",
+        "foreign-lines": "metrics.jsonl: 2 line(s) are not reports",
+        "fifo": "metrics.jsonl is a FIFO, not a regular file",
+        "bad-index": "Cannot read the checkpoint index",
+    }
+
+
+@pytest.mark.timeout(180)
+def test_unreadable_runs_are_shown_as_such_beside_the_others(browser, tmp_path: Path) -> None:
+    from selenium.webdriver.common.by import By
+
+    storage = tmp_path / "runs"
+    bad = unreadable_runs(storage)
+    dashboard = Dashboard(str(storage), port=0).start()
+    fresh(browser)
+    try:
+        browser.get(dashboard.url)
+        rows = wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, "#runs tr.run"))
+        table = {r.get_attribute("data-name"): r.text for r in rows}
+        assert set(table) == {"good", "diverged", *bad}
+        assert "FINISHED" in table["good"] and "loss=0.25 step=1" in table["good"]
+        assert "FINISHED" in table["diverged"] and "loss=NaN" in table["diverged"]
+        for name, problem in bad.items():
+            assert "UNREADABLE" in table[name] and problem in table[name], name
+        shot(browser, "dashboard-unreadable.png")
+        errors = console_errors(browser)
+        for name in ("wrong-types", "fifo", "diverged"):
+            fresh(browser)
+            browser.get(dashboard.url + "#run=" + name)
+            status = wait_for(lambda: browser.find_elements(By.ID, "status"))[0]
+            assert status.text == ("FINISHED" if name == "diverged" else "UNREADABLE")
+            if name != "diverged":
+                assert bad[name] in browser.find_element(By.ID, "problem").text
+            errors += console_errors(browser)
+        assert errors == []
+        fresh(browser)  # stop polling before the server goes
+    finally:
+        dashboard.stop()
+
+
 LIVE = textwrap.dedent(
     """
     import time
@@ -188,25 +256,251 @@ def test_a_running_runs_chart_gains_points(browser, tmp_path: Path) -> None:
         proc.wait(timeout=60)
 
 
+def api(dashboard: Dashboard, path: str, *, token: str | None = "", host: str | None = None, timeout_s: float = 20):  # type: ignore[no-untyped-def]
+    """A raw GET (http.client): ``(status, parsed JSON body)``; the dashboard's token unless
+    ``token`` says otherwise (``None``: none), ``Host: 127.0.0.1:PORT`` unless ``host``."""
+    port = dashboard.server.server_address[1]
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+    headers = {"Host": host or f"127.0.0.1:{port}"}
+    if token is not None:
+        headers["Authorization"] = f"Token {token or getattr(dashboard, 'token', '')}"
+    try:
+        conn.request("GET", path, headers=headers)
+        response = conn.getresponse()
+        body = response.read()
+    finally:
+        conn.close()
+    is_json = response.getheader("Content-Type") == "application/json"
+    return response.status, json.loads(body) if is_json else body
+
+
 def test_the_server_serves_only_runs_of_its_storage_folder(tmp_path: Path) -> None:
     storage = tmp_path / "runs"
-    (storage / "real").mkdir(parents=True)
-    (storage / "real" / "run.json").write_text(json.dumps({"name": "real", "status": "FINISHED"}))
+    write_run(storage / "real")
     outside = tmp_path / "secret"
-    outside.mkdir()
-    (outside / "run.json").write_text(json.dumps({"name": "secret"}))
+    write_run(outside, {"name": "secret"})
     (storage / "link").symlink_to(outside)
     dashboard = Dashboard(str(storage), port=0).start()
     try:
-        assert [r["name"] for r in json.load(urllib.request.urlopen(dashboard.url + "api/runs"))] == ["real"]
-        assert json.load(urllib.request.urlopen(dashboard.url + "api/runs/real"))["status"] == "FINISHED"
-        for path in ("api/runs/..%2Fsecret", "api/runs/link", "api/runs/%2Ftmp", "api/runs/..", "etc/passwd"):
-            with pytest.raises(urllib.error.HTTPError) as info:
-                urllib.request.urlopen(dashboard.url + path)
-            assert info.value.code == 404, path
-        request = urllib.request.Request(dashboard.url + "api/runs", data=b"x", method="POST")
+        assert [r["name"] for r in api(dashboard, "/api/runs")[1]] == ["real"]
+        assert api(dashboard, "/api/runs/real")[1]["status"] == "FINISHED"
+        for path in ("/api/runs/..%2Fsecret", "/api/runs/link", "/api/runs/%2Ftmp", "/api/runs/..", "/etc/passwd"):
+            assert api(dashboard, path)[0] == 404, path
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{dashboard.server.server_address[1]}/api/runs", data=b"x", method="POST"
+        )
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(request)
         assert info.value.code == 501  # read-only: no method but GET exists
+    finally:
+        dashboard.stop()
+
+
+def test_requests_need_this_starts_token_and_a_loopback_host(tmp_path: Path) -> None:
+    write_run(tmp_path / "runs" / "mine", metrics=[{"loss": 0.5}])
+    dashboard = Dashboard(str(tmp_path / "runs"), port=0).start()
+    try:
+        for path in ("/", "/api/runs", "/api/runs/mine", "/api/runs/mine/metrics?offset=0"):
+            for token in (None, "wrong"):
+                status, body = api(dashboard, path, token=token)
+                assert status == 403 and "the token that `ddptrain dashboard` printed" in body["error"], (path, token)
+        port = dashboard.server.server_address[1]
+        for host in ("evil.example", f"evil.example:{port}", f"127.0.0.1:{port + 1}", "127.0.0.2", f"10.1.2.3:{port}"):
+            status, body = api(dashboard, "/api/runs", host=host)  # a DNS-rebinding page's requests
+            assert status == 403 and "answers requests to http://127.0.0.1" in body["error"], host
+        for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}", f"LOCALHOST:{port}"):
+            status, body = api(dashboard, "/api/runs", host=host)
+            assert status == 200 and body[0]["name"] == "mine", host
+        assert dashboard.url == f"{dashboard.base_url}?token={dashboard.token}" and len(dashboard.token) >= 32
+        status, page = api(dashboard, f"/?token={dashboard.token}", token=None)  # the printed URL
+        assert status == 200 and b"ddptrain dashboard" in page
+        other = Dashboard(str(tmp_path / "runs"), port=0)  # another start: another token
+        other.server.server_close()
+        assert other.token != dashboard.token and api(dashboard, "/api/runs", token=other.token)[0] == 403
+    finally:
+        dashboard.stop()
+
+
+def _user_tools() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root to add a second Unix user"
+    if not (shutil.which("useradd") and shutil.which("userdel")):
+        return "needs useradd and userdel"
+    return None
+
+
+@pytest.mark.skipif(_user_tools() is not None, reason=str(_user_tools()))
+@pytest.mark.timeout(120)
+def test_a_second_unix_user_cannot_read_the_runs_it_serves(tmp_path: Path) -> None:
+    """`ddptrain dashboard` as root, on root's private runs; another local user knows the port
+    (anyone can list listening sockets) and tries to read them through it."""
+    storage = tmp_path / "runs"
+    write_run(storage / "private", metrics=[{"secret_metric": 42}])
+    home, cache = tmp_path / "home", tmp_path / "cache"
+    home.mkdir()
+    env = {**os.environ, "PYTHONPATH": ROOT, "HOME": str(home), "DDPTRAIN_CACHE_DIR": str(cache)}
+    user = f"ddpt{uuid.uuid4().hex[:10]}"
+    subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", user], check=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddptrain", "dashboard", str(storage), "--port", "0"],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline()  # type: ignore[union-attr]
+        url = urllib.parse.urlsplit(re.search(r"(http://\S+)", line).group(1))  # type: ignore[union-attr]
+        port, token = url.port, urllib.parse.parse_qs(url.query).get("token", [""])[0]
+        probe = textwrap.dedent(
+            f"""
+            import http.client, json, sys
+            def get(path, headers):
+                c = http.client.HTTPConnection("127.0.0.1", {port}, timeout=10)
+                c.request("GET", path, headers=headers)
+                r = c.getresponse()
+                return r.status, r.read().decode()
+            out = {{"plain": get("/api/runs", {{}}), "page": get("/", {{}}), "run": get("/api/runs/private", {{}})}}
+            for name in ("cmdline", "environ"):
+                try:
+                    out[name] = open("/proc/{proc.pid}/" + name, "rb").read().decode(errors="replace")
+                except OSError as exc:
+                    out[name] = type(exc).__name__
+            out["token"] = get("/api/runs/private", {{"Authorization": "Token " + sys.argv[1]}})
+            print(json.dumps(out))
+            """
+        )
+        found = subprocess.run(
+            ["/usr/bin/python3", "-I", "-c", probe, token],
+            user=user,
+            group=user,
+            extra_groups=[],
+            env={"PATH": "/usr/bin:/bin", "DDPTRAIN_TEST_TAG": os.environ["DDPTRAIN_TEST_TAG"]},
+            cwd="/",
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert found.returncode == 0, found.stderr
+        out = json.loads(found.stdout)
+        for request in ("plain", "page", "run"):
+            assert out[request][0] == 403 and "secret_metric" not in out[request][1], out[request]
+        assert token not in out["cmdline"] and out["environ"] == "PermissionError"
+        # The token is the whole difference: with it (which only root's terminal saw), it reads.
+        assert out["token"][0] == 200 and "secret_metric" in out["token"][1]
+        assert not cache.exists() and list(home.iterdir()) == []  # it wrote no file at all
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+        proc.stdout.close()  # type: ignore[union-attr]
+        subprocess.run(["userdel", user], check=False)
+
+
+@pytest.mark.timeout(120)
+def test_idle_connections_neither_take_a_thread_each_nor_block_requests(tmp_path: Path) -> None:
+    write_run(tmp_path / "runs" / "mine", metrics=[{"loss": 0.5}])
+    dashboard = Dashboard(str(tmp_path / "runs"), port=0).start()
+    idle: list[socket.socket] = []
+    try:
+        before = threading.active_count()
+        for _ in range(300):
+            idle.append(socket.create_connection(("127.0.0.1", dashboard.server.server_address[1]), timeout=10))
+        time.sleep(1.0)
+        assert threading.active_count() - before <= 10  # a few pool threads, not one per connection
+        status, runs = api(dashboard, "/api/runs", timeout_s=10)  # the 301st connection is answered
+        assert status == 200 and runs[0]["name"] == "mine"
+        assert threading.active_count() - before <= 10
+    finally:
+        for conn in idle:
+            conn.close()
+        dashboard.stop()
+
+
+def test_an_idle_or_stalled_connection_is_closed_after_the_idle_timeout(tmp_path: Path) -> None:
+    dashboard = Dashboard(str(tmp_path), port=0, idle_timeout_s=0.5).start()
+    try:
+        for opening in (b"", b"GET /api/runs HTTP/1.1\r\n"):  # nothing, or a request that stalls
+            with socket.create_connection(("127.0.0.1", dashboard.port), timeout=10) as conn:
+                conn.sendall(opening)
+                started = time.monotonic()
+                assert conn.recv(1024) == b""  # closed by the server, long before our own 10 s
+                assert time.monotonic() - started < 8
+    finally:
+        dashboard.stop()
+
+
+def test_a_request_that_fails_gets_an_answer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write_run(tmp_path / "runs" / "mine")
+    dashboard = Dashboard(str(tmp_path / "runs"), port=0).start()
+    try:
+        status, body = api(dashboard, "/api/runs/" + "%2e" * 3000)  # a name too long for the file system
+        assert status == 404 and body == {"error": "no such run"}
+        status, body = api(dashboard, "/api/runs/mine/metrics?offset=x")
+        assert status == 400 and "bad request" in body["error"]
+
+        def fails(storage_path: str) -> list:
+            raise RuntimeError("a bug")
+
+        monkeypatch.setattr(dashboard_module, "list_runs", fails)  # whatever a handler may raise
+        status, body = api(dashboard, "/api/runs")
+        assert status == 500 and "internal error" in body["error"]
+        assert api(dashboard, "/api/runs/mine")[0] == 200  # and it goes on serving
+    finally:
+        dashboard.stop()
+
+
+def test_links_out_of_a_run_folder_are_not_followed(tmp_path: Path) -> None:
+    """A run folder someone else wrote, whose files link to files of the dashboard's user."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "secret.jsonl").write_text(json.dumps({"time": 1, "attempt": 0, "metrics": {"SECRET": 1}}) + "\n")
+    (mine / "secret.log").write_text("SECRET log line\n")
+    (mine / "run.json").write_text(json.dumps({"name": "SECRET", "status": "FINISHED"}))
+    storage = tmp_path / "runs"
+    write_run(storage / "linked")
+    (storage / "linked" / "metrics.jsonl").symlink_to(mine / "secret.jsonl")
+    (storage / "linked" / "logs" / "attempt_0").mkdir(parents=True)
+    (storage / "linked" / "logs" / "attempt_0" / "rank_0.log").symlink_to(mine / "secret.log")
+    (storage / "linked-json").mkdir()
+    (storage / "linked-json" / "run.json").symlink_to(mine / "run.json")
+    dashboard = Dashboard(str(storage), port=0).start()
+    try:
+        status, runs = api(dashboard, "/api/runs")
+        assert status == 200 and [r["name"] for r in runs] == ["linked"]  # a linked run.json: not a run
+        assert runs[0]["status"] == "UNREADABLE" and "metrics.jsonl is a symbolic link" in runs[0]["problem"]
+        status, run = api(dashboard, "/api/runs/linked")
+        assert status == 200 and run["rows"] == [] and "never follows a link" in run["logs"]["ranks"]["0"][0]
+        status, more = api(dashboard, "/api/runs/linked/metrics?offset=0")
+        assert status == 422 and "metrics.jsonl is a symbolic link" in more["error"]
+        assert api(dashboard, "/api/runs/linked-json")[0] == 404
+        assert "SECRET" not in json.dumps([runs, run, more])
+    finally:
+        dashboard.stop()
+
+
+def test_a_runs_page_reads_its_latest_reports_then_only_new_ones(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(dashboard_module, "_CHART_REPORTS", 5, raising=False)  # the page starts with the latest 5
+    write_run(tmp_path / "runs" / "long", metrics=[{"step": i} for i in range(20)])
+    metrics = tmp_path / "runs" / "long" / "metrics.jsonl"
+    dashboard = Dashboard(str(tmp_path / "runs"), port=0).start()
+    try:
+        status, run = api(dashboard, "/api/runs/long")
+        assert [(r["report"], r["step"]) for r in run["rows"]] == [(n + 1, n) for n in range(15, 20)]
+        assert status == 200 and run["reports"] == 20 and run["keep"] == 5
+        assert run["next"] == metrics.stat().st_size
+        assert api(dashboard, f"/api/runs/long/metrics?offset={run['next']}&after=20")[1] == {
+            "rows": [],
+            "next": run["next"],
+        }
+        line = json.dumps({"time": 1e9, "attempt": 1, "metrics": {"step": 20}}) + "\n"
+        with open(metrics, "a") as f:
+            f.write(line + line[:10])  # one more report, and one being written
+        status, more = api(dashboard, f"/api/runs/long/metrics?offset={run['next']}&after=20")
+        assert [(r["report"], r["step"], r["attempt"]) for r in more["rows"]] == [(21, 20, 1)]
+        assert more["next"] == run["next"] + len(line)
+        with open(metrics, "a") as f:
+            f.write(line[10:])
+        status, more = api(dashboard, f"/api/runs/long/metrics?offset={more['next']}&after=21")
+        assert [r["report"] for r in more["rows"]] == [22] and more["next"] == metrics.stat().st_size
+        assert api(dashboard, "/api/runs/long/metrics?offset=7")[0] == 400  # not where a line ends
     finally:
         dashboard.stop()

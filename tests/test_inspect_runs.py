@@ -6,7 +6,9 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from run_folders import write_run
 
 import ddptrain as train
 from ddptrain.cli import main
@@ -158,3 +161,129 @@ def test_a_live_run_is_running_and_a_killed_one_aborted(tmp_path: Path, capfd) -
         proc.wait()
     code, out, _ = cli(capfd, "runs", str(storage), "--json")
     assert json.loads(out)[0]["status"] == "ABORTED"
+
+
+def ddptrain(*args: str) -> subprocess.CompletedProcess[str]:
+    """The command in its own process, bounded: a read that waits on a FIFO fails the test."""
+    return subprocess.run(
+        [sys.executable, "-m", "ddptrain", *args],
+        env={**os.environ, "PYTHONPATH": ROOT},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_runs_shows_unreadable_runs_as_such_beside_the_others(tmp_path: Path) -> None:
+    storage = tmp_path / "runs"
+    write_run(storage / "good", metrics=[{"loss": 0.5}, {"loss": 0.25}])
+    write_run(storage / "diverged", metrics=[{"loss": 0.5}, {"loss": math.nan}])
+    bad = {
+        "not-json": (b'{"status": ', "run.json is not JSON"),
+        "not-utf8": (b'{"status": "\xff"}', "run.json is not JSON"),
+        "a-list": ([1, 2], "run.json holds a JSON list, not an object"),
+        "wrong-types": ({"status": "DONE", "started": "x", "attempt": -1}, "`status` is 'DONE', `started` is 'x'"),
+        "foreign-lines": (None, "metrics.jsonl: 1 line(s) are not reports"),
+    }
+    for name, (run_json, _) in bad.items():
+        write_run(storage / name, run_json, metrics=['{"metrics": 5}'] if name == "foreign-lines" else None)
+    done = ddptrain("runs", str(storage))
+    assert done.returncode == 0, done.stderr
+    rows = {line.split()[0]: line for line in done.stdout.splitlines()[1:] if line and not line.startswith(" ")}
+    assert "FINISHED" in rows["good"] and "loss=0.25" in rows["good"]
+    assert "FINISHED" in rows["diverged"] and "loss=nan" in rows["diverged"]
+    for name, (_, problem) in bad.items():
+        assert rows[name].split()[1] == "UNREADABLE", name
+        assert next(line for line in done.stdout.splitlines() if line.startswith(f"  {name}: ")).count(problem), name
+    runs = {r["name"]: r for r in json.loads(ddptrain("runs", str(storage), "--json").stdout)}
+    assert runs["good"]["problem"] is None and runs["good"]["reports"] == 2
+    assert all(problem in runs[name]["problem"] for name, (_, problem) in bad.items())
+    shown = ddptrain("show", str(storage / "wrong-types"))
+    assert (
+        shown.returncode == 0
+        and "run 'wrong-types': UNREADABLE" in shown.stdout
+        and "`attempt` is '-1'" in shown.stdout
+    )
+
+
+def test_fifos_in_a_run_folder_are_refused_not_waited_on(tmp_path: Path) -> None:
+    storage = tmp_path / "runs"
+    for name in ("metrics.jsonl", "checkpoints.json", "logs/attempt_0/rank_0.log"):
+        folder = storage / name.split("/")[-1].replace(".", "-")
+        write_run(folder, metrics=[{"loss": 1.0}] if name != "metrics.jsonl" else None)
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        os.mkfifo(folder / name)
+    listed = ddptrain("runs", str(storage), "--json")
+    assert listed.returncode == 0, listed.stderr
+    problems = {r["name"]: r["problem"] for r in json.loads(listed.stdout)}
+    assert "metrics.jsonl is a FIFO, not a regular file" in problems["metrics-jsonl"]
+    assert "checkpoints.json is a FIFO, not a regular file" in problems["checkpoints-json"]
+    assert problems["rank_0-log"] is None  # `runs` reads no log
+    shown = ddptrain("show", str(storage / "metrics-jsonl"))
+    assert shown.returncode == 0 and "UNREADABLE" in shown.stdout and "is a FIFO" in shown.stdout
+    exported = ddptrain("export", str(storage / "metrics-jsonl"))
+    assert exported.returncode == 2 and "metrics.jsonl is a FIFO, not a regular file" in exported.stderr
+    logs = ddptrain("logs", str(storage / "rank_0-log"))
+    assert logs.returncode == 2 and "rank_0.log is a FIFO, not a regular file" in logs.stderr
+
+
+def test_links_out_of_a_run_folder_are_never_followed(tmp_path: Path) -> None:
+    """A run folder someone else wrote, whose files link to files of the reader's own."""
+    mine = tmp_path / "mine"
+    (mine / "attempt_0").mkdir(parents=True)
+    (mine / "secret.jsonl").write_text(json.dumps({"time": 1, "attempt": 0, "metrics": {"SECRET": 1}}) + "\n")
+    (mine / "attempt_0" / "rank_0.log").write_text("SECRET log line\n")
+    storage = tmp_path / "runs"
+    write_run(storage / "linked-files")
+    (storage / "linked-files" / "metrics.jsonl").symlink_to(mine / "secret.jsonl")
+    (storage / "linked-files" / "logs" / "attempt_0").mkdir(parents=True)
+    (storage / "linked-files" / "logs" / "attempt_0" / "rank_0.log").symlink_to(mine / "attempt_0" / "rank_0.log")
+    write_run(storage / "linked-folder", metrics=[{"loss": 1.0}])
+    (storage / "linked-folder" / "logs").symlink_to(mine)
+    for run, file in (("linked-files", "metrics.jsonl"), ("linked-files", "rank_0.log"), ("linked-folder", "logs")):
+        for command in ("runs", "show", "export", "logs"):
+            done = ddptrain(command, str(storage / run) if command != "runs" else str(storage))
+            assert "SECRET" not in done.stdout + done.stderr, (command, run)
+    assert (
+        "metrics.jsonl is a symbolic link, not a regular file" in ddptrain("show", str(storage / "linked-files")).stdout
+    )
+    exported = ddptrain("export", str(storage / "linked-files"))
+    assert exported.returncode == 2 and "never follows a link" in exported.stderr
+    logs = ddptrain("logs", str(storage / "linked-files"))
+    assert logs.returncode == 2 and "rank_0.log is a symbolic link" in logs.stderr
+    logs = ddptrain("logs", str(storage / "linked-folder"))
+    assert logs.returncode == 2 and "logs is a symbolic link, not a folder" in logs.stderr
+
+
+def test_runs_and_show_read_the_summary_and_the_lines_after_it(runs: str, tmp_path: Path, capfd) -> None:
+    """The driver keeps a summary of metrics.jsonl; readers read only what was written after it."""
+    run = Path(shutil.copytree(Path(runs) / "good", tmp_path / "good"))
+    metrics = run / "metrics.jsonl"
+    with open(metrics, "a") as f:  # two reports after the driver last wrote its summary
+        for step in (3, 4):
+            f.write(json.dumps({"time": time.time(), "attempt": 0, "metrics": {"loss": 0.1, "step": step}}) + "\n")
+    first = metrics.read_bytes().split(b"\n")[0]
+    with open(metrics, "r+b") as f:  # what the summary covers is never read again
+        f.write(b" " * len(first))
+    code, out, _ = cli(capfd, "runs", str(tmp_path), "--json")
+    [summary] = json.loads(out)
+    assert (summary["reports"], summary["last_metrics"]) == (5, {"loss": 0.1, "step": 4})
+    assert summary["problem"] is None
+    code, out, _ = cli(capfd, "show", str(run))
+    assert "reports: 5" in out and "loss: last 0.1, min 0.1, max 0.5" in out and "step: last 4, min 0, max 4" in out
+
+
+def test_a_long_run_of_an_older_ddptrain_is_read_from_its_tail(tmp_path: Path, capfd, monkeypatch) -> None:
+    """No summary (written before there was one): `runs` and `show` count the lines and read
+    the last one (the min and max are not known without reading it all)."""
+    from ddptrain import run_metrics
+
+    monkeypatch.setattr(run_metrics, "_DELTA_MAX_BYTES", 1000)  # "long": over 1000 bytes
+    write_run(tmp_path / "old", metrics=[{"loss": 1.0 / (i + 1), "step": i} for i in range(100)])
+    code, out, _ = cli(capfd, "runs", str(tmp_path), "--json")
+    [summary] = json.loads(out)
+    assert (summary["reports"], summary["last_metrics"]) == (100, {"loss": 0.01, "step": 99})
+    assert summary["metric_stats"] is None  # not known without reading it all
+    code, out, _ = cli(capfd, "show", str(tmp_path / "old"))
+    assert "reports: 100" in out and "last: loss=0.01 step=99 (min and max: not recorded" in out
+    assert "`ddptrain export " + str(tmp_path / "old") in out
