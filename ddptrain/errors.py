@@ -18,6 +18,7 @@ __all__ = [
     "LaunchError",
     "TrainingFailedError",
     "ControllerError",
+    "ChannelError",
     "DiskFullError",
     "WorkerGroupError",
     "WorkerError",
@@ -64,6 +65,12 @@ class TrainingFailedError(DdpTrainError, RuntimeError):
 
 class ControllerError(TrainingFailedError):
     """Training failed because of the driver itself (Ray Train's name), not a worker."""
+
+
+class ChannelError(ControllerError):
+    """The driver stopped reading its workers' messages: its store was tampered with, it holds
+    more unread messages than ``DDPTRAIN_CHANNEL_MAX_UNREAD_MB`` allows, or its channel thread
+    failed. The message says which; the run is not restarted."""
 
 
 class StorageError(DdpTrainError, OSError):

@@ -10,9 +10,10 @@ Two transports carry them:
   :class:`WorkerStates` (pickled), and :class:`AgentFailed` (plain text, so that even an agent
   of another version can say why it stopped). :func:`decode_agent_event` turns a frame into an
   event; the driver adds :class:`AgentGone` when the pipe ends.
-- **The driver's store**, once a worker has joined it. Messages are pickled, signed with the
-  run's secret and numbered per sender (``ddptrain.channel``); nothing is unpickled before its
-  signature checks out. Workers send with plain ``pickle`` (data only); the driver's commands
+- **The driver's store**, once a worker has joined it. Messages are pickled, sealed with a key
+  derived from the run's secret (AES-GCM) and numbered per sender (``ddptrain.channel``);
+  nothing is unpickled before its tag checks out. Workers send with plain ``pickle`` (data only),
+  through logs of their own that the driver reads in batches; the driver's commands
   may carry functions (``Execute``) and go with cloudpickle. Worker to driver: :class:`Hello`,
   :class:`CallResult`, :class:`Report`, :class:`Collective`, :class:`CheckpointsQuery`,
   :class:`Done`, :class:`Beat` (heartbeat connection). Driver to worker: :class:`Execute`,
@@ -71,7 +72,7 @@ __all__ = [
     "VERSION",
 ]
 
-VERSION = 4
+VERSION = 5
 
 
 # ----------------------------------------------------------------- worker -> driver
