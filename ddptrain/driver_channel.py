@@ -48,7 +48,8 @@ __all__ = ["Batch", "DriverChannel"]
 
 _logger = logging.getLogger(__name__)
 _QUEUE_CHECK_S = 0.05  # how often the driver's queue is drained of replays and forgeries
-_QUEUE_BUDGET = 1000  # at most this many of them per look: they must not starve real messages
+# At most this many of them (or bytes) per look: they must not starve real messages.
+_QUEUE_BUDGET, _QUEUE_BUDGET_BYTES = 1000, 16 * 2**20
 _MiB = 2**20
 
 
@@ -277,14 +278,19 @@ class DriverChannel:
         if whole is not None:
             try:
                 message = pickle.loads(whole)
-            except (pickle.UnpicklingError, AttributeError, ImportError, EOFError) as exc:
-                _logger.warning("ddptrain: could not decode a worker message: %r", exc)
+            except Exception as exc:  # whatever unpickling the sender's objects raises
+                error = RuntimeError(
+                    f"the driver could not unpickle message #{number} from {_who(log)} "
+                    f"({type(exc).__name__}: {exc}). What workers report must unpickle in the driver: "
+                    "plain data, or classes the driver's Python can import."
+                )
+                error.__cause__ = exc
+                message = protocol.Unreadable(log.rank, error)
+            if isinstance(message, protocol.Beat):
+                found.beats.append(message)
             else:
-                if isinstance(message, protocol.Beat):
-                    found.beats.append(message)
-                else:
-                    found.messages.append(message)
-                    found.nbytes += len(whole)
+                found.messages.append(message)
+                found.nbytes += len(whole)
         return bool(flags & END_OF_SEGMENT)
 
     def _check_claims(self, beats: list[protocol.Beat]) -> list[protocol.Lost]:
@@ -318,7 +324,7 @@ class DriverChannel:
         key = self._keys.to_driver
         waiting = reader.queue_len(key)
         popped = nbytes = 0
-        while popped < min(waiting, _QUEUE_BUDGET):
+        while popped < min(waiting, _QUEUE_BUDGET) and nbytes < _QUEUE_BUDGET_BYTES:
             try:
                 data = reader.queue_pop(key, False)
             except dist.QueueEmptyError:  # someone else popped it

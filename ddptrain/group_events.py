@@ -224,7 +224,7 @@ class GroupEvents:
             self._results.setdefault(message.call_id, {})[message.rank] = (message.ok, message.value)
         elif isinstance(message, protocol.Done):
             self.done[message.rank] = (message.returned, message.note)
-        elif isinstance(message, protocol.Lost):
+        elif isinstance(message, (protocol.Lost, protocol.Unreadable)):
             return self.failure(message.rank, None, message.error)
         else:
             _logger.warning("ddptrain: a worker sent %r outside a training run; ignored", message)

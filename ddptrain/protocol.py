@@ -68,6 +68,7 @@ __all__ = [
     "Hello",
     "Lost",
     "Report",
+    "Unreadable",
     "Train",
     "VERSION",
 ]
@@ -210,6 +211,14 @@ class Lost:
     @property
     def rank(self) -> int:
         return 0 if self.error.rank is None else int(self.error.rank)
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """A message from ``rank`` that the driver could not unpickle (``error``: why)."""
+
+    rank: int
+    error: Any
 
 
 # ================================================================= the agent's pipe
