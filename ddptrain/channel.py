@@ -95,14 +95,13 @@ class Keys:
     def __init__(self, secret: bytes) -> None:
         material = derived(secret)
         self.prefix = "ddptrain/" + material.queue_names.hex()
+        # The driver's queue: what workers send it travels through their logs, so anything
+        # pushed here is a replay or a forgery (the driver drains it to say so).
+        self.to_driver = f"{self.prefix}/to_driver"
+        # What a log record is bound to (a record copied onto a queue does not open there).
+        self.log_aad = self.to_driver.encode() + b"\0log"
         self._log_names = material.log_names
         self.wake = self._log_key(b"wake")
-
-    @property
-    def to_driver(self) -> str:
-        """The driver's queue: what workers send travels through their logs, so anything pushed
-        here is a replay or a forgery (the driver drains it to say so)."""
-        return f"{self.prefix}/to_driver"
 
     def to_worker(self, rank: int) -> str:
         return f"{self.prefix}/to_worker/{rank}"
@@ -113,11 +112,6 @@ class Keys:
 
     def _log_key(self, what: bytes) -> str:
         return "ddptrain/" + hmac.new(self._log_names, what, hashlib.sha256).hexdigest()[:32]
-
-
-def log_aad(keys: Keys) -> bytes:
-    """What a log record is bound to (a record copied onto a queue does not open there)."""
-    return keys.to_driver.encode() + b"\0log"
 
 
 def _pickle(obj: Any, plain_pickle: bool) -> bytes:
@@ -193,12 +187,13 @@ class Outbox:
 
     def _append(self, number: int, payload: bytes) -> None:
         assert self._logs is not None
-        aad = log_aad(self._logs)
+        aad = self._logs.log_aad
         for part, parts, piece in split(payload):
             size = OVERHEAD + len(piece)
             ends = self._segment_records + 1 >= SEGMENT_RECORDS or self._segment_bytes + size >= SEGMENT_BYTES
-            record = seal(self.secret, aad, self.sender, number, part, parts, END_OF_SEGMENT if ends else 0, piece)
-            self.store.append(self._segment_key, LENGTH.pack(len(record)) + record)  # type: ignore[attr-defined]
+            flags = END_OF_SEGMENT if ends else 0
+            record = seal(self.secret, aad, self.sender, number, part, parts, flags, piece, LENGTH)
+            self.store.append(self._segment_key, record)  # type: ignore[attr-defined]
             if ends:
                 self._segment += 1
                 self._segment_records = self._segment_bytes = 0

@@ -30,7 +30,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ddptrain import _env, protocol
-from ddptrain.channel import _LONG_WAIT, LENGTH, Keys, Outbox, connect, log_aad
+from ddptrain.channel import _LONG_WAIT, LENGTH, Keys, Outbox, connect
 from ddptrain.errors import ChannelError
 from ddptrain.sealing import (
     BEAT_SENDER,
@@ -96,7 +96,7 @@ class DriverChannel:
         self._store = store
         self._keys = keys
         self._secret = secret
-        self._aad = log_aad(keys)
+        self._aad = keys.log_aad
         self._outbox = Outbox(store, secret, DRIVER)
         senders = [*range(world_size), *(rank | BEAT_SENDER for rank in range(world_size))]
         self._logs = {sender: _Log(sender, keys.segment(sender, 0)) for sender in senders}
@@ -175,11 +175,7 @@ class DriverChannel:
                 if self._stopping:
                     self._drain_queue(reader)
                     return
-                found = self._drain(reader)
-                if found.messages:
-                    with self._held_lock:
-                        self._held += found.nbytes
-                    on_batch(Batch(found.messages, found.nbytes))
+                self._drain(reader, on_batch)
                 if time.monotonic() - self._queue_checked >= _QUEUE_CHECK_S:
                     self._drain_queue(reader)
                 self._warnings.flush()
@@ -197,11 +193,16 @@ class DriverChannel:
         finally:
             self._warnings.flush(force=True)
 
-    def _drain(self, reader: dist.TCPStore) -> _Pass:
-        """Read every log up to its end: the messages, oldest first per sender."""
-        found = _Pass()
+    def _drain(self, reader: dist.TCPStore, on_batch: Callable[[Batch], None]) -> None:
+        """Read every log to its end, handing on what each read finds (oldest first per sender).
+
+        After a read, only the logs whose segment ended are read again, then all of them once
+        more: when nothing has ended, everything written before that last read has been read,
+        which is what the heartbeats' claims are checked against."""
+        beats: list[protocol.Beat] = []
+        logs, every = list(self._logs.values()), True
         while True:
-            logs = list(self._logs.values())
+            found = _Pass()
             values = self._read(reader, logs)
             ended = [log for log, value in zip(logs, values, strict=True) if self._read_segment(log, value, found)]
             for log in ended:
@@ -209,11 +210,29 @@ class DriverChannel:
                 log.segment, log.offset = log.segment + 1, 0
                 log.key = self._keys.segment(log.sender, log.segment)
                 reader.append(log.key, b"")  # type: ignore[attr-defined]
-            self._check_held(found.nbytes)
-            if not ended:
+            beats.extend(found.beats)
+            self._hand_on(found, on_batch)
+            if ended:
+                logs, every = ended, False
+            elif every:
                 break
-        found.messages.extend(self._check_claims(found.beats))
-        return found
+            else:
+                logs, every = list(self._logs.values()), True
+        self._hand_on(_Pass(messages=list(self._check_claims(beats))), on_batch)
+
+    def _hand_on(self, found: _Pass, on_batch: Callable[[Batch], None]) -> None:
+        held = self._held + found.nbytes + self._order.partial_bytes
+        if held > self.max_unread_bytes:
+            raise ChannelError(
+                f"the driver holds {held / _MiB:.0f} MiB of worker messages it has not handled yet, more than "
+                f"DDPTRAIN_CHANNEL_MAX_UNREAD_MB={self.max_unread_bytes / _MiB:g} allows. The driver falls behind "
+                "its workers (a slow callback?), or they send very large metrics or return values: raise the "
+                "limit if the driver has the memory."
+            )
+        if found.messages:
+            with self._held_lock:
+                self._held += found.nbytes
+            on_batch(Batch(found.messages, found.nbytes))
 
     def _read(self, reader: dist.TCPStore, logs: list[_Log]) -> list[bytes]:
         try:
@@ -306,16 +325,6 @@ class DriverChannel:
                 self._claims.pop(beat.rank)
                 lost.append(protocol.Lost(LostMessageError(beat.rank, received, claimed - 1)))
         return lost
-
-    def _check_held(self, reading: int) -> None:
-        held = self._held + reading + self._order.partial_bytes
-        if held > self.max_unread_bytes:
-            raise ChannelError(
-                f"the driver holds {held / _MiB:.0f} MiB of worker messages it has not handled yet, more than "
-                f"DDPTRAIN_CHANNEL_MAX_UNREAD_MB={self.max_unread_bytes / _MiB:g} allows. The driver falls behind "
-                "its workers (a slow callback?), or they send very large metrics or return values: raise the "
-                "limit if the driver has the memory."
-            )
 
     def _drain_queue(self, reader: dist.TCPStore) -> None:
         """Workers never push to the driver's queue: whatever is there was copied off the store

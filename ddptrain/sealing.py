@@ -109,10 +109,23 @@ def derived(secret: bytes) -> Derived:
     )
 
 
-def seal(secret: bytes, aad: bytes, sender: int, number: int, part: int, parts: int, flags: int, payload: Any) -> bytes:
-    """One sealed record (``payload``: bytes-like)."""
+def seal(
+    secret: bytes,
+    aad: bytes,
+    sender: int,
+    number: int,
+    part: int,
+    parts: int,
+    flags: int,
+    payload: Any,
+    length: struct.Struct | None = None,
+) -> bytes:
+    """One sealed record (``payload``: bytes-like), with its size in front when ``length`` is given."""
     nonce = os.urandom(_NONCE)
-    return nonce + derived(secret).aead.encrypt(nonce, _HEADER.pack(sender, number, part, parts, flags) + payload, aad)
+    sealed = derived(secret).aead.encrypt(nonce, _HEADER.pack(sender, number, part, parts, flags) + payload, aad)
+    if length is None:
+        return nonce + sealed
+    return b"".join((length.pack(_NONCE + len(sealed)), nonce, sealed))
 
 
 def unseal(secret: bytes, aad: bytes, record: Any) -> tuple[int, int, int, int, int, memoryview]:
@@ -245,9 +258,10 @@ def _parts(payload: bytes) -> Iterator[tuple[int, int, memoryview]]:
         yield part, parts, view[part * PART_BYTES : (part + 1) * PART_BYTES]
 
 
-def split(payload: bytes) -> Iterator[tuple[int, int, memoryview]]:
+def split(payload: bytes) -> list[tuple[int, int, Any]]:
     """``(part, parts, piece)`` of a message's pickled bytes."""
+    if len(payload) <= PART_BYTES:
+        return [(0, 1, payload)]
     view = memoryview(payload)
-    count = max(1, -(-len(view) // PART_BYTES))
-    for part in range(count):
-        yield part, count, view[part * PART_BYTES : (part + 1) * PART_BYTES]
+    count = -(-len(view) // PART_BYTES)
+    return [(part, count, view[part * PART_BYTES : (part + 1) * PART_BYTES]) for part in range(count)]
