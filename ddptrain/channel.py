@@ -78,6 +78,7 @@ _logger = logging.getLogger(__name__)
 # Blocking waits on the store last this long before looping; a quiet run is not an error.
 _LONG_WAIT = datetime.timedelta(days=7)
 LENGTH = struct.Struct(">I")  # in front of each record of a log segment
+HEARTBEAT_S = 2.0  # between a worker's heartbeats (WorkerChannel.start_heartbeat)
 # A worker's log segment ends after this many records or bytes (the driver reads a segment
 # whole each time, and deletes it once it has ended).
 SEGMENT_RECORDS = 64
@@ -280,7 +281,7 @@ class WorkerChannel:
         """Send a sealed message to the driver."""
         self._outbox.push(self.keys.to_driver, obj, plain_pickle=True)
 
-    def start_heartbeat(self, host: str, port: int, interval_s: float) -> None:
+    def start_heartbeat(self, host: str, port: int, interval_s: float = HEARTBEAT_S) -> None:
         """Every ``interval_s``, tell the driver how many messages this rank has sent, over a
         connection of its own (the main one may be blocked in a pop). A message someone removed
         from the store is then noticed within two beats, even the last one, and a rank the

@@ -30,7 +30,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ddptrain import _env, protocol
-from ddptrain.channel import _LONG_WAIT, LENGTH, Keys, Outbox, connect
+from ddptrain.channel import _LONG_WAIT, HEARTBEAT_S, LENGTH, Keys, Outbox, connect
 from ddptrain.errors import ChannelError
 from ddptrain.sealing import (
     BEAT_SENDER,
@@ -142,11 +142,12 @@ class DriverChannel:
             self._held -= nbytes
 
     def quiet_ranks(self) -> dict[int, float]:
-        """Ranks whose last record (message or heartbeat) was read more than
-        ``tamper_timeout_s`` ago, with how long ago. A worker's heartbeat comes every 2 s while
-        its process runs: the group decides (it knows which ranks are stopped or gone)."""
-        now = time.monotonic()
-        return {rank: now - seen for rank, seen in list(self._heard.items()) if now - seen > self.tamper_timeout_s}
+        """Ranks whose last record (message or heartbeat) was read longer ago than
+        ``tamper_timeout_s`` and two heartbeats, with how long ago. A worker's heartbeat comes
+        every ``HEARTBEAT_S`` while its process runs: the group decides (it knows which ranks
+        are stopped or gone)."""
+        now, quiet_s = time.monotonic(), self.tamper_timeout_s + 2 * HEARTBEAT_S
+        return {rank: now - seen for rank, seen in list(self._heard.items()) if now - seen > quiet_s}
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop the thread (safe to call twice); it looks at the driver's queue one last time."""

@@ -200,8 +200,9 @@ class GroupEvents:
 
     def _check_quiet_ranks(self) -> None:
         """A running rank sends a heartbeat every 2 s: if the driver has read nothing of it for
-        ``DDPTRAIN_STORE_TAMPER_TIMEOUT_S``, something removes its messages from the store.
-        Ranks that exited, and ranks stopped by a signal or a debugger, are left out."""
+        ``DDPTRAIN_STORE_TAMPER_TIMEOUT_S`` and two heartbeats, something removes its messages
+        from the store. Ranks that exited, and ranks stopped by a signal or a debugger, are left
+        out."""
         if self.channel is None or self.exit_expected or self._failed:
             return
         states = self.watch.states if self.watch is not None else {}
