@@ -44,7 +44,7 @@ from ddptrain.sealing import (
     unseal,
 )
 
-__all__ = ["Batch", "DriverChannel"]
+__all__ = ["Batch", "DriverChannel", "Undelivered"]
 
 _logger = logging.getLogger(__name__)
 _QUEUE_CHECK_S = 0.05  # how often the driver's queue is drained of replays and forgeries
@@ -60,6 +60,16 @@ class Batch:
 
     messages: list[Any]
     nbytes: int
+
+
+@dataclass(frozen=True)
+class Undelivered:
+    """A message from ``rank`` that the driver did not get whole: something removed it from the
+    store (``error``: a :class:`~ddptrain.sealing.LostMessageError`), or it could not be
+    unpickled. Handed on in order, like the messages."""
+
+    rank: int
+    error: BaseException
 
 
 @dataclass
@@ -118,7 +128,7 @@ class DriverChannel:
 
         ``on_failure`` gets a :class:`~ddptrain.channel.StoreTamperedError` naming the rank whose
         messages were tampered with, or a :class:`ChannelError`; the thread has stopped then.
-        Messages that went missing on the store are handed on as :class:`protocol.Lost`.
+        Messages that went missing on the store are handed on as :class:`Undelivered`.
         """
         host, port = self._store.host, self._store.port
         # A read that waits this long can only wait for a segment someone deleted.
@@ -293,7 +303,7 @@ class DriverChannel:
             self._warnings.warn("replayed" if "replayed" in str(exc) else "with a bad signature", str(exc))
             return False
         except LostMessageError as exc:
-            found.messages.append(protocol.Lost(exc))
+            found.messages.append(Undelivered(log.rank, exc))
             return bool(flags & END_OF_SEGMENT)
         if whole is not None:
             try:
@@ -305,7 +315,7 @@ class DriverChannel:
                     "plain data, or classes the driver's Python can import."
                 )
                 error.__cause__ = exc
-                message = protocol.Unreadable(log.rank, error)
+                message = Undelivered(log.rank, error)
             if isinstance(message, protocol.Beat):
                 found.beats.append(message)
             else:
@@ -313,7 +323,7 @@ class DriverChannel:
                 found.nbytes += len(whole)
         return bool(flags & END_OF_SEGMENT)
 
-    def _check_claims(self, beats: list[protocol.Beat]) -> list[protocol.Lost]:
+    def _check_claims(self, beats: list[protocol.Beat]) -> list[Undelivered]:
         """A heartbeat says how many messages its rank had sent. When what the previous beat
         claimed has still not arrived (every log was read to its end since), someone removed it
         from the store, even the rank's last message."""
@@ -324,7 +334,7 @@ class DriverChannel:
             received = self._order.expected.get(beat.rank, 0)
             if claimed is not None and received < claimed:
                 self._claims.pop(beat.rank)
-                lost.append(protocol.Lost(LostMessageError(beat.rank, received, claimed - 1)))
+                lost.append(Undelivered(beat.rank, LostMessageError(beat.rank, received, claimed - 1)))
         return lost
 
     def _drain_queue(self, reader: dist.TCPStore) -> None:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ddptrain import protocol
 from ddptrain._logs import LogSink
-from ddptrain.driver_channel import Batch, DriverChannel
+from ddptrain.driver_channel import Batch, DriverChannel, Undelivered
 from ddptrain.errors import (
     ChannelError,
     LaunchError,
@@ -225,7 +225,7 @@ class GroupEvents:
             self._results.setdefault(message.call_id, {})[message.rank] = (message.ok, message.value)
         elif isinstance(message, protocol.Done):
             self.done[message.rank] = (message.returned, message.note)
-        elif isinstance(message, (protocol.Lost, protocol.Unreadable)):
+        elif isinstance(message, Undelivered):
             return self.failure(message.rank, None, message.error)
         else:
             _logger.warning("ddptrain: a worker sent %r outside a training run; ignored", message)

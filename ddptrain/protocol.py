@@ -18,7 +18,7 @@ Two transports carry them:
   :class:`CallResult`, :class:`Report`, :class:`Collective`, :class:`CheckpointsQuery`,
   :class:`Done`, :class:`Beat` (heartbeat connection). Driver to worker: :class:`Execute`,
   :class:`Train`, :class:`Exit`, :class:`Ack`, :class:`CollectiveResult`,
-  :class:`CheckpointsReply`. Inside the driver: :class:`Lost` (a message someone removed).
+  :class:`CheckpointsReply`.
 
 ``VERSION`` changes whenever a message changes shape; an agent refuses a driver of another
 version (``_agent_start.versions``) before it unpickles anything but the version table. Only
@@ -66,9 +66,7 @@ __all__ = [
     "Exit",
     "FailureRecord",
     "Hello",
-    "Lost",
     "Report",
-    "Unreadable",
     "Train",
     "VERSION",
 ]
@@ -199,26 +197,6 @@ class CheckpointsReply:
     """The run's reported checkpoints: ``(path, metrics)`` pairs, oldest first."""
 
     reported: list[tuple[str, dict[str, Any]]]
-
-
-# ----------------------------------------------------------------- inside the driver
-@dataclass(frozen=True)
-class Lost:
-    """Messages from ``error.rank`` were removed from the store (``channel.LostMessageError``)."""
-
-    error: Any
-
-    @property
-    def rank(self) -> int:
-        return 0 if self.error.rank is None else int(self.error.rank)
-
-
-@dataclass(frozen=True)
-class Unreadable:
-    """A message from ``rank`` that the driver could not unpickle (``error``: why)."""
-
-    rank: int
-    error: Any
 
 
 # ================================================================= the agent's pipe
