@@ -76,8 +76,8 @@ def store_connect_timeout_s() -> float:
 
 
 def store_tamper_timeout_s() -> float:
-    """Seconds the driver waits for a worker's messages that something else removed from its
-    store (a deleted key, a rank not even its heartbeat comes from) before the run fails."""
+    """Seconds the driver waits for a key of its store that something else deleted before the
+    run fails (messages removed otherwise fail it within two heartbeats)."""
     return _float("DDPTRAIN_STORE_TAMPER_TIMEOUT_S", 30.0)
 
 

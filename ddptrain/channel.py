@@ -284,8 +284,7 @@ class WorkerChannel:
     def start_heartbeat(self, host: str, port: int, interval_s: float = HEARTBEAT_S) -> None:
         """Every ``interval_s``, tell the driver how many messages this rank has sent, over a
         connection of its own (the main one may be blocked in a pop). A message someone removed
-        from the store is then noticed within two beats, even the last one, and a rank the
-        driver hears nothing from at all (not even this) is noticed too."""
+        from the store is then noticed within two beats, even the last one."""
         beats = Outbox(connect(host, port, timeout_s=30), self.secret, self.rank | BEAT_SENDER, logs=self.keys)
 
         def beat() -> None:

@@ -8,10 +8,11 @@ wake key. The thread waits on that key, then reads the current segment of every 
 nothing new is left. Thousands of reports a second cost a few store round trips, not one each.
 
 Whatever else happens to the store, the run fails within a bound instead of hanging, naming what
-was done: a deleted log key (a read that waits on it for ``DDPTRAIN_STORE_TAMPER_TIMEOUT_S``), a
-missing or shrunken record (numbers, and the heartbeats that say how many messages each rank sent),
-a rank nobody hears from at all (:meth:`DriverChannel.quiet_ranks`, checked by the group), and a
-flood on the driver's queue. Forged or replayed records are skipped with rate-limited warnings.
+was done. Every current segment exists from the moment the driver knows of it, so a read that
+waits for one (``DDPTRAIN_STORE_TAMPER_TIMEOUT_S``) waits for a key someone deleted; records
+missing or rewritten show in the numbers, the lengths, and the heartbeats (each rank says every
+2 s how many messages it sent); a flood on the driver's queue is counted against the cap below.
+Forged or replayed records are skipped with rate-limited warnings.
 What the driver holds for messages it has not handled yet is capped
 (``DDPTRAIN_CHANNEL_MAX_UNREAD_MB``): past the cap the run fails with :class:`ChannelError`, as
 it does when the thread stops for any other reason.
@@ -30,7 +31,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ddptrain import _env, protocol
-from ddptrain.channel import _LONG_WAIT, HEARTBEAT_S, LENGTH, Keys, Outbox, connect
+from ddptrain.channel import _LONG_WAIT, LENGTH, Keys, Outbox, connect
 from ddptrain.errors import ChannelError
 from ddptrain.sealing import (
     BEAT_SENDER,
@@ -112,7 +113,6 @@ class DriverChannel:
         self._logs = {sender: _Log(sender, keys.segment(sender, 0)) for sender in senders}
         self._order = Order()
         self._claims: dict[int, int] = {}  # rank -> messages its last heartbeat said it had sent
-        self._heard: dict[int, float] = {}  # rank -> when its last record was read
         self._held = 0  # bytes handed on and not released yet
         self._held_lock = threading.Lock()
         self.max_unread_bytes = int(_env.channel_max_unread_mb() * _MiB)
@@ -150,14 +150,6 @@ class DriverChannel:
         """A batch of ``nbytes`` was handled: the driver no longer holds it."""
         with self._held_lock:
             self._held -= nbytes
-
-    def quiet_ranks(self) -> dict[int, float]:
-        """Ranks whose last record (message or heartbeat) was read longer ago than
-        ``tamper_timeout_s`` and two heartbeats, with how long ago. A worker's heartbeat comes
-        every ``HEARTBEAT_S`` while its process runs: the group decides (it knows which ranks
-        are stopped or gone)."""
-        now, quiet_s = time.monotonic(), self.tamper_timeout_s + 2 * HEARTBEAT_S
-        return {rank: now - seen for rank, seen in list(self._heard.items()) if now - seen > quiet_s}
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop the thread (safe to call twice); it looks at the driver's queue one last time."""
@@ -269,7 +261,6 @@ class DriverChannel:
             )
         if len(value) == log.offset:
             return False
-        self._heard[log.rank] = time.monotonic()
         view, offset = memoryview(value), log.offset
         while offset < len(view):
             end = len(view) + 1  # a length that does not fit: bytes its sender did not write

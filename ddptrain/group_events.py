@@ -118,7 +118,6 @@ class GroupEvents:
                     self.on_tick()
                 if self.watch is not None:
                     self.watch.check(self.sink.last_write if self.sink is not None else 0.0)
-                self._check_quiet_ranks()
             if deadline is not None and time.monotonic() > deadline and not done():
                 raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {waiting_for}")
 
@@ -197,25 +196,6 @@ class GroupEvents:
         assert self.handler is not None
         failure = self.handler(messages)
         return [failure] if failure is not None else []
-
-    def _check_quiet_ranks(self) -> None:
-        """A running rank sends a heartbeat every 2 s: if the driver has read nothing of it for
-        ``DDPTRAIN_STORE_TAMPER_TIMEOUT_S`` and two heartbeats, something removes its messages
-        from the store. Ranks that exited, and ranks stopped by a signal or a debugger, are left
-        out."""
-        if self.channel is None or self.exit_expected or self._failed:
-            return
-        states = self.watch.states if self.watch is not None else {}
-        for rank, quiet_s in sorted(self.channel.quiet_ranks().items()):
-            if rank in self.exited or states.get(rank, {}).get("state") in ("T", "t"):
-                continue
-            error = StoreTamperedError(
-                f"nothing from rank {rank} has reached the driver for {quiet_s:.0f} s, not even its heartbeat "
-                "(sent every 2 s), although its process runs: something removes its messages from this run's "
-                "store (the store was tampered with; DDPTRAIN_STORE_TAMPER_TIMEOUT_S)",
-                rank,
-            )
-            raise self.fail([self.failure(rank, None, error)])
 
     def _handle_message(self, message: Any) -> WorkerFailure | None:
         if isinstance(message, protocol.Hello):
