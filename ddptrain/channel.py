@@ -79,10 +79,12 @@ _logger = logging.getLogger(__name__)
 _LONG_WAIT = datetime.timedelta(days=7)
 LENGTH = struct.Struct(">I")  # in front of each record of a log segment
 HEARTBEAT_S = 2.0  # between a worker's heartbeats (WorkerChannel.start_heartbeat)
-# A worker's log segment ends after this many records or bytes (the driver reads a segment
-# whole each time, and deletes it once it has ended).
+# A worker's log segment ends after this many records or bytes, or with the first record
+# written this long after it began (the driver reads a segment whole each time, so what it has
+# read already should stay short, and deletes it once it has ended).
 SEGMENT_RECORDS = 64
 SEGMENT_BYTES = 16 * 2**10
+SEGMENT_S = 1.0
 
 
 class Keys:
@@ -165,7 +167,7 @@ class Outbox:
         self._numbers: dict[str, int] = {}
         self._pushed: dict[str, int] = {}  # messages whose push has returned, per queue
         self._lock = threading.Lock()  # numbers must reach the store in order
-        self._segment, self._segment_records, self._segment_bytes = 0, 0, 0
+        self._segment, self._segment_records, self._segment_bytes, self._segment_began = 0, 0, 0, 0.0
         self._segment_key = logs.segment(sender, 0) if logs is not None else ""
 
     def pushed(self, key: str) -> int:
@@ -189,9 +191,16 @@ class Outbox:
     def _append(self, number: int, payload: bytes) -> None:
         assert self._logs is not None
         aad = self._logs.log_aad
+        now = time.monotonic()
         for part, parts, piece in split(payload):
             size = OVERHEAD + len(piece)
-            ends = self._segment_records + 1 >= SEGMENT_RECORDS or self._segment_bytes + size >= SEGMENT_BYTES
+            if not self._segment_records:
+                self._segment_began = now
+            ends = (
+                self._segment_records + 1 >= SEGMENT_RECORDS
+                or self._segment_bytes + size >= SEGMENT_BYTES
+                or now - self._segment_began >= SEGMENT_S
+            )
             flags = END_OF_SEGMENT if ends else 0
             record = seal(self.secret, aad, self.sender, number, part, parts, flags, piece, LENGTH)
             self.store.append(self._segment_key, record)  # type: ignore[attr-defined]
@@ -305,6 +314,8 @@ class WorkerChannel:
         """
         while True:
             try:
-                return self._inbox.pop()
+                command = self._inbox.pop()
+                self._warnings.flush()  # the count of those rejected meanwhile, once a while
+                return command
             except ForgedMessageError as exc:
                 self._warnings.warn("replayed" if "replayed" in str(exc) else "with a bad signature", str(exc))
