@@ -286,6 +286,7 @@ def paced_fit(storage: str, seconds: float, rate: float = 2000.0, workers: int =
     import ddptrain as train
     from ddptrain.torch import TorchTrainer
 
+    before = os.times()
     result = TorchTrainer(
         paced,
         train_loop_config={"rate": rate, "seconds": seconds},
@@ -293,6 +294,7 @@ def paced_fit(storage: str, seconds: float, rate: float = 2000.0, workers: int =
         run_config=train.RunConfig(storage_path=storage, name="paced"),
     ).fit()
     ended = time.time()
+    after = os.times()
     with open(os.path.join(result.path, "metrics.jsonl")) as f:
         lines = [json.loads(line) for line in f if line.strip()]
     last = max(r["last_report_time"] for r in result.return_values)
@@ -306,6 +308,10 @@ def paced_fit(storage: str, seconds: float, rate: float = 2000.0, workers: int =
         "driver_lag_s": lines[-1]["time"] - rank0["last_report_time"],
         "fit_ended_after_workers_s": ended - last,
         "workers_behind_their_pace_s": max(r["behind_own_pace_s"] for r in result.return_values),
+        # CPU seconds of the driver process (its threads and the store's server), and of the
+        # agent and workers (reaped children).
+        "driver_cpu_s": after.user + after.system - before.user - before.system,
+        "workers_cpu_s": after.children_user + after.children_system - before.children_user - before.children_system,
     }
 
 

@@ -82,7 +82,7 @@ HEARTBEAT_S = 2.0  # between a worker's heartbeats (WorkerChannel.start_heartbea
 # A worker's log segment ends after this many records or bytes, or with the first record
 # written this long after it began (the driver reads a segment whole each time, so what it has
 # read already should stay short, and deletes it once it has ended).
-SEGMENT_RECORDS = 64
+SEGMENT_RECORDS = 32
 SEGMENT_BYTES = 16 * 2**10
 SEGMENT_S = 1.0
 

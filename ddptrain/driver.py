@@ -60,6 +60,7 @@ class Attempt:
         # Open rounds by kind, then index; created in the order of their indices (each rank
         # calls in order), so the first of a kind is its oldest.
         self.rounds: dict[str, dict[int, _Round]] = {"report": {}, "collective": {}}
+        self.staged_rounds: set[int] = set()  # open report rounds that a rank passed files to
         # get_all_reported_checkpoints() calls waiting for earlier reports: (rank, index, deadline)
         self.checkpoint_waiters: list[tuple[int, int, float | None]] = []
         self.watch = Watch(run.run_dir, group.ask, group.where)
@@ -158,9 +159,12 @@ class Attempt:
         if round_ is None:
             round_ = rounds[index] = _Round(kind, index, time.monotonic())
         round_.entries[rank] = entry
+        if kind == "report" and entry.staged:
+            self.staged_rounds.add(index)
         if len(round_.entries) < self.world_size:
             return
         del rounds[index]
+        self.staged_rounds.discard(index)
         if kind == "collective":
             for r in range(self.world_size):
                 self.group.send(r, protocol.CollectiveResult(index, round_.entries[0].data))
@@ -209,14 +213,9 @@ class Attempt:
     def _check_rounds(self) -> None:
         """Fail when a rank waits for one that already returned; warn about late ranks."""
         self._answer_checkpoint_waiters()  # those whose timeout_s is over
-        for round_ in [*self.rounds["report"].values(), *self.rounds["collective"].values()] if self.group.done else []:
+        for round_ in self._waiting_rounds() if self.group.done else []:
             gone = sorted(set(self.group.done) - set(round_.entries))
-            waits = (
-                round_.kind == "collective"
-                or any(entry.staged for entry in round_.entries.values())
-                or (round_.kind == "report" and any(index >= round_.index for _, index, _ in self.checkpoint_waiters))
-            )
-            if gone and waits:
+            if gone:
                 what = "report()" if round_.kind == "report" else "a collective (barrier/broadcast)"
                 error = RuntimeError(
                     f"rank(s) {gone} returned from the training function while rank(s) {sorted(round_.entries)} "
@@ -225,6 +224,16 @@ class Attempt:
                 )
                 raise self.group.fail([self.group.failure(gone[0], None, error)])
         self._warn_stragglers()
+
+    def _waiting_rounds(self) -> list[_Round]:
+        """Open rounds whose ranks wait for the others: collectives, reports with files, and
+        reports a ``get_all_reported_checkpoints()`` call waits for (plain reports do not)."""
+        reports = self.rounds["report"]
+        waiting = [*self.rounds["collective"].values(), *(reports[i] for i in self.staged_rounds)]
+        if self.checkpoint_waiters:
+            last = max(index for _, index, _ in self.checkpoint_waiters)
+            waiting += [r for i, r in reports.items() if i <= last and i not in self.staged_rounds]
+        return waiting
 
     def _warn_stragglers(self) -> None:
         interval = _env.report_warn_interval_s()
@@ -261,3 +270,4 @@ class Attempt:
             )
         for rounds in self.rounds.values():
             rounds.clear()
+        self.staged_rounds.clear()

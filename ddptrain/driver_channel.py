@@ -48,6 +48,7 @@ from ddptrain.sealing import (
 __all__ = ["Batch", "DriverChannel", "Undelivered"]
 
 _logger = logging.getLogger(__name__)
+_READ_INTERVAL_S = 0.001
 _QUEUE_CHECK_S = 0.05  # how often the driver's queue is drained of replays and forgeries
 # At most this many of them (or bytes) per look: they must not starve real messages.
 _QUEUE_BUDGET, _QUEUE_BUDGET_BYTES = 1000, 16 * 2**20
@@ -171,9 +172,14 @@ class DriverChannel:
         on_batch: Callable[[Batch], None],
         on_failure: Callable[[BaseException], None],
     ) -> None:
+        read_at = 0.0
         try:
             while True:
                 waiter.wait([self._keys.wake])
+                # At most one read a millisecond: a busy run's messages come in batches, and a
+                # quiet run's first message is read at once.
+                time.sleep(max(0.0, read_at + _READ_INTERVAL_S - time.monotonic()))
+                read_at = time.monotonic()
                 waiter.delete_key(self._keys.wake)  # before reading: a later write wakes us again
                 if self._stopping:
                     self._drain_queue(reader)
@@ -199,9 +205,9 @@ class DriverChannel:
     def _drain(self, reader: dist.TCPStore, on_batch: Callable[[Batch], None]) -> None:
         """Read every log to its end, handing on what each read finds (oldest first per sender).
 
-        After a read, only the logs whose segment ended are read again, then all of them once
-        more: when nothing has ended, everything written before that last read has been read,
-        which is what the heartbeats' claims are checked against."""
+        After a read, only the logs whose segment ended are read again; when heartbeats came,
+        all of them once more: when nothing has ended, everything written before that last
+        read has been read, which is what the heartbeats' claims are checked against."""
         beats: list[protocol.Beat] = []
         logs, every = list(self._logs.values()), True
         while True:
@@ -217,7 +223,7 @@ class DriverChannel:
             self._hand_on(found, on_batch)
             if ended:
                 logs, every = ended, False
-            elif every:
+            elif every or not beats:
                 break
             else:
                 logs, every = list(self._logs.values()), True
