@@ -84,7 +84,7 @@ def store_tamper_timeout_s() -> float:
 def channel_max_unread_mb() -> float:
     """MiB of worker messages the driver may hold before it has handled them; past it the run
     fails (a driver far behind its workers, or someone flooding its store)."""
-    return _float("DDPTRAIN_CHANNEL_MAX_UNREAD_MB", 1024.0)
+    return _float("DDPTRAIN_CHANNEL_MAX_UNREAD_MB", 2048.0)
 
 
 def worker_start_timeout_s() -> float:

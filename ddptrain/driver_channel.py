@@ -31,12 +31,14 @@ from typing import Any
 import torch.distributed as dist
 
 from ddptrain import _env, protocol
-from ddptrain.channel import _LONG_WAIT, LENGTH, Keys, Outbox, connect
+from ddptrain.channel import _LONG_WAIT, LENGTH, SEGMENT_BYTES, Keys, Outbox, connect
 from ddptrain.errors import ChannelError
 from ddptrain.sealing import (
     BEAT_SENDER,
     DRIVER,
     END_OF_SEGMENT,
+    OVERHEAD,
+    PART_BYTES,
     ForgedMessageError,
     LostMessageError,
     Order,
@@ -53,6 +55,8 @@ _QUEUE_CHECK_S = 0.05  # how often the driver's queue is drained of replays and 
 # At most this many of them (or bytes) per look: they must not starve real messages.
 _QUEUE_BUDGET, _QUEUE_BUDGET_BYTES = 1000, 16 * 2**20
 _MiB = 2**20
+# The most a segment holds as its sender writes it: short of SEGMENT_BYTES, then one last record.
+_SEGMENT_MAX = SEGMENT_BYTES + PART_BYTES + OVERHEAD + 2 * LENGTH.size
 
 
 @dataclass
@@ -267,6 +271,12 @@ class DriverChannel:
             )
         if len(value) == log.offset:
             return False
+        if len(value) > _SEGMENT_MAX:
+            raise StoreTamperedError(
+                f"{_who(log)}'s messages to the driver hold {len(value)} bytes, more than it ever writes: something "
+                "else writes to this run's store (the store was tampered with)",
+                log.rank,
+            )
         view, offset = memoryview(value), log.offset
         while offset < len(view):
             end = len(view) + 1  # a length that does not fit: bytes its sender did not write

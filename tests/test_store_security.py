@@ -500,6 +500,8 @@ def test_a_driver_far_behind_its_workers_fails_past_the_unread_cap(
             scaling_config=train.ScalingConfig(num_workers=2),
             run_config=train.RunConfig(name="behind", storage_path=storage, callbacks=[_SlowFirstReport()]),
         ).fit()
+    status = json.loads(Path(storage, "behind", "run.json").read_text())
+    assert status["status"] == "ERRORED" and "DDPTRAIN_CHANNEL_MAX_UNREAD_MB" in status["error"]
 
 
 def _steal_and_replay(store, target: dict, stop) -> None:
@@ -609,3 +611,31 @@ def test_large_messages_cannot_be_read_off_the_store(storage: str, tmp_path: Pat
     assert not any(marker in value or marker.hex().encode() in value for value in seen["values"])
     queue_names = [name for name in seen.get("names", ()) if "to_driver" in name or "to_worker" in name]
     assert queue_names == []
+
+
+# ----------------------------------------------------------------- the driver's report path
+
+
+def reports_then_a_checkpoint(config: dict) -> int:
+    import tempfile
+
+    for step in range(200):
+        train.report({"step": step})
+    with tempfile.TemporaryDirectory() as d:
+        Path(d, "weights.txt").write_text("v1")
+        train.report({"step": 200}, checkpoint=train.Checkpoint.from_directory(d))
+    lines = Path(config["run_dir"], "metrics.jsonl").read_text().splitlines()
+    return len(lines) if json.loads(lines[-1])["metrics"] == {"step": 200} else -1
+
+
+def test_reports_are_on_disk_before_their_checkpoint_is_acknowledged(storage: str) -> None:
+    """The driver writes the reports that arrive together in one write, but a report's line is
+    in metrics.jsonl before ``report(checkpoint=...)`` returns (its checkpoint is committed and
+    acknowledged only after), with every report before it."""
+    result = train.DataParallelTrainer(
+        reports_then_a_checkpoint,
+        train_loop_config={"run_dir": str(Path(storage, "ordered"))},
+        scaling_config=train.ScalingConfig(num_workers=2),
+        run_config=train.RunConfig(name="ordered", storage_path=storage),
+    ).fit()
+    assert result.return_values == [201, 201]
