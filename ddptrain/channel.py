@@ -3,10 +3,10 @@
 Anyone who can reach the store's port can list its plain keys, read and delete them, and push
 to or pop from any queue whose name they know. So:
 
-- every message is sealed with AES-256-GCM under a key derived from the run's secret (HKDF):
-  nothing is readable on the store, and nothing is unpickled before its tag checks out. The
-  secret travels over the process pipe or the SSH channel only, never through the store or
-  the run directory;
+- every message is sealed with AES-256-GCM under a key derived from the run's secret (HKDF,
+  ``ddptrain.sealing``): nothing is readable on the store, and nothing is unpickled before its
+  tag checks out. The secret travels over the process pipe or the SSH channel only, never
+  through the store or the run directory;
 - queue names carry 128 bits derived from the secret, and queues are not listed by the store;
   the plain keys the workers write (below) are named by a second derived key, so they give
   nothing of the queue names away;

@@ -16,7 +16,6 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -249,13 +248,6 @@ class Order:
         partial = self.partial.pop(sender, None)
         if partial is not None:
             self.partial_bytes -= partial.nbytes
-
-
-def _parts(payload: bytes) -> Iterator[tuple[int, int, memoryview]]:
-    view = memoryview(payload)
-    parts = max(1, -(-len(view) // PART_BYTES))
-    for part in range(parts):
-        yield part, parts, view[part * PART_BYTES : (part + 1) * PART_BYTES]
 
 
 def split(payload: bytes) -> list[tuple[int, int, Any]]:
