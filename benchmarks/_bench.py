@@ -26,12 +26,19 @@ os.environ.setdefault(TAG_VAR, uuid.uuid4().hex)
 
 
 def parse_args(
-    description: str, default_repeats: int, quick_repeats: int, extra: Sequence[tuple[str, str]] = ()
+    description: str,
+    default_repeats: int,
+    quick_repeats: int,
+    extra: Sequence[tuple[str, str]] = (),
+    numbers: Sequence[tuple[str, float, str]] = (),
 ) -> argparse.Namespace:
-    """The common options, plus ``extra`` switches given as (flag, help)."""
+    """The common options, plus ``extra`` switches given as (flag, help) and ``numbers`` given
+    as (flag, default, help)."""
     parser = argparse.ArgumentParser(description=description)
     for flag, text in extra:
         parser.add_argument(flag, action="store_true", help=text)
+    for flag, default, text in numbers:
+        parser.add_argument(flag, type=float, default=default, help=f"{text} (default {default:g})")
     parser.add_argument(
         "--repeats",
         type=int,

@@ -10,6 +10,8 @@ __all__ = [
     "stall_warn_s",
     "shutdown_grace_s",
     "store_connect_timeout_s",
+    "store_tamper_timeout_s",
+    "channel_max_unread_mb",
     "worker_start_timeout_s",
     "loading_training_function",
     "console_ranks",
@@ -71,6 +73,18 @@ def shutdown_grace_s() -> float:
 def store_connect_timeout_s() -> float:
     """Seconds a worker waits to connect to the driver's store."""
     return _float("DDPTRAIN_STORE_CONNECT_TIMEOUT_S", 60.0)
+
+
+def store_tamper_timeout_s() -> float:
+    """Seconds the driver waits for a key of its store that something else deleted before the
+    run fails (messages removed otherwise fail it within two heartbeats)."""
+    return _float("DDPTRAIN_STORE_TAMPER_TIMEOUT_S", 30.0)
+
+
+def channel_max_unread_mb() -> float:
+    """MiB of worker messages the driver may hold before it has handled them; past it the run
+    fails (a driver far behind its workers, or someone flooding its store)."""
+    return _float("DDPTRAIN_CHANNEL_MAX_UNREAD_MB", 2048.0)
 
 
 def worker_start_timeout_s() -> float:

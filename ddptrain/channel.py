@@ -1,16 +1,25 @@
-"""Signed, numbered messages through the driver's TCPStore: the one module that names store keys.
+"""Encrypted, numbered messages through the driver's TCPStore: the one module that names store keys.
 
-Workers push messages (reports, call results, completion) to one driver queue; the driver
-pushes commands to one queue per rank. Every message is ``HMAC-SHA256(secret, key, sender,
-number, payload) || sender || number || payload`` and is checked before it is unpickled:
+Anyone who can reach the store's port can list its plain keys, read and delete them, and push
+to or pop from any queue whose name they know. So:
 
-- the secret travels over the process pipe or the SSH channel only, never through the store
-  or the run directory, so nobody who can reach the store can forge a message;
-- queue names are derived from the secret, so they cannot be guessed from anything on disk;
-- each sender numbers its messages per queue: a replayed message is rejected, and a missing
-  one (someone popped it) fails the run instead of losing a report silently;
-- messages larger than ``CHUNK_BYTES`` travel as several store values, announced by a small
-  signed message, so return values, metrics and broadcasts of any size get through.
+- every message is sealed with AES-256-GCM under a key derived from the run's secret (HKDF,
+  ``ddptrain.sealing``): nothing is readable on the store, and nothing is unpickled before its
+  tag checks out. The secret travels over the process pipe or the SSH channel only, never
+  through the store or the run directory;
+- queue names carry 128 bits derived from the secret, and queues are not listed by the store;
+  the plain keys the workers write (below) are named by a second derived key, so they give
+  nothing of the queue names away;
+- each sender numbers its messages per queue: a replayed message is rejected, and a missing one
+  (someone popped or deleted it) fails the run instead of losing a report silently;
+- messages larger than ``PART_BYTES`` travel as several sealed parts, so return values,
+  metrics and broadcasts of any size get through without a plain key.
+
+The driver sends to one queue per rank (:class:`Outbox` and :class:`Inbox`). Workers send
+to the driver through a log of their own (``Outbox(logs=keys)``): sealed records appended to
+numbered segment keys, after which they touch the wake key the driver waits on. The driver
+reads every sender's new records with one ``multi_get`` (``ddptrain.driver_channel``), where
+a queue would cost a round trip per message: that keeps up with thousands of reports a second.
 
 The store of a local run listens on loopback only (:func:`open_store`).
 """
@@ -26,26 +35,39 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import cloudpickle
 import torch.distributed as dist
 
 from ddptrain import protocol
+from ddptrain.sealing import (
+    BEAT_SENDER,
+    DRIVER,
+    END_OF_SEGMENT,
+    OVERHEAD,
+    ForgedMessageError,
+    LostMessageError,
+    Order,
+    RateLimitedWarnings,
+    StoreTamperedError,
+    derived,
+    seal,
+    split,
+    unseal,
+)
 
 __all__ = [
     "Keys",
     "ForgedMessageError",
-    "Lost",
     "LostMessageError",
+    "StoreTamperedError",
+    "RateLimitedWarnings",
     "sign",
     "verify",
     "open_message",
     "Outbox",
     "Inbox",
-    "DriverChannel",
     "WorkerChannel",
     "connect",
     "open_store",
@@ -53,184 +75,169 @@ __all__ = [
 ]
 
 _logger = logging.getLogger(__name__)
-_DIGEST = hashlib.sha256
-_MAC_BYTES = 32
-_HEADER = struct.Struct(">Iq")  # sender, message number
-# Blocking queue pops wait this long before looping; a quiet run is not an error.
+# Blocking waits on the store last this long before looping; a quiet run is not an error.
 _LONG_WAIT = datetime.timedelta(days=7)
-STOP = "__ddptrain_stop__"
-DRIVER = 0xFFFFFFFF  # the driver's sender id
-# The store's server drops connections that send values of about 8 MiB or more.
-CHUNK_BYTES = 4 * 2**20
-_CHUNKS = "__ddptrain_chunks__"
-_BEAT_SENDER = 0x40000000  # a rank's heartbeats are numbered apart from its messages
-
-
-class ForgedMessageError(Exception):
-    """A message on the store did not carry a valid signature, or was a replay."""
-
-
-class LostMessageError(Exception):
-    """Messages ``first..last`` that ``sender`` pushed never arrived: someone else removed them
-    from the store. ``rank`` is the worker they came from (``None``: the driver)."""
-
-    def __init__(self, sender: int, first: int, last: int) -> None:
-        super().__init__(
-            f"message(s) #{first}..#{last} from {_who(sender)} never arrived: something else removed them "
-            "from this run's store"
-        )
-        self.sender, self.first, self.last = sender, first, last
-        self.rank = None if sender == DRIVER else sender & ~_BEAT_SENDER
-
-    def __reduce__(self) -> tuple[Any, ...]:  # crosses processes inside failure records
-        return (LostMessageError, (self.sender, self.first, self.last))
-
-
-@dataclass(frozen=True)
-class Lost:
-    """What the driver's consumer hands on when messages from ``error.rank`` were removed from
-    the store (never on the wire: the driver makes it from a :class:`LostMessageError`)."""
-
-    error: LostMessageError
-
-    @property
-    def rank(self) -> int:
-        return 0 if self.error.rank is None else int(self.error.rank)
+LENGTH = struct.Struct(">I")  # in front of each record of a log segment
+HEARTBEAT_S = 2.0  # between a worker's heartbeats (WorkerChannel.start_heartbeat)
+# A worker's log segment ends after this many records or bytes, or with the first record
+# written this long after it began (the driver reads a segment whole each time, so what it has
+# read already should stay short, and deletes it once it has ended).
+SEGMENT_RECORDS = 32
+SEGMENT_BYTES = 16 * 2**10
+SEGMENT_S = 1.0
 
 
 class Keys:
-    """Store keys of one attempt of one run. Nothing else formats key strings.
+    """Store keys of one worker group. Nothing else formats key strings.
 
-    The names come from the attempt's secret, so nobody who lacks it can name a queue.
+    Queue names share :attr:`prefix`, 128 bits derived from the secret; the store does not list
+    queues. The plain keys of the workers' logs (which the store lists to anyone) are named by
+    another derived key, one name per segment, so they tell nothing of the queues or each other.
     """
 
     def __init__(self, secret: bytes) -> None:
-        self.prefix = "ddptrain/" + hmac.new(secret, b"queue names", _DIGEST).hexdigest()[:32]
-
-    @property
-    def to_driver(self) -> str:
-        return f"{self.prefix}/to_driver"
+        material = derived(secret)
+        self.prefix = "ddptrain/" + material.queue_names.hex()
+        # The driver's queue: what workers send it travels through their logs, so anything
+        # pushed here is a replay or a forgery (the driver drains it to say so).
+        self.to_driver = f"{self.prefix}/to_driver"
+        # What a log record is bound to (a record copied onto a queue does not open there).
+        self.log_aad = self.to_driver.encode() + b"\0log"
+        self._log_names = material.log_names
+        self.wake = self._log_key(b"wake")
 
     def to_worker(self, rank: int) -> str:
         return f"{self.prefix}/to_worker/{rank}"
 
+    def segment(self, sender: int, index: int) -> str:
+        """Segment ``index`` of the log of ``sender``."""
+        return self._log_key(f"segment/{sender}/{index}".encode())
 
-def _mac(secret: bytes, key: str, body: bytes) -> bytes:
-    # The MAC covers the queue's key too: a message is only valid on the queue it was sent to.
-    return hmac.new(secret, key.encode() + b"\0" + body, _DIGEST).digest()
+    def _log_key(self, what: bytes) -> str:
+        return "ddptrain/" + hmac.new(self._log_names, what, hashlib.sha256).hexdigest()[:32]
+
+
+def _pickle(obj: Any, plain_pickle: bool) -> bytes:
+    if plain_pickle:
+        try:
+            return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:
+            pass
+    data: bytes = cloudpickle.dumps(obj)
+    return data
 
 
 def sign(secret: bytes, key: str, obj: Any, *, sender: int = 0, number: int = 0, plain_pickle: bool = False) -> bytes:
-    """Pickle ``obj`` for the queue ``key`` as message ``number`` of ``sender``, MAC in front.
+    """``obj`` sealed as message ``number`` of ``sender`` for the queue ``key`` (one part).
 
     ``plain_pickle`` tries the (faster) standard pickle first; only for plain data whose
     classes the receiver can import, such as metrics sent to the driver.
     """
-    payload = b""
-    if plain_pickle:
-        try:
-            payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception:
-            payload = b""
-    if not payload:
-        payload = cloudpickle.dumps(obj)
-    body = _HEADER.pack(sender, number) + payload
-    return _mac(secret, key, body) + body
+    return seal(secret, key.encode(), sender, number, 0, 1, 0, _pickle(obj, plain_pickle))
 
 
 def open_message(secret: bytes, key: str, data: bytes) -> tuple[int, int, Any]:
-    """Check the MAC of ``data`` read from queue ``key``; returns ``(sender, number, object)``.
+    """Open a one-part message read from queue ``key``: ``(sender, number, object)``.
 
     Raises:
-        ForgedMessageError: The MAC is wrong; nothing was unpickled.
+        ForgedMessageError: It was not sealed for ``key`` with this secret; nothing was unpickled.
     """
-    mac, body = data[:_MAC_BYTES], data[_MAC_BYTES:]
-    if len(body) < _HEADER.size or not hmac.compare_digest(mac, _mac(secret, key, body)):
-        raise ForgedMessageError(f"rejected a store message of {len(data)} bytes with a bad signature")
-    sender, number = _HEADER.unpack_from(body)
-    return sender, number, pickle.loads(body[_HEADER.size :])
+    sender, number, _part, _parts, _flags, payload = unseal(secret, key.encode(), data)
+    return sender, number, pickle.loads(payload)
 
 
 def verify(secret: bytes, key: str, data: bytes) -> Any:
-    """Check the MAC of ``data`` read from queue ``key``, then unpickle it (no order check)."""
+    """Open a message read from queue ``key`` and unpickle it (no order check)."""
     return open_message(secret, key, data)[2]
 
 
-def _who(sender: int) -> str:
-    if sender == DRIVER:
-        return "the driver"
-    if sender & _BEAT_SENDER:
-        return f"rank {sender & ~_BEAT_SENDER}'s heartbeat"
-    return f"rank {sender}"
-
-
 class Outbox:
-    """One sender's end: numbers its messages per queue and splits large ones."""
+    """One sender's end: numbers its messages per queue and splits large ones into parts.
 
-    def __init__(self, store: dist.TCPStore, secret: bytes, sender: int) -> None:
+    Args:
+        logs: For a worker: its messages to ``logs.to_driver`` are appended to its own log
+            (segment keys) and announced on the wake key, instead of pushed to the queue.
+    """
+
+    def __init__(self, store: dist.TCPStore, secret: bytes, sender: int, logs: Keys | None = None) -> None:
         self.store = store
         self.secret = secret
         self.sender = sender
+        self._logs = logs
         self._numbers: dict[str, int] = {}
         self._pushed: dict[str, int] = {}  # messages whose push has returned, per queue
-        self._lock = threading.Lock()  # numbers must reach the queue in order
+        self._lock = threading.Lock()  # numbers must reach the store in order
+        self._segment, self._segment_records, self._segment_bytes, self._segment_began = 0, 0, 0, 0.0
+        self._segment_key = logs.segment(sender, 0) if logs is not None else ""
 
     def pushed(self, key: str) -> int:
         """How many messages were pushed to ``key`` so far (their pushes returned)."""
         return self._pushed.get(key, 0)
 
     def push(self, key: str, obj: Any, *, plain_pickle: bool = False) -> None:
+        payload = _pickle(obj, plain_pickle)
         with self._lock:
             number = self._numbers.get(key, 0)
             self._numbers[key] = number + 1
-            data = sign(self.secret, key, obj, sender=self.sender, number=number, plain_pickle=plain_pickle)
-            if len(data) > CHUNK_BYTES:
-                blob = f"{key}/blob/{self.sender}/{number}"
-                count = 0
-                for offset in range(0, len(data), CHUNK_BYTES):
-                    self.store.set(f"{blob}/{count}", data[offset : offset + CHUNK_BYTES])  # type: ignore[arg-type]
-                    count += 1
-                announce = (_CHUNKS, blob, count)
-                data = sign(self.secret, key, announce, sender=self.sender, number=number, plain_pickle=True)
-            self.store.queue_push(key, data)
+            if self._logs is not None and key == self._logs.to_driver:
+                self._append(number, payload)
+            else:
+                aad = key.encode()
+                for part, parts, piece in split(payload):
+                    record = seal(self.secret, aad, self.sender, number, part, parts, 0, piece)
+                    self.store.queue_push(key, record)
             self._pushed[key] = number + 1
+
+    def _append(self, number: int, payload: bytes) -> None:
+        assert self._logs is not None
+        aad = self._logs.log_aad
+        now = time.monotonic()
+        for part, parts, piece in split(payload):
+            size = OVERHEAD + len(piece)
+            if not self._segment_records:
+                self._segment_began = now
+            ends = (
+                self._segment_records + 1 >= SEGMENT_RECORDS
+                or self._segment_bytes + size >= SEGMENT_BYTES
+                or now - self._segment_began >= SEGMENT_S
+            )
+            flags = END_OF_SEGMENT if ends else 0
+            record = seal(self.secret, aad, self.sender, number, part, parts, flags, piece, LENGTH)
+            self.store.append(self._segment_key, record)  # type: ignore[attr-defined]
+            if ends:
+                self._segment += 1
+                self._segment_records = self._segment_bytes = 0
+                self._segment_key = self._logs.segment(self.sender, self._segment)
+            else:
+                self._segment_records += 1
+                self._segment_bytes += size
+        self.store.append(self._logs.wake, b"")  # type: ignore[attr-defined]
 
 
 class Inbox:
-    """A receiving end of one queue: checks signatures, order, and joins split messages."""
+    """A receiving end of one queue: opens messages, checks their order, joins their parts."""
 
     def __init__(self, store: dist.TCPStore, secret: bytes, key: str) -> None:
         self.store = store
         self.secret = secret
         self.key = key
-        self._expected: dict[int, int] = {}
+        self._order = Order()
 
     def received(self, sender: int) -> int:
         """How many messages of ``sender`` arrived so far."""
-        return self._expected.get(sender, 0)
+        return self._order.expected.get(sender, 0)
 
     def pop(self) -> Any:
-        """Block until the next message; raises ForgedMessageError or LostMessageError."""
-        data = self.store.queue_pop(self.key)
-        sender, number, obj = open_message(self.secret, self.key, data)
-        expected = self._expected.get(sender, 0)
-        if number < expected:
-            raise ForgedMessageError(
-                f"rejected a replayed store message (#{number} from {_who(sender)}, which was already received)"
-            )
-        if number > expected:
-            self._expected[sender] = number + 1
-            raise LostMessageError(sender, expected, number - 1)
-        self._expected[sender] = number + 1
-        if isinstance(obj, tuple) and len(obj) == 3 and obj[0] == _CHUNKS:
-            names = [f"{obj[1]}/{i}" for i in range(obj[2])]
-            data = b"".join(self.store.multi_get(names))
-            for name in names:
-                self.store.delete_key(name)
-            inner_sender, inner_number, obj = open_message(self.secret, self.key, data)
-            if (inner_sender, inner_number) != (sender, number):
-                raise ForgedMessageError("rejected a split store message that does not match its announcement")
-        return obj
+        """Block until the next whole message; raises ForgedMessageError or LostMessageError."""
+        while True:
+            try:
+                data = self.store.queue_pop(self.key)
+            except dist.QueueEmptyError:  # another client popped it between the wait and the pop
+                continue
+            sender, number, part, parts, _flags, piece = unseal(self.secret, self.key.encode(), data)
+            whole = self._order.accept(sender, number, part, parts, piece)
+            if whole is not None:
+                return pickle.loads(whole)
 
 
 def connect(host: str, port: int, timeout_s: float) -> dist.TCPStore:
@@ -267,102 +274,27 @@ def open_store(bind_address: str, timeout_s: float = 30.0) -> dist.TCPStore:
     return store
 
 
-class DriverChannel:
-    """Driver end: one thread pops worker messages and hands verified ones to ``on_message``."""
-
-    def __init__(self, store: dist.TCPStore, keys: Keys, secret: bytes) -> None:
-        self._store = store
-        self._keys = keys
-        self._secret = secret
-        self._outbox = Outbox(store, secret, DRIVER)
-        self._claims: dict[int, int] = {}  # rank -> messages its last heartbeat said it had pushed
-        self._thread: threading.Thread | None = None
-
-    def start(self, on_message: Callable[[Any], None]) -> None:
-        """Start consuming; ``on_message`` runs in the consumer thread.
-
-        Messages that went missing on the store are handed on as :class:`Lost`
-        (a :class:`LostMessageError`).
-        """
-        reader = connect(self._store.host, self._store.port, timeout_s=30)
-        reader.set_timeout(_LONG_WAIT)
-        inbox = Inbox(reader, self._secret, self._keys.to_driver)
-
-        def consume() -> None:
-            while True:
-                try:
-                    message = inbox.pop()
-                except ForgedMessageError as exc:
-                    _logger.warning("ddptrain: %s (someone else is writing to this run's store)", exc)
-                    continue
-                except LostMessageError as exc:
-                    on_message(Lost(exc))
-                    continue
-                except (pickle.UnpicklingError, AttributeError, ImportError, EOFError) as exc:
-                    _logger.warning("ddptrain: could not decode a worker message: %r", exc)
-                    continue
-                except Exception as exc:  # the store is going away
-                    _logger.debug("driver channel stopped: %s", exc)
-                    return
-                if message == STOP:
-                    return
-                if isinstance(message, protocol.Beat):
-                    lost = self._check_beat(inbox, message.rank, message.pushed)
-                    if lost is not None:
-                        on_message(Lost(lost))
-                    continue
-                on_message(message)
-
-        self._thread = threading.Thread(target=consume, name="ddptrain-channel", daemon=True)
-        self._thread.start()
-
-    def _check_beat(self, inbox: Inbox, rank: int, pushed: int) -> LostMessageError | None:
-        """A worker's heartbeat says how many messages it had pushed; if what the previous beat
-        claimed has still not arrived, someone removed it from the store (even the last one)."""
-        claimed = self._claims.get(rank)
-        self._claims[rank] = pushed
-        received = inbox.received(rank)
-        if claimed is not None and received < claimed:
-            self._claims.pop(rank)
-            return LostMessageError(rank, received, claimed - 1)
-        return None
-
-    def send(self, rank: int, obj: Any) -> None:
-        """Push a signed command to one worker."""
-        self._outbox.push(self._keys.to_worker(rank), obj)
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        """Stop the consumer thread (safe to call twice)."""
-        if self._thread is None:
-            return
-        try:
-            self._outbox.push(self._keys.to_driver, STOP)
-        except Exception as exc:
-            _logger.debug("could not wake the channel thread: %s", exc)
-        self._thread.join(timeout_s)
-        self._thread = None
-
-
 class WorkerChannel:
-    """Worker end: push to the driver, pop this rank's commands."""
+    """Worker end: send to the driver (through this rank's log), pop this rank's commands."""
 
     def __init__(self, store: dist.TCPStore, keys: Keys, secret: bytes, rank: int) -> None:
         self.store = store
         self.keys = keys
         self.secret = secret
         self.rank = rank
-        self._outbox = Outbox(store, secret, rank)
+        self._outbox = Outbox(store, secret, rank, logs=keys)
         self._inbox = Inbox(store, secret, keys.to_worker(rank))
+        self._warnings = RateLimitedWarnings(_logger, f"ddptrain rank {rank}")
 
     def send(self, obj: Any) -> None:
-        """Push a signed message to the driver."""
+        """Send a sealed message to the driver."""
         self._outbox.push(self.keys.to_driver, obj, plain_pickle=True)
 
-    def start_heartbeat(self, host: str, port: int, interval_s: float) -> None:
-        """Every ``interval_s``, tell the driver how many messages this rank has pushed, over a
+    def start_heartbeat(self, host: str, port: int, interval_s: float = HEARTBEAT_S) -> None:
+        """Every ``interval_s``, tell the driver how many messages this rank has sent, over a
         connection of its own (the main one may be blocked in a pop). A message someone removed
         from the store is then noticed within two beats, even the last one."""
-        beats = Outbox(connect(host, port, timeout_s=30), self.secret, self.rank | _BEAT_SENDER)
+        beats = Outbox(connect(host, port, timeout_s=30), self.secret, self.rank | BEAT_SENDER, logs=self.keys)
 
         def beat() -> None:
             while True:
@@ -382,6 +314,8 @@ class WorkerChannel:
         """
         while True:
             try:
-                return self._inbox.pop()
+                command = self._inbox.pop()
+                self._warnings.flush()  # the count of those rejected meanwhile, once a while
+                return command
             except ForgedMessageError as exc:
-                _logger.warning("ddptrain rank %d: %s", self.rank, exc)
+                self._warnings.warn("replayed" if "replayed" in str(exc) else "with a bad signature", str(exc))

@@ -15,7 +15,7 @@ from typing import Any
 
 from ddptrain import _env
 from ddptrain.driver import Attempt
-from ddptrain.errors import ConfigError, LaunchError, WorkerFailure, WorkerGroupError, is_disk_full
+from ddptrain.errors import ChannelError, ConfigError, LaunchError, WorkerFailure, WorkerGroupError, is_disk_full
 from ddptrain.launcher import Launcher
 from ddptrain.plan import Plan
 from ddptrain.result import Result
@@ -91,6 +91,9 @@ class Controller:
                 return attempt.run_group(), attempt.keep
             except GroupFailed as failed:
                 index = self._restart(failed, index)
+            except ChannelError as exc:  # the driver's own channel stopped: nothing to restart
+                self.run.ended(error=f"ChannelError: {str(exc).splitlines()[0]}")
+                raise
 
     def _budget_left(self, pending: int = 0) -> bool:
         """Whether another attempt is allowed after the failures seen (``pending``: one more

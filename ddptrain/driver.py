@@ -57,7 +57,10 @@ class Attempt:
         self.group = group
         self.keep = keep
         self.world_size = group.world_size
-        self.rounds: dict[tuple[str, int], _Round] = {}
+        # Open rounds by kind, then index; created in the order of their indices (each rank
+        # calls in order), so the first of a kind is its oldest.
+        self.rounds: dict[str, dict[int, _Round]] = {"report": {}, "collective": {}}
+        self.staged_rounds: set[int] = set()  # open report rounds that a rank passed files to
         # get_all_reported_checkpoints() calls waiting for earlier reports: (rank, index, deadline)
         self.checkpoint_waiters: list[tuple[int, int, float | None]] = []
         self.watch = Watch(run.run_dir, group.ask, group.where)
@@ -69,7 +72,7 @@ class Attempt:
         On success the workers have exited, unless ``keep``; on a failure they are shut down.
         """
         group = self.group
-        group.handler = self._handle_run_message
+        group.handler = self._handle_run_messages
         group.watch = self.watch
         progress = self.run.progress
         group.on_tick = self._tick
@@ -128,30 +131,40 @@ class Attempt:
         return cloudpickle.loads(data) if data is not None else None
 
     # ----------------------------------------------------------------- the run's messages
-    def _handle_run_message(self, message: Any) -> WorkerFailure | None:
-        if isinstance(message, protocol.Report):
-            if message.rank == 0:
-                self.run.record_metrics(message.metrics, self.index)
-            self._add_to_round("report", message.index, message.rank, message)
-        elif isinstance(message, protocol.Collective):
-            self._add_to_round("collective", message.index, message.rank, message)
-        elif isinstance(message, protocol.CheckpointsQuery):
-            deadline = None if message.timeout_s is None else time.monotonic() + message.timeout_s
-            self.checkpoint_waiters.append((message.rank, message.index, deadline))
-            self._answer_checkpoint_waiters()
-        else:
-            _logger.warning("ddptrain: unexpected message %r ignored", message)
+    def _handle_run_messages(self, messages: list[Any]) -> WorkerFailure | None:
+        """Messages in the order they came. Rank 0's metrics go to ``metrics.jsonl`` in one write
+        for all of them, flushed before anything that depends on them (a checkpoint's commit,
+        its acknowledgement, the callbacks) and before the group handles anything else."""
+        try:
+            for message in messages:
+                if isinstance(message, protocol.Report):
+                    if message.rank == 0:
+                        self.run.record_metrics(message.metrics, self.index)
+                    self._add_to_round("report", message.index, message.rank, message)
+                elif isinstance(message, protocol.Collective):
+                    self._add_to_round("collective", message.index, message.rank, message)
+                elif isinstance(message, protocol.CheckpointsQuery):
+                    deadline = None if message.timeout_s is None else time.monotonic() + message.timeout_s
+                    self.checkpoint_waiters.append((message.rank, message.index, deadline))
+                    self._answer_checkpoint_waiters()
+                else:
+                    _logger.warning("ddptrain: unexpected message %r ignored", message)
+        finally:
+            self.run.flush_metrics()
         return None
 
     def _add_to_round(self, kind: str, index: int, rank: int, entry: Any) -> None:
-        key = (kind, index)
-        round_ = self.rounds.get(key)
+        rounds = self.rounds[kind]
+        round_ = rounds.get(index)
         if round_ is None:
-            round_ = self.rounds[key] = _Round(kind, index, time.monotonic())
+            round_ = rounds[index] = _Round(kind, index, time.monotonic())
         round_.entries[rank] = entry
+        if kind == "report" and entry.staged:
+            self.staged_rounds.add(index)
         if len(round_.entries) < self.world_size:
             return
-        del self.rounds[key]
+        del rounds[index]
+        self.staged_rounds.discard(index)
         if kind == "collective":
             for r in range(self.world_size):
                 self.group.send(r, protocol.CollectiveResult(index, round_.entries[0].data))
@@ -176,10 +189,10 @@ class Attempt:
         if not self.checkpoint_waiters:
             return
         now = time.monotonic()
-        in_flight = [r.index for r in self.rounds.values() if r.kind == "report"]
+        oldest = min(self.rounds["report"], default=None)  # the lowest index in flight
         waiting = []
         for rank, index, deadline in self.checkpoint_waiters:
-            if any(i <= index for i in in_flight) and (deadline is None or now < deadline):
+            if oldest is not None and oldest <= index and (deadline is None or now < deadline):
                 waiting.append((rank, index, deadline))
                 continue
             reported = [(c.path, m) for c, m in self.run.checkpoints.reported_checkpoints()]
@@ -204,14 +217,9 @@ class Attempt:
     def _check_rounds(self) -> None:
         """Fail when a rank waits for one that already returned; warn about late ranks."""
         self._answer_checkpoint_waiters()  # those whose timeout_s is over
-        for round_ in self.rounds.values():
+        for round_ in self._waiting_rounds() if self.group.done else []:
             gone = sorted(set(self.group.done) - set(round_.entries))
-            waits = (
-                round_.kind == "collective"
-                or any(entry.staged for entry in round_.entries.values())
-                or (round_.kind == "report" and any(index >= round_.index for _, index, _ in self.checkpoint_waiters))
-            )
-            if gone and waits:
+            if gone:
                 what = "report()" if round_.kind == "report" else "a collective (barrier/broadcast)"
                 error = RuntimeError(
                     f"rank(s) {gone} returned from the training function while rank(s) {sorted(round_.entries)} "
@@ -221,14 +229,23 @@ class Attempt:
                 raise self.group.fail([self.group.failure(gone[0], None, error)])
         self._warn_stragglers()
 
+    def _waiting_rounds(self) -> list[_Round]:
+        """Open rounds whose ranks wait for the others: collectives, reports with files, and
+        reports a ``get_all_reported_checkpoints()`` call waits for (plain reports do not)."""
+        reports = self.rounds["report"]
+        waiting = [*self.rounds["collective"].values(), *(reports[i] for i in self.staged_rounds)]
+        if self.checkpoint_waiters:
+            last = max(index for _, index, _ in self.checkpoint_waiters)
+            waiting += [r for i, r in reports.items() if i <= last and i not in self.staged_rounds]
+        return waiting
+
     def _warn_stragglers(self) -> None:
         interval = _env.report_warn_interval_s()
         now = time.monotonic()
-        for kind in ("report", "collective"):
-            pending = [r for r in self.rounds.values() if r.kind == kind]
-            if not pending:
+        for kind, rounds in self.rounds.items():
+            oldest = next(iter(rounds.values()), None)
+            if oldest is None:
                 continue
-            oldest = min(pending, key=lambda r: r.index)
             age = now - oldest.started
             if age < interval or now - oldest.warned_at < max(interval, 30.0):
                 continue
@@ -246,14 +263,15 @@ class Attempt:
             )
 
     def _warn_unfinished_rounds(self) -> None:
-        for round_ in sorted(self.rounds.values(), key=lambda r: r.index):
-            if round_.kind == "report":
-                missing = sorted(set(range(self.world_size)) - set(round_.entries))
-                _logger.warning(
-                    "ddptrain: report() call #%d was made by rank(s) %s but never by rank(s) %s; "
-                    "every worker must call report() the same number of times.",
-                    round_.index,
-                    sorted(round_.entries),
-                    missing,
-                )
-        self.rounds.clear()
+        for round_ in self.rounds["report"].values():
+            missing = sorted(set(range(self.world_size)) - set(round_.entries))
+            _logger.warning(
+                "ddptrain: report() call #%d was made by rank(s) %s but never by rank(s) %s; "
+                "every worker must call report() the same number of times.",
+                round_.index,
+                sorted(round_.entries),
+                missing,
+            )
+        for rounds in self.rounds.values():
+            rounds.clear()
+        self.staged_rounds.clear()

@@ -19,6 +19,7 @@ __all__ = [
     "HostLostError",
     "TrainingFailedError",
     "ControllerError",
+    "ChannelError",
     "DiskFullError",
     "WorkerGroupError",
     "WorkerError",
@@ -92,6 +93,12 @@ class TrainingFailedError(DdpTrainError, RuntimeError):
 
 class ControllerError(TrainingFailedError):
     """Training failed because of the driver itself (Ray Train's name), not a worker."""
+
+
+class ChannelError(ControllerError):
+    """The driver stopped reading its workers' messages: its store was tampered with, it holds
+    more unread messages than ``DDPTRAIN_CHANNEL_MAX_UNREAD_MB`` allows, or its channel thread
+    failed. The message says which; the run is not restarted."""
 
 
 class StorageError(DdpTrainError, OSError):

@@ -1,8 +1,9 @@
 """What happens to the workers of a group, as the driver learns it: the event pump.
 
-Three kinds of threads feed one queue: the channel thread (worker messages), the launcher
-threads (agent events: a worker started or exited, an agent failed or is gone) and the log
-sink (a write error). The driver thread drains it in :meth:`GroupEvents.pump_until`, keeps
+Three kinds of threads feed one queue: the channel thread (batches of worker messages, or why
+it stopped), the launcher threads (agent events: a worker started or exited, an agent failed or
+is gone) and the log sink (a write error). The driver thread drains it in
+:meth:`GroupEvents.pump_until`, keeps
 track of which ranks joined, returned and exited, and turns the first failure (with the other
 ranks failing at about the same time) into :class:`GroupFailed`, after which the group is dead.
 ``ddptrain.worker_group`` builds on this what the driver asks of its workers.
@@ -19,8 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 from ddptrain import agent_events, protocol
 from ddptrain._logs import LogSink
-from ddptrain.channel import Lost, LostMessageError
+from ddptrain.driver_channel import Batch, DriverChannel, Undelivered
 from ddptrain.errors import (
+    ChannelError,
     HostLostError,
     LaunchError,
     WorkerDiedError,
@@ -32,6 +34,7 @@ from ddptrain.errors import (
     is_disk_full,
 )
 from ddptrain.plan import Plan
+from ddptrain.sealing import StoreTamperedError
 
 if TYPE_CHECKING:
     from ddptrain.watch import Watch
@@ -41,6 +44,8 @@ __all__ = ["GroupEvents", "GroupFailed", "failure_from_record"]
 _logger = logging.getLogger(__name__)
 _PUMP_S = 0.5
 _TICK_S = 0.1
+# What a run's attempt handles (``GroupEvents.handler``); the rest is the group's own.
+_RUN_MESSAGES = (protocol.Report, protocol.Collective, protocol.CheckpointsQuery)
 
 
 class GroupFailed(WorkerGroupError):
@@ -54,7 +59,7 @@ class GroupFailed(WorkerGroupError):
     @property
     def lost_ranks(self) -> list[int]:
         """Ranks whose process died or became unreachable, as opposed to ranks whose code raised."""
-        lost = (WorkerDiedError, LaunchError, LostMessageError)
+        lost = (WorkerDiedError, LaunchError, StoreTamperedError)
         return sorted(f.rank for f in self.failures if isinstance(f.exception, lost))
 
 
@@ -86,7 +91,9 @@ class GroupEvents:
         self.exit_expected = False
         self.finishing = False  # every rank returned; failures from here on are not retried
         self.sink: LogSink | None = None
-        self.handler: Callable[[Any], WorkerFailure | None] | None = None  # a run's messages
+        self.channel: DriverChannel | None = None
+        # A run's messages, several at a time (in the order they came, with nothing else between).
+        self.handler: Callable[[list[Any]], WorkerFailure | None] | None = None
         self.on_failure: Callable[[], None] | None = None  # first failure seen (e.g. start the next group)
         self.on_tick: Callable[[], None] | None = None  # a run's periodic checks
         self.watch: Watch | None = None
@@ -126,10 +133,9 @@ class GroupEvents:
         return GroupFailed(failures)
 
     def _handle(self, event: tuple[str, Any]) -> None:
-        failure = self._dispatch(event)
-        if failure is None:
+        failures = self._dispatch(event)
+        if not failures:
             return
-        failures = [failure]
         # Gather the other ranks that failed on their own at about the same time.
         deadline = time.monotonic() + 0.2
         while time.monotonic() < deadline:
@@ -137,19 +143,62 @@ class GroupEvents:
                 more = self._dispatch(self.events.get(timeout=0.05))
             except queue.Empty:
                 continue
-            if more is not None and more.rank not in {f.rank for f in failures}:
-                failures.append(more)
+            for failure in more:
+                if failure.rank not in {f.rank for f in failures}:
+                    failures.append(failure)
         raise self.fail(failures)
 
-    def _dispatch(self, event: tuple[str, Any]) -> WorkerFailure | None:
+    def _dispatch(self, event: tuple[str, Any]) -> list[WorkerFailure]:
         source, item = event
         if source == "sink":  # a log file could not be written (a full disk): the driver's failure
             raise item
-        return self._handle_message(item) if source == "msg" else self._handle_agent(item)
+        if source == "channel":
+            return [self._channel_failed(item)]
+        if source == "msgs":
+            return self._handle_batch(item)
+        failure = self._handle_agent(item)
+        return [failure] if failure is not None else []
+
+    def _channel_failed(self, error: BaseException) -> WorkerFailure:
+        """The channel thread stopped: tampering that names a rank fails that rank (as a lost
+        message does); anything else ends the run at once."""
+        if isinstance(error, StoreTamperedError) and error.rank is not None:
+            return self.failure(error.rank, None, error)
+        self._failed = True
+        if isinstance(error, ChannelError):
+            raise error
+        raise ChannelError(f"the driver's store channel failed: {error}") from error
+
+    def _handle_batch(self, batch: Batch) -> list[WorkerFailure]:
+        """Messages in order: the group's own here, runs of the run's messages to ``handler``."""
+        failures: list[WorkerFailure] = []
+        run: list[Any] = []
+        try:
+            if self.watch is not None:
+                self.watch.activity()
+            for message in batch.messages:
+                if self.handler is not None and isinstance(message, _RUN_MESSAGES):
+                    run.append(message)
+                    continue
+                if run:
+                    failures.extend(self._handle_run(run))
+                    run = []
+                failure = self._handle_message(message)
+                if failure is not None:
+                    failures.append(failure)
+            if run:
+                failures.extend(self._handle_run(run))
+        finally:
+            if self.channel is not None:
+                self.channel.release(batch.nbytes)
+        return failures
+
+    def _handle_run(self, messages: list[Any]) -> list[WorkerFailure]:
+        assert self.handler is not None
+        failure = self.handler(messages)
+        return [failure] if failure is not None else []
 
     def _handle_message(self, message: Any) -> WorkerFailure | None:
-        if self.watch is not None:
-            self.watch.activity()
         if isinstance(message, protocol.Hello):
             self.connected.add(message.rank)
             self.hosts[message.rank] = (message.pid, message.host)
@@ -157,10 +206,8 @@ class GroupEvents:
             self._results.setdefault(message.call_id, {})[message.rank] = (message.ok, message.value)
         elif isinstance(message, protocol.Done):
             self.done[message.rank] = (message.returned, message.note)
-        elif isinstance(message, Lost):
+        elif isinstance(message, Undelivered):
             return self.failure(message.rank, None, message.error)
-        elif self.handler is not None:
-            return self.handler(message)
         else:
             _logger.warning("ddptrain: a worker sent %r outside a training run; ignored", message)
         return None

@@ -44,6 +44,7 @@ class LocalReports:
         run = self.run
         committed = None
         run.record_metrics(metrics, self.attempt)
+        run.flush_metrics()
         if checkpoint is not None:
             name = dir_name or f"checkpoint_{index:06d}"
             problem = run.name_problem(name)

@@ -8,9 +8,10 @@ Two transports carry them:
   ``Kind.BOOTSTRAP``), then one-byte requests (:class:`Request`). Agent to driver: worker output
   (``Kind.STDOUT``/``Kind.STDERR``, raw bytes), ``Kind.ALIVE`` (empty: an agent on an SSH host
   is still there), and the events of ``ddptrain.agent_events``.
-- **The driver's store**, once a worker has joined it. Messages are pickled, signed with the
-  run's secret and numbered per sender (``ddptrain.channel``); nothing is unpickled before its
-  signature checks out. Workers send with plain ``pickle`` (data only); the driver's commands
+- **The driver's store**, once a worker has joined it. Messages are pickled, sealed with a key
+  derived from the run's secret (AES-GCM) and numbered per sender (``ddptrain.channel``);
+  nothing is unpickled before its tag checks out. Workers send with plain ``pickle`` (data only),
+  through logs of their own that the driver reads in batches; the driver's commands
   may carry functions (``Execute``) and go with cloudpickle. Worker to driver: :class:`Hello`,
   :class:`CallResult`, :class:`Report`, :class:`Collective`, :class:`CheckpointsQuery`,
   :class:`Done`, :class:`Beat` (heartbeat connection). Driver to worker: :class:`Execute`,

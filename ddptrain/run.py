@@ -101,6 +101,7 @@ class Run:
         self._metrics_file: Any = None
         self._summary = run_metrics.MetricsSummary()  # of metrics.jsonl, for its readers
         self._summary_due = 0.0
+        self._metrics_lines: list[tuple[dict[str, Any], str]] = []  # recorded, not written yet (flush_metrics)
         # Workers on other hosts get the storage's credentials and endpoint from the driver.
         self._env_vars = {**(self.remote.credential_env() if self.remote else {}), **run_config._env_vars()}
         self.plan = self.new_plan()  # a bad host list fails here
@@ -148,14 +149,24 @@ class Run:
 
     # ----------------------------------------------------------------- what workers report
     def record_metrics(self, metrics: dict[str, Any], attempt: int) -> None:
-        """Persist rank 0's metrics of one report (one JSON line, flushed)."""
+        """Record rank 0's metrics of one report: one JSON line, written by :meth:`flush_metrics`."""
         self.metrics_history.append(metrics)
         line = {"time": time.time(), "attempt": attempt, "metrics": storage.to_jsonable(metrics)}
-        text = json.dumps(line) + "\n"  # ASCII: its length is its size in bytes
+        self._metrics_lines.append((line, json.dumps(line) + "\n"))  # ASCII: its length is its size in bytes
+
+    def flush_metrics(self) -> None:
+        """Append the lines recorded since the last call to ``metrics.jsonl`` in one write, and
+        flush it to the operating system (a crash of the driver loses none of them; there is no
+        fsync, as for every file of the run). The driver calls it after each batch of messages
+        and before anything acts on a report (its checkpoint's commit, the callbacks)."""
+        if not self._metrics_lines:
+            return
+        lines, self._metrics_lines = self._metrics_lines, []
         with storage.naming_full_disk(self.layout.metrics):
-            self._metrics_file.write(text)
+            self._metrics_file.write("".join(text for _, text in lines))
             self._metrics_file.flush()
-        self._summary.add(line, self._summary.offset + len(text))
+        for line, text in lines:
+            self._summary.add(line, self._summary.offset + len(text))
         if time.monotonic() >= self._summary_due:
             self._write_summary()
 
@@ -194,12 +205,15 @@ class Run:
 
     def commit_checkpoint(self, staged: list[str], name: str, metrics: dict[str, Any], index: int) -> Checkpoint:
         """Commit staged files as checkpoint ``name``, record it, and apply retention."""
+        self.flush_metrics()  # a checkpoint's report is on disk before the checkpoint
         checkpoint = self.checkpoints.commit(staged, name, metrics, index)
         self.progress.committed(checkpoint.path)
         return checkpoint
 
     def after_report(self, metrics: list[dict[str, Any]], checkpoint: Checkpoint | None) -> None:
         """Every rank made its report (and its checkpoint is committed and acknowledged)."""
+        if self.remote is not None or self.run_config.callbacks:
+            self.flush_metrics()  # what the upload and the callbacks may read
         self.progress.reported(metrics[0], len(self.metrics_history) + self._lost_reports)
         if self.remote is not None:  # with a checkpoint at once, so the store's metrics list its report
             self.mirror.push_metrics(force=checkpoint is not None)
@@ -278,6 +292,8 @@ class Run:
                     raise
                 finally:
                     if self._metrics_file is not None:
+                        with contextlib.suppress(OSError):  # as above
+                            self.flush_metrics()  # what a failure cut short between two batches
                         self._write_summary()
                         with contextlib.suppress(OSError):  # as above
                             self._metrics_file.close()

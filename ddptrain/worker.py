@@ -254,10 +254,6 @@ def _train(user: dict[str, Any]) -> Any:
             context.run_end_hooks(context._session, failed)
 
 
-# Seconds between a worker's heartbeats (see ``WorkerChannel.start_heartbeat``).
-HEARTBEAT_S = 2.0
-
-
 def _leave_process_group() -> None:
     """A rank that returned takes no part in collectives any more: close its gloo connections
     now, so that a peer still waiting for it in one fails at once instead of after gloo's
@@ -302,7 +298,7 @@ def run(spec: protocol.WorkerSpec, shared: dict[str, Any], status_fd: int) -> in
         session.channel = _state["channel"] = ch
         context._set_session(session)
         ch.send(protocol.Hello(rank, os.getpid(), socket.gethostname()))
-        ch.start_heartbeat(address.host, address.port, HEARTBEAT_S)
+        ch.start_heartbeat(address.host, address.port)
     except BaseException as exc:
         _write_status(status_fd, failure_record(exc))
         return 1

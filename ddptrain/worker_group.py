@@ -28,7 +28,8 @@ import cloudpickle
 
 from ddptrain import _env, protocol
 from ddptrain._logs import LogSink
-from ddptrain.channel import DriverChannel, Keys, open_store
+from ddptrain.channel import Keys, open_store
+from ddptrain.driver_channel import DriverChannel
 from ddptrain.errors import LaunchError, WorkerGroupError
 from ddptrain.group_events import GroupEvents, GroupFailed, failure_from_record
 from ddptrain.plan import Plan
@@ -76,7 +77,6 @@ class WorkerGroup(GroupEvents):
         super().__init__(plan)
         self.launcher = launcher
         self.world_size = plan.world_size
-        self.channel: DriverChannel | None = None
         self._store: dist.TCPStore | None = None
         self._rendezvous: dist.TCPStore | None = None  # a warm run's process-group store
         self._next_call = 0
@@ -156,8 +156,10 @@ class WorkerGroup(GroupEvents):
             self.launcher = self.plan.new_launcher()
         self._store = open_store(self.launcher.bind_address())
         secret = secrets.token_bytes(32)
-        self.channel = DriverChannel(self._store, Keys(secret), secret)
-        self.channel.start(lambda message: self.events.put(("msg", message)))
+        self.channel = DriverChannel(self._store, Keys(secret), secret, self.world_size)
+        self.channel.start(
+            lambda batch: self.events.put(("msgs", batch)), lambda error: self.events.put(("channel", error))
+        )
         self.sink = LogSink(
             log_dir,
             self.plan.rank_labels(),

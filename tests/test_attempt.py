@@ -39,7 +39,7 @@ class FakeGroup:
         self.finishing = False
         self.launcher = None
         self.stopped = self.closed = False
-        self.handler: Callable[[Any], WorkerFailure | None] | None = None
+        self.handler: Callable[[list[Any]], WorkerFailure | None] | None = None
         self.on_tick: Callable[[], None] | None = None
         self.on_failure: Callable[[], None] | None = None
         self.watch: Any = None
@@ -71,7 +71,7 @@ class FakeGroup:
                 self.done[item.rank] = (item.returned, item.note)
             else:
                 assert self.handler is not None
-                failure = self.handler(item)
+                failure = self.handler([item])  # a real group hands on runs of messages
                 if failure is not None:
                     raise self.fail([failure])
             assert self.on_tick is not None

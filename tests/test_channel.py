@@ -97,3 +97,74 @@ def test_forged_messages_are_rejected_before_unpickling(storage: str, tmp_path: 
     assert sum("bad signature" in r.getMessage() for r in caplog.records) == 3
     rank1_log = Path(storage, "attacked", "logs", "attempt_0", "rank_1.log").read_text()
     assert "bad signature" in rank1_log
+
+
+# ----------------------------------------------------------------- without worker processes
+# A real store and the real channel ends, driven from this process.
+
+
+def test_sealed_messages_carry_nothing_in_clear() -> None:
+    """Another user who pops or reads a message off the store learns nothing from it."""
+    import secrets
+
+    secret = secrets.token_bytes(32)
+    marker = os.urandom(16)
+    key = channel.Keys(secret).to_worker(0)
+    assert marker not in channel.sign(secret, key, {"secret": marker})
+    store = channel.open_store("127.0.0.1")
+    client = channel.connect("127.0.0.1", store.port, timeout_s=10)
+    channel.Outbox(client, secret, channel.DRIVER).push(key, marker * (6 * 2**20 // 16))  # two parts
+    stolen = [client.queue_pop(key, False) for _ in range(client.queue_len(key))]
+    assert len(stolen) == 2
+    assert not any(marker in part for part in stolen)
+
+
+def test_rejected_messages_are_counted_not_each_logged(caplog) -> None:
+    warnings = channel.RateLimitedWarnings(logging.getLogger("ddptrain.test"), "ddptrain driver", interval_s=60)
+    with caplog.at_level(logging.WARNING, logger="ddptrain"):
+        for _ in range(20_000):
+            warnings.warn("with a bad signature", "rejected a store message of 200 bytes with a bad signature")
+        warnings.flush(force=True)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 4, lines
+    assert "rejected 19997 more store messages" in lines[-1] and "19997 with a bad signature" in lines[-1]
+
+
+def _driver_end(world_size: int):
+    import secrets
+
+    from ddptrain.driver_channel import DriverChannel
+    from ddptrain.group_events import GroupEvents
+    from ddptrain.plan import Plan
+
+    store = channel.open_store("127.0.0.1")
+    secret = secrets.token_bytes(32)
+    keys = channel.Keys(secret)
+    group = GroupEvents(Plan(train.ScalingConfig(num_workers=world_size)))
+    group.channel = DriverChannel(store, keys, secret, world_size)
+    group.channel.start(lambda batch: group.events.put(("msgs", batch)), lambda e: group.events.put(("channel", e)))
+    return store, secret, keys, group
+
+
+def test_a_deleted_log_key_fails_the_group_within_the_tamper_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ddptrain import protocol
+    from ddptrain.group_events import GroupFailed
+
+    monkeypatch.setenv("DDPTRAIN_STORE_TAMPER_TIMEOUT_S", "1")
+    store, secret, keys, group = _driver_end(1)
+    try:
+        client = channel.connect("127.0.0.1", store.port, timeout_s=10)
+        worker = channel.Outbox(client, secret, 0, logs=keys)
+        worker.push(keys.to_driver, protocol.Hello(0, os.getpid(), "here"))
+        group.pump_until(lambda: 0 in group.connected, timeout_s=10)
+        attacker = channel.connect("127.0.0.1", store.port, timeout_s=10)
+        assert attacker.delete_key(keys.segment(0, 0))
+        beats = channel.Outbox(client, secret, 0 | channel.BEAT_SENDER, logs=keys)
+        beats.push(keys.to_driver, protocol.Beat(0, 1))  # wakes the driver, which reads every log
+        start = time.monotonic()
+        with pytest.raises(GroupFailed, match=r"rank 0's messages to the driver was deleted.*tampered"):
+            group.pump_until(lambda: False, timeout_s=20)
+        assert time.monotonic() - start < 10
+    finally:
+        assert group.channel is not None
+        group.channel.stop()
