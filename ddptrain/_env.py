@@ -10,6 +10,7 @@ __all__ = [
     "stall_warn_s",
     "shutdown_grace_s",
     "store_connect_timeout_s",
+    "storage_timeout_s",
     "worker_start_timeout_s",
     "loading_training_function",
     "console_ranks",
@@ -71,6 +72,19 @@ def shutdown_grace_s() -> float:
 def store_connect_timeout_s() -> float:
     """Seconds a worker waits to connect to the driver's store."""
     return _float("DDPTRAIN_STORE_CONNECT_TIMEOUT_S", 60.0)
+
+
+def storage_timeout_s() -> float:
+    """Seconds a call to remote storage may go without an answer (a transfer: without progress)
+    before it fails with a ``StorageError``.
+
+    Raises:
+        ValueError: The variable is not a number > 0.
+    """
+    value = _float("DDPTRAIN_STORAGE_TIMEOUT_S", 30.0)
+    if value <= 0:
+        raise ValueError("`DDPTRAIN_STORAGE_TIMEOUT_S` must be > 0: every call to remote storage needs a bound.")
+    return value
 
 
 def worker_start_timeout_s() -> float:
