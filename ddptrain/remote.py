@@ -7,6 +7,10 @@ lock, ``run.json``, ``metrics.jsonl``, ``checkpoints.json``, logs) under
 files straight to the store, never through the driver. ``checkpoints.json`` is written last,
 so a checkpoint exists for readers only once all its files do.
 
+Every call to the store is bounded (:mod:`ddptrain.remote_calls`); on a file system with real
+folders, the folders a file goes into are created when missing. How a URI becomes a file
+system is :mod:`ddptrain.remote_uri`'s.
+
 fsspec and the scheme's implementation (``s3fs``, ``gcsfs``, ``adlfs``) are optional; a missing
 one raises :class:`~ddptrain.errors.ConfigError` naming the extra to install.
 """
@@ -167,10 +171,13 @@ class RemoteRoot:
                 self.upload_file(os.path.join(src_root, file), target)
 
     def _files(self, remote: str) -> dict[str, dict[str, Any]]:
-        """Every file below ``remote``, with its fsspec info (size...)."""
-        found: dict[str, dict[str, Any]] = self._call(
-            f"listing {self.shown(remote)}", lambda _: self.fs.find(remote, detail=True)
-        )
+        """Every file below ``remote``, with its fsspec info (size...); ``{}`` when there are none."""
+        try:
+            found: dict[str, dict[str, Any]] = self._call(
+                f"listing {self.shown(remote)}", lambda _: self.fs.find(remote, detail=True)
+            )
+        except FileNotFoundError:
+            return {}
         return found
 
     def download_dir(self, remote: str, local: str) -> None:

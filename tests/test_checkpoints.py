@@ -717,7 +717,9 @@ def count_on_custom_fs(config: dict) -> int:
     return start
 
 
-def test_a_run_on_a_filesystem_with_folders_creates_them_and_restores(tmp_path: Path) -> None:
+def test_a_run_on_a_filesystem_with_folders_creates_them_and_restores(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Ray's persistence tests' custom file system: parent folders that do not exist yet are
     created; the run resumes and restores with the file system given again."""
     root = tmp_path / "custom_fs"
@@ -733,6 +735,7 @@ def test_a_run_on_a_filesystem_with_folders_creates_them_and_restores(tmp_path: 
 
     result = trainer(2).fit()
     assert result.path == "bucket/exp/run"
+    assert "results in bucket/exp/run\n" in capsys.readouterr().err  # a path on the file system, as given
     assert result.checkpoint.path == "bucket/exp/run/checkpoint_000002"
     persisted = root / "bucket" / "exp" / "run"
     assert sorted(os.listdir(persisted / "checkpoint_000002")) == ["rank_0.txt", "rank_1.txt", "state.json"]

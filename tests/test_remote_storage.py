@@ -489,6 +489,8 @@ def test_pyarrow_style_uri_options(s3: S3, monkeypatch: pytest.MonkeyPatch) -> N
     assert again.metrics_history == result.metrics_history
     with again.checkpoint.as_directory() as d:
         assert Path(d, "epoch").read_text() == "1"
+    show = _ddptrain("show", f"s3://{bucket}/exp/opts?{options}")
+    assert show.returncode == 0 and f"run 'opts': FINISHED  ({bucket}/exp/opts)" in show.stdout, show.stderr
 
 
 def test_storage_filesystem_and_pyarrow(s3: S3) -> None:
@@ -813,3 +815,54 @@ def test_the_cli_names_the_missing_extra_for_a_uri() -> None:
         [sys.executable, "-c", code, "show", "s3://bucket/prefix/run"], capture_output=True, text=True, env=env
     )
     assert out.returncode == 2 and "ddptrain show:" in out.stderr and "pip install ddptrain[s3]" in out.stderr
+
+
+def test_the_bound_holds_for_any_file_system(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file system whose uploads hang (a stand-in for a hung NFS mount or an SDK without
+    timeouts): the call fails after the bound, the next ones fail at once while it hangs, and
+    all is well once it returns. A slow upload that reports progress is not cut."""
+    from fsspec.implementations.dirfs import DirFileSystem
+    from fsspec.implementations.local import LocalFileSystem
+
+    from ddptrain import remote
+
+    release = threading.Event()
+
+    class Hanging(DirFileSystem):
+        slow = False
+
+        def put_file(self, lpath: str, rpath: str, callback: Any = None, **kwargs: Any) -> None:
+            if self.slow:  # 2.5 s in all, progress every 0.25 s
+                for _ in range(10):
+                    time.sleep(0.25)
+                    callback.relative_update(1)
+            elif not release.wait(60):
+                raise AssertionError("never released")
+            super().put_file(lpath, rpath, **kwargs)
+
+    monkeypatch.setenv("DDPTRAIN_STORAGE_TIMEOUT_S", "1")
+    (tmp_path / "store" / "bucket").mkdir(parents=True)
+    root = remote.resolve("bucket", Hanging(path=str(tmp_path / "store"), fs=LocalFileSystem()))
+    assert root is not None
+    local = tmp_path / "weights.bin"
+    local.write_bytes(b"w")
+    started = time.monotonic()
+    with pytest.raises(StorageError, match=r"bucket did not answer for 1 s while uploading bucket/a\.bin") as info:
+        root.upload_file(str(local), "bucket/a.bin")
+    assert info.value.timed_out and time.monotonic() - started < 5
+    started = time.monotonic()
+    with pytest.raises(StorageError, match=r"uploading bucket/a\.bin is still waiting\); not listing bucket"):
+        root.list_names("bucket")
+    assert time.monotonic() - started < 0.5
+    release.set()
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            assert root.list_names("bucket") == ["a.bin"]
+            break
+        except StorageError:
+            assert time.monotonic() < deadline, "the store never answered again"
+            time.sleep(0.1)
+    Hanging.slow = True
+    root.upload_file(str(local), "bucket/b.bin")  # 2.5 s with a bound of 1 s: it made progress
+    assert (tmp_path / "store" / "bucket" / "b.bin").read_bytes() == b"w"
