@@ -5,9 +5,11 @@
 understood: pyarrow's URI options (``s3://bucket/prefix?region=...&endpoint_override=...``)
 are turned into the s3fs (or gcsfs) arguments that mean the same; an option ddptrain cannot map,
 and credentials in the URI (they would be saved with the run), are refused with what to do
-instead. The S3 clients ddptrain builds itself retry each request 3 times (botocore's
+instead. The S3 clients ddptrain builds itself try each request 3 times (botocore's
 "standard" mode) instead of botocore's default 5, unless ``AWS_MAX_ATTEMPTS`` or
 ``AWS_RETRY_MODE`` say otherwise: with the endpoint gone, each call fails in about a second.
+Their connect and read timeouts (5 s and 15 s, s3fs's) are never longer than
+``DDPTRAIN_STORAGE_TIMEOUT_S``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import os
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
+from ddptrain import _env
 from ddptrain.errors import ConfigError
 
 __all__ = ["EXTRAS", "filesystem_for", "import_fsspec"]
@@ -77,10 +80,19 @@ def _uri_options(uri: str, scheme: str, query: str) -> dict[str, Any]:
 
 
 def _client_options(scheme: str) -> dict[str, Any]:
-    """Settings of the S3 clients ddptrain builds: fewer botocore retries (see the module's doc)."""
-    if scheme not in ("s3", "s3a") or os.environ.get("AWS_MAX_ATTEMPTS") or os.environ.get("AWS_RETRY_MODE"):
+    """Settings of the S3 clients ddptrain builds: fewer botocore retries (see the module's doc),
+    and socket timeouts no longer than ddptrain's own bound (so that a call it gave up on ends
+    soon in the background too)."""
+    if scheme not in ("s3", "s3a"):
         return {}
-    return {"config_kwargs": {"retries": {"mode": "standard", "total_max_attempts": _S3_ATTEMPTS}}}
+    try:
+        bound_s = _env.storage_timeout_s()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    config: dict[str, Any] = {"connect_timeout": min(5.0, bound_s), "read_timeout": min(15.0, bound_s)}
+    if not (os.environ.get("AWS_MAX_ATTEMPTS") or os.environ.get("AWS_RETRY_MODE")):
+        config["retries"] = {"mode": "standard", "total_max_attempts": _S3_ATTEMPTS}
+    return {"config_kwargs": config}
 
 
 def filesystem_for(uri: str) -> tuple[Any, str, bool]:
