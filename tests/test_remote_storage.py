@@ -449,16 +449,18 @@ def test_a_storage_filesystems_credentials_never_reach_the_bucket(s3: S3, kind: 
             access_key="AKIDDPTRAINTEST", secret_key=secret, endpoint_override=host, scheme="http", region="us-east-1"
         )
 
+    s3.direct.pipe_file(f"{bucket}/given/epoch", b"0")  # a start checkpoint on the same file system
+
     def trainer(epochs: int) -> TorchTrainer:
         return TorchTrainer(
             _loop,
             train_loop_config={"epochs": epochs},
             scaling_config=train.ScalingConfig(num_workers=2),
             run_config=train.RunConfig(name="creds", storage_path=f"{bucket}/exp", storage_filesystem=fs),
-            resume_from_checkpoint=None,
+            resume_from_checkpoint=train.Checkpoint(f"{bucket}/given", filesystem=fs),
         )
 
-    trainer(2).fit()
+    assert trainer(2).fit().metrics_history[0]["resumed_from"] == 1
     run = f"{bucket}/exp/creds"
     stored = {path: s3.direct.cat_file(path) for path in s3.direct.find(bucket)}
     assert f"{run}/trainer.pkl" in stored
@@ -468,6 +470,7 @@ def test_a_storage_filesystems_credentials_never_reach_the_bucket(s3: S3, kind: 
     with pytest.raises(RunDirectoryError, match=r"restore\(path, storage_filesystem=fs\)"):
         TorchTrainer.restore(run)
     restored = TorchTrainer.restore(run, storage_filesystem=fs, train_loop_config={"epochs": 3})
+    assert restored.resume_from_checkpoint == train.Checkpoint(f"{bucket}/given", filesystem=fs)
     result = restored.fit()
     assert result.metrics["resumed_from"] == 2 and result.path == run
 
@@ -866,3 +869,28 @@ def test_the_bound_holds_for_any_file_system(tmp_path: Path, monkeypatch: pytest
     Hanging.slow = True
     root.upload_file(str(local), "bucket/b.bin")  # 2.5 s with a bound of 1 s: it made progress
     assert (tmp_path / "store" / "bucket" / "b.bin").read_bytes() == b"w"
+
+
+def test_a_storage_filesystem_whose_endpoint_never_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The user's own s3fs, with its own (long) timeouts and retries, at an endpoint that accepts
+    connections (the kernel's backlog) and never answers: fit() fails at its first call to the
+    store, after the bound, naming the store."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    monkeypatch.setenv("DDPTRAIN_STORAGE_TIMEOUT_S", "2")
+    fs = s3fs.S3FileSystem(key="k", secret="s", endpoint_url=f"http://127.0.0.1:{listener.getsockname()[1]}")
+    trainer = TorchTrainer(
+        _loop,
+        scaling_config=train.ScalingConfig(num_workers=2),
+        run_config=train.RunConfig(name="x", storage_path="bucket/exp", storage_filesystem=fs),
+    )
+    started = time.monotonic()
+    try:
+        with pytest.raises(
+            StorageError, match=r"bucket/exp did not answer for 2 s while writing bucket/exp/\.ddptrain_probe"
+        ):
+            trainer.fit()
+        assert time.monotonic() - started < 10
+    finally:
+        listener.close()
