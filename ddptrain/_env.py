@@ -12,6 +12,7 @@ __all__ = [
     "store_connect_timeout_s",
     "store_tamper_timeout_s",
     "channel_max_unread_mb",
+    "storage_timeout_s",
     "worker_start_timeout_s",
     "loading_training_function",
     "console_ranks",
@@ -85,6 +86,19 @@ def channel_max_unread_mb() -> float:
     """MiB of worker messages the driver may hold before it has handled them; past it the run
     fails (a driver far behind its workers, or someone flooding its store)."""
     return _float("DDPTRAIN_CHANNEL_MAX_UNREAD_MB", 2048.0)
+
+
+def storage_timeout_s() -> float:
+    """Seconds a call to remote storage may go without an answer (a transfer: without progress)
+    before it fails with a ``StorageError``.
+
+    Raises:
+        ValueError: The variable is not a number > 0.
+    """
+    value = _float("DDPTRAIN_STORAGE_TIMEOUT_S", 30.0)
+    if value <= 0:
+        raise ValueError("`DDPTRAIN_STORAGE_TIMEOUT_S` must be > 0: every call to remote storage needs a bound.")
+    return value
 
 
 def worker_start_timeout_s() -> float:

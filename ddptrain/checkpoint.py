@@ -17,6 +17,8 @@ from ddptrain import remote
 __all__ = ["Checkpoint"]
 
 _METADATA_FILE = ".metadata.json"
+# The folders that to_directory() and as_directory() download into start with it (Ray's).
+_TEMP_PREFIX = "checkpoint_tmp_"
 
 
 class Checkpoint:
@@ -52,7 +54,9 @@ class Checkpoint:
                     )
                 self._fs = remote.to_fsspec(filesystem)
             else:
-                self._fs = remote.resolve_uri(text)
+                self._fs, bare, has_options = remote.resolve_uri(text)
+                if has_options:  # the options are the file system's: the path is a path on it (Ray's rule)
+                    text = bare
             protocols = (self._fs.protocol,) if isinstance(self._fs.protocol, str) else tuple(self._fs.protocol)
             if "file" in protocols or "local" in protocols:
                 self._fs = None
@@ -70,10 +74,17 @@ class Checkpoint:
     def filesystem(self) -> Any:
         """The file system the checkpoint is on: ``None`` for a local path; for remote storage a
         ``pyarrow.fs.FileSystem`` when pyarrow is installed (what Ray code expects; fsspec file
-        systems are wrapped), else the fsspec file system."""
+        systems are wrapped), else the fsspec file system. It takes :attr:`path` as it is
+        (``checkpoint.filesystem.open_input_file(checkpoint.path + "/model.pt")``), with or
+        without its scheme."""
         if self._fs is None:
             return None
-        return remote.to_pyarrow(self._fs)
+        return remote.to_pyarrow(self._fs, uri_paths=remote.is_uri(self.path))
+
+    def _store(self) -> remote.RemoteRoot:
+        """The checkpoint's folder as a storage root (its calls are bounded, see ``remote_calls``)."""
+        scheme = self.path.split("://", 1)[0] if remote.is_uri(self.path) else None
+        return remote.RemoteRoot(self._fs, self._fs._strip_protocol(self.path), scheme)
 
     @property
     def is_remote(self) -> bool:
@@ -93,11 +104,14 @@ class Checkpoint:
 
         Returns:
             The directory holding the files.
+
+        Raises:
+            FileNotFoundError: The checkpoint does not exist; names its path.
         """
         from filelock import FileLock
 
         target = Path(
-            path if path is not None else Path(tempfile.gettempdir()) / f"checkpoint_tmp_{uuid.uuid4().hex}"
+            path if path is not None else Path(tempfile.gettempdir()) / f"{_TEMP_PREFIX}{uuid.uuid4().hex}"
         ).absolute()
         if target == Path(self.path):
             return str(target)
@@ -107,10 +121,16 @@ class Checkpoint:
         done_marker = target.parent / f".{target.name}.complete"
         with FileLock(str(target.parent / f".{target.name}.lock")):
             if not (done_marker.exists() and target.is_dir() and done_marker.read_text() == self.path):
-                if self._fs is not None:
-                    self._download(str(target))
-                else:
-                    shutil.copytree(self.path, target, dirs_exist_ok=True)
+                existed = target.exists()
+                try:
+                    if self._fs is not None:
+                        self._download(str(target))
+                    else:
+                        shutil.copytree(self.path, target, dirs_exist_ok=True)
+                except BaseException:
+                    if not existed:  # leave no half copy behind (nor an empty folder for a missing checkpoint)
+                        shutil.rmtree(target, ignore_errors=True)
+                    raise
                 done_marker.write_text(self.path)
         return str(target)
 
@@ -120,26 +140,28 @@ class Checkpoint:
         or for a remote checkpoint a temporary download, deleted afterwards.
 
         Treat it as read-only.
+
+        Raises:
+            FileNotFoundError: A remote checkpoint does not exist; names its path.
         """
         if self._fs is None:
             yield self.path
             return
-        with tempfile.TemporaryDirectory(prefix="ddptrain_checkpoint_") as tmp:
+        with tempfile.TemporaryDirectory(prefix=_TEMP_PREFIX) as tmp:
             self._download(tmp)
             yield tmp
 
     def _download(self, target: str) -> None:
         """Download a remote checkpoint's files into ``target``."""
-        bare = self._fs._strip_protocol(self.path)
-        remote.RemoteRoot(self._fs, bare, None).download_dir(bare, target)
+        store = self._store()
+        store.download_dir(store.root, target)
 
     def get_metadata(self) -> dict[str, Any]:
         """The metadata dict stored with the checkpoint (``{}`` when there is none)."""
         if self._fs is not None:
-            try:
-                data_: dict[str, Any] = json.loads(self._fs.cat_file(f"{self.path}/{_METADATA_FILE}"))
-            except FileNotFoundError:
-                return {}
+            store = self._store()
+            raw = store.read_bytes(store.path(_METADATA_FILE))
+            data_: dict[str, Any] = json.loads(raw) if raw is not None else {}
             return data_
         file = Path(self.path, _METADATA_FILE)
         if not file.exists():
@@ -151,7 +173,8 @@ class Checkpoint:
         """Replace the metadata. It must be JSON-serializable."""
         text = json.dumps(metadata)
         if self._fs is not None:
-            self._fs.pipe_file(f"{self.path}/{_METADATA_FILE}", text.encode())
+            store = self._store()
+            store.write_bytes(store.path(_METADATA_FILE), text.encode())
             return
         file = Path(self.path, _METADATA_FILE)
         tmp = file.with_name(f"{_METADATA_FILE}.{uuid.uuid4().hex}.tmp")

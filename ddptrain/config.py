@@ -258,7 +258,9 @@ class RunConfig:
             ``s3://bucket/prefix`` (any scheme fsspec resolves; needs e.g. ``ddptrain[s3]``).
             Default: ``~/ddptrain_results`` (or ``$DDPTRAIN_STORAGE_PATH``).
         storage_filesystem: An fsspec or ``pyarrow.fs`` file system; ``storage_path`` is then a
-            path on it (``bucket/prefix``, no scheme), and so are the paths ddptrain returns.
+            path on it (``bucket/prefix``, no scheme; default: the default storage path), and so
+            are the paths ddptrain returns. It is never saved with the run (it may hold
+            credentials): ``restore()`` takes it again.
         failure_config: Restart policy, see :class:`FailureConfig`.
         checkpoint_config: Retention policy, see :class:`CheckpointConfig`.
         callbacks: :class:`~ddptrain.UserCallback` objects run in the driver.
@@ -295,10 +297,8 @@ class RunConfig:
                 )
         if self.storage_path is not None and not isinstance(self.storage_path, (str, os.PathLike)):
             raise ConfigError(f"`storage_path` must be a path or a URI, got {self.storage_path!r}.")
-        if self.storage_filesystem is not None and self.storage_path is None:
-            raise ConfigError(
-                "`storage_filesystem` needs a `storage_path`: the path on that file system (e.g. 'bucket/prefix')."
-            )
+        if self.storage_filesystem is not None:
+            remote.to_fsspec(self.storage_filesystem)  # not a file system: an error now, not at fit()
         self.failure_config = self.failure_config or FailureConfig()
         self.checkpoint_config = self.checkpoint_config or CheckpointConfig()
         self.logging_config = self.logging_config or LoggingConfig()

@@ -251,7 +251,8 @@ def _upload_checkpoint(session: _Session, checkpoint: Checkpoint, name: str) -> 
     except Exception as exc:  # each fsspec backend raises its own errors
         raise StorageError(
             f"Uploading checkpoint {name!r} of report #{session.report_index} to "
-            f"{session.remote.shown(session.run_path)} failed: {type(exc).__name__}: {exc}"
+            f"{session.remote.shown(session.run_path)} failed: {type(exc).__name__}: {exc}",
+            timed_out=getattr(exc, "timed_out", False),
         ) from exc
 
 

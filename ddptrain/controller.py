@@ -127,8 +127,8 @@ class Controller:
         self.group.shutdown(0)
         self.group = None
         run = self.run
-        run.clean_after_failure()
         failures = sorted(failed.failures, key=lambda f: (f.timestamp, f.rank))
+        run.clean_after_failure(failures)
         self.root_causes.append(failures[0])
         run.attempt_failed(index, failures[0])
         run.after_exception(failures)

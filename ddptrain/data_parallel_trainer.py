@@ -7,12 +7,13 @@ import dataclasses
 import inspect
 import logging
 import os
+import posixpath
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 
-from ddptrain import _env
+from ddptrain import _env, remote
 from ddptrain.backend import BackendConfig
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.checkpoint_manager import RunDirectoryError
@@ -156,6 +157,15 @@ class DataParallelTrainer:
         saved = copy.copy(self)
         saved.datasets = {}
         saved._dataset_names = sorted(self.datasets)
+        # File systems are left out too: they may hold credentials, and trainer.pkl is as readable
+        # as the bucket. restore() takes the run's file system from its caller again (or builds it
+        # from the run's URI and the environment); a remote start checkpoint keeps only its path.
+        saved.run_config = copy.copy(self.run_config)
+        saved.run_config.storage_filesystem = None
+        start = self.resume_from_checkpoint
+        if start is not None and start.is_remote:
+            saved.resume_from_checkpoint = None
+            saved.__dict__["_resume_from_path"] = start.path
         try:
             data: bytes = cloudpickle.dumps(saved)
         except Exception as exc:
@@ -258,9 +268,45 @@ class DataParallelTrainer:
         return as_trainable(self)
 
     @classmethod
-    def can_restore(cls, path: str | os.PathLike[str]) -> bool:
-        """Whether ``path`` is a run directory that :meth:`restore` can continue."""
-        return RunLayout(os.path.expanduser(os.fspath(path))).trainer.exists()
+    def can_restore(cls, path: str | os.PathLike[str], storage_filesystem: Any = None) -> bool:
+        """Whether ``path`` is a run directory that :meth:`restore` can continue (a local path,
+        a URI, or a path on ``storage_filesystem``)."""
+        root = remote.resolve(os.fspath(path), storage_filesystem)
+        if root is not None:
+            return root.exists(root.path(RunLayout.TRAINER))
+        return RunLayout(os.path.expanduser(os.fspath(path).removeprefix("file://"))).trainer.exists()
+
+    @classmethod
+    def _read_saved(cls, path: str, storage_filesystem: Any) -> tuple[bytes, str, str, str]:
+        """The bytes of ``trainer.pkl`` of the run at ``path``, where the run is as users see it,
+        its name and its storage path.
+
+        Raises:
+            RunDirectoryError: There is no ``trainer.pkl`` there.
+        """
+        root = remote.resolve(path, storage_filesystem)
+        if root is None:
+            run_dir = os.path.abspath(os.path.expanduser(path.removeprefix("file://")))
+            try:
+                data = RunLayout(run_dir).trainer.read_bytes()
+            except FileNotFoundError:
+                data = None
+            shown, name, parent = run_dir, os.path.basename(run_dir), os.path.dirname(run_dir)
+        else:
+            data = root.read_bytes(root.path(RunLayout.TRAINER))
+            shown, name = root.display(), posixpath.basename(root.root)
+            base, _, query = path.partition("?")  # a URI's options stay with its storage path
+            parent = base.rstrip("/").rpartition("/")[0] + (f"?{query}" if query else "")
+            if storage_filesystem is not None:
+                parent = posixpath.dirname(root.root)
+        if data is None:
+            hint = (
+                ""
+                if storage_filesystem is not None or root is not None
+                else (" A run on a `storage_filesystem` needs it again: `restore(path, storage_filesystem=fs)`.")
+            )
+            raise RunDirectoryError(f"{shown} cannot be restored: it has no {RunLayout.TRAINER}.{hint}")
+        return data, shown, name, parent
 
     @classmethod
     def restore(
@@ -268,31 +314,34 @@ class DataParallelTrainer:
         path: str | os.PathLike[str],
         train_loop_per_worker: Callable[..., Any] | None = None,
         train_loop_config: dict[str, Any] | None = None,
+        storage_filesystem: Any = None,
         **kwargs: Any,
     ) -> DataParallelTrainer:
         """The trainer of an interrupted run, set to resume it from its latest checkpoint.
 
         Args:
-            path: The run directory (``<storage_path>/<name>``).
+            path: The run directory (``<storage_path>/<name>``): a local path, a URI
+                (``s3://bucket/prefix/name``: its file system is built from the environment, as
+                at the start), or a path on ``storage_filesystem``.
             train_loop_per_worker: Replaces the saved training function.
             train_loop_config: Replaces the saved config.
+            storage_filesystem: The file system the run is on, when it was given one: ddptrain
+                never saves file systems (they may hold credentials), so pass it again (as Ray's
+                ``restore(path, storage_filesystem=...)``).
             **kwargs: Other constructor arguments to replace (``datasets``, ``scaling_config``...).
 
         Raises:
             RunDirectoryError: ``path`` holds no restorable run.
         """
-
-        run_dir = os.path.abspath(os.path.expanduser(os.fspath(path)))
-        file = RunLayout(run_dir).trainer
+        data, shown, name, parent = cls._read_saved(os.fspath(path), storage_filesystem)
         try:
-            with open(file, "rb") as f:
-                trainer = cloudpickle.load(f)
-        except FileNotFoundError:
-            raise RunDirectoryError(f"{run_dir} cannot be restored: it has no {RunLayout.TRAINER}.") from None
+            trainer = cloudpickle.loads(data)
         except Exception as exc:
-            raise RunDirectoryError(f"{file} cannot be loaded: {exc!r}.") from exc
+            raise RunDirectoryError(f"{shown}/{RunLayout.TRAINER} cannot be loaded: {exc!r}.") from exc
         if not isinstance(trainer, cls):
-            raise RunDirectoryError(f"{file} holds a {type(trainer).__name__}, not a {cls.__name__}.")
+            raise RunDirectoryError(
+                f"{shown}/{RunLayout.TRAINER} holds a {type(trainer).__name__}, not a {cls.__name__}."
+            )
         if train_loop_per_worker is not None:
             trainer.train_loop_per_worker = train_loop_per_worker
             trainer._takes_config = _takes_config(train_loop_per_worker)
@@ -301,14 +350,27 @@ class DataParallelTrainer:
         needed = getattr(trainer, "_dataset_names", [])
         if needed and "datasets" not in kwargs:
             raise ConfigError(
-                f"The run in {run_dir} used the datasets {needed}; pass them again: `restore(path, datasets={{...}})`."
+                f"The run in {shown} used the datasets {needed}; pass them again: `restore(path, datasets={{...}})`."
             )
-        for name, value in kwargs.items():
-            if not hasattr(trainer, name):
-                raise ConfigError(f"`restore()` got an unknown argument {name!r}.")
-            setattr(trainer, name, value)
+        # A remote start checkpoint was saved without its file system.
+        start = trainer.__dict__.pop("_resume_from_path", None)
+        if start is not None and "resume_from_checkpoint" not in kwargs:
+            if remote.is_uri(start):
+                trainer.resume_from_checkpoint = Checkpoint(start)
+            elif storage_filesystem is not None:
+                trainer.resume_from_checkpoint = Checkpoint(start, filesystem=storage_filesystem)
+            else:
+                raise ConfigError(
+                    f"The run in {shown} started from the checkpoint {start!r} on a file system ddptrain does "
+                    "not save; pass it again: `restore(path, storage_filesystem=fs)` or "
+                    "`restore(path, resume_from_checkpoint=Checkpoint(path, filesystem=fs))`."
+                )
+        for key, value in kwargs.items():
+            if not hasattr(trainer, key):
+                raise ConfigError(f"`restore()` got an unknown argument {key!r}.")
+            setattr(trainer, key, value)
         trainer.run_config = dataclasses.replace(
-            trainer.run_config, name=os.path.basename(run_dir), storage_path=os.path.dirname(run_dir)
+            trainer.run_config, name=name, storage_path=parent, storage_filesystem=storage_filesystem
         )
         trainer._validate()
         return trainer

@@ -102,8 +102,23 @@ class ChannelError(ControllerError):
 
 
 class StorageError(DdpTrainError, OSError):
-    """Remote storage failed (unreachable, refused, or out of space); the message names the
-    file system path and the underlying error."""
+    """Remote storage failed (unreachable, refused, not answering, or out of space); the message
+    names the store and the underlying error.
+
+    Attributes:
+        timed_out: The store did not answer in time (``DDPTRAIN_STORAGE_TIMEOUT_S``).
+    """
+
+    def __init__(self, *args: object, timed_out: bool = False) -> None:
+        super().__init__(*args)
+        self.timed_out = timed_out
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_storage_error, (self.args, self.timed_out))
+
+
+def _storage_error(args: tuple[object, ...], timed_out: bool) -> StorageError:
+    return StorageError(*args, timed_out=timed_out)
 
 
 class DiskFullError(DdpTrainError, OSError):

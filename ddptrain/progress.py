@@ -110,7 +110,7 @@ class Progress:
 
     def __init__(self, name: str, run_dir: str, stream: TextIO | None = None) -> None:
         self.name = name
-        self.run_dir = run_dir if "://" in run_dir else os.path.abspath(run_dir)
+        self.run_dir = run_dir  # as users see it: a local path, a URI, or a path on a storage_filesystem
         self.stream = stream or sys.stderr
         self.mode = progress_mode(self.stream)
         self._lock = threading.Lock()

@@ -128,7 +128,7 @@ class RemoteCheckpointManager(CheckpointManager):
         self._record(entry)
         if backup is not None:
             self.remote.remove_dir(backup)
-            self.remote.fs.rm_file(self._intent)
+            self.remote.remove_file(self._intent)
         for folder in moved:
             self.remote.remove_dir(folder)
         return self._checkpoint(entry)
@@ -152,10 +152,7 @@ class RemoteCheckpointManager(CheckpointManager):
         return backup
 
     def _copy_into(self, folder: str, final: str) -> None:
-        fs = self.remote.fs
-        for path in fs.find(folder):
-            bare = self.remote.bare_path(path)
-            fs.copy(bare, posixpath.join(final, posixpath.relpath(bare, folder)))
+        self.remote.copy_dir(folder, final)
 
     def recover(self) -> None:
         """Load the index (``Run`` downloaded it), put back a checkpoint whose replacement a
@@ -181,7 +178,7 @@ class RemoteCheckpointManager(CheckpointManager):
                 raise ValueError(f"not a backup folder: {backup!r}")
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             _logger.warning("ddptrain: ignoring the unreadable replacement record of %s: %r", self.run_path, exc)
-            self.remote.fs.rm_file(self._intent)
+            self.remote.remove_file(self._intent)
             return
         backup_path = posixpath.join(self.run_path, backup)
         if not self.is_committed(old.dir_name) and self.remote.exists(backup_path):
@@ -198,7 +195,7 @@ class RemoteCheckpointManager(CheckpointManager):
                 old.report_index,
             )
         self.remote.remove_dir(backup_path)
-        self.remote.fs.rm_file(self._intent)
+        self.remote.remove_file(self._intent)
 
     def clean_leftovers(self) -> None:
         kept = {e.dir_name for e in self._entries} | _RUN_FILES

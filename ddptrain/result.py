@@ -73,7 +73,9 @@ class Result:
     def filesystem(self) -> Any:
         """The file system ``path`` is on: ``None`` for a local run; for remote storage a
         ``pyarrow.fs.FileSystem`` when pyarrow is installed, else the fsspec file system."""
-        return None if self._storage_filesystem is None else remote.to_pyarrow(self._storage_filesystem)
+        if self._storage_filesystem is None:
+            return None
+        return remote.to_pyarrow(self._storage_filesystem, uri_paths=remote.is_uri(self.path or ""))
 
     def get_best_checkpoint(self, metric: str, mode: str) -> Checkpoint | None:
         """The kept checkpoint with the best ``metric`` (``"a/b"`` reaches nested dicts).

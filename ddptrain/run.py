@@ -26,7 +26,7 @@ from ddptrain.callbacks import TrainRunContext
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.checkpoint_manager import CheckpointManager
 from ddptrain.config import CheckpointConfig
-from ddptrain.errors import ControllerError, WorkerFailure, disk_full_error
+from ddptrain.errors import ControllerError, StorageError, WorkerFailure, disk_full_error
 from ddptrain.plan import Plan
 from ddptrain.progress import Progress
 from ddptrain.remote_checkpoints import RemoteCheckpointManager
@@ -286,6 +286,8 @@ class Run:
                     self.progress.started(workers=workers, hosts=hosts, attempt=index, resume_from=self.latest_path)
                     yield index
                 except BaseException as exc:
+                    if self.remote is not None and not isinstance(exc, Exception):
+                        self.remote.stopping = True  # Ctrl-C: the uploads left get a bound of seconds
                     if self._run_json.get("status") in ("RUNNING", "RESTARTING"):  # not ended by a failure
                         with contextlib.suppress(OSError):  # a full disk: the error that got us here says so
                             self.save_status("ABORTED", error=f"{type(exc).__name__}: {exc}")
@@ -343,13 +345,19 @@ class Run:
             _storage_filesystem=self.remote.fs if self.remote else None,
         )
 
-    def clean_after_failure(self) -> None:
+    def clean_after_failure(self, failures: list[WorkerFailure] | tuple[()] = ()) -> None:
         """Remove what the failed attempt left half-done, upload its logs. On remote storage a
         failure here is logged: the store may be what failed, and the next attempt (or the
-        next resume) cleans up again."""
+        next resume) cleans up again. When the store did not answer a worker (``failures``),
+        these calls get a bound of seconds: one that times out too stops the driver's calls to
+        the store until it answers (see ``remote_calls``), so the run ends at once."""
         if self.remote is None:
             self.checkpoints.clean_leftovers()
             return
+        was_stopping = self.remote.stopping
+        self.remote.stopping = was_stopping or any(
+            isinstance(f.exception, StorageError) and f.exception.timed_out for f in failures
+        )
         try:
             self.checkpoints.clean_leftovers()
             self.mirror.push_logs()
@@ -360,6 +368,8 @@ class Run:
                 type(exc).__name__,
                 exc,
             )
+        finally:
+            self.remote.stopping = was_stopping
 
     def _best(self) -> tuple[str, dict[str, Any]] | None:
         """The best checkpoint by the configured score (the latest without one), for the summary."""

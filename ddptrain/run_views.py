@@ -123,11 +123,12 @@ def _pull(root: RemoteRoot, name: str) -> RunView | None:
 
 
 def _open_remote(uri: str) -> RunView:
-    scheme, _, rest = uri.partition("://")
+    base, _, query = uri.partition("?")  # URI options (`?endpoint_override=...`) are the file system's
+    scheme, _, rest = base.partition("://")
     parent, _, name = rest.rstrip("/").rpartition("/")
     if not parent or not name:
         raise RunNotFound(f"no run {uri!r}: give a run's URI, such as {scheme}://bucket/prefix/name")
-    root = resolve(f"{scheme}://{parent}")
+    root = resolve(f"{scheme}://{parent}" + (f"?{query}" if query else ""))
     if root is None:  # a scheme fsspec serves from the local file system
         return RunView(find_run(uri), uri)
     view = _pull(root, name)
@@ -148,7 +149,8 @@ def open_run(run: str) -> RunView:
         return _open_remote(run)
     default = _env.default_storage_path()
     if on_remote_storage(default) and not RunLayout(Path(run).expanduser()).run_json.is_file():
-        return _open_remote(f"{default.rstrip('/')}/{run}")
+        base, _, query = default.partition("?")
+        return _open_remote(f"{base.rstrip('/')}/{run}" + (f"?{query}" if query else ""))
     folder = find_run(run)
     return RunView(folder, str(folder))
 

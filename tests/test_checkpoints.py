@@ -11,6 +11,7 @@ import tempfile
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -610,3 +611,144 @@ def test_get_all_reported_checkpoints_timeout_returns_what_is_committed(storage:
     listed, waited_s = result.return_values[1]
     assert listed == 0  # rank 0's checkpoint was not reported yet when the timeout was over
     assert 0.4 < waited_s < 2.5
+
+
+# --- checkpoints and runs on file systems given as objects (Ray's persistence tests) ----------
+def _dir_filesystem(root: Path, wrapped: bool) -> object:
+    """Ray's "custom file system" of its persistence tests: a local folder through fsspec's
+    DirFileSystem, given as it is or wrapped as a pyarrow file system."""
+    pafs = pytest.importorskip("pyarrow.fs")
+    from fsspec.implementations.dirfs import DirFileSystem
+    from fsspec.implementations.local import LocalFileSystem
+
+    root.mkdir(parents=True, exist_ok=True)
+    fs = DirFileSystem(path=str(root), fs=LocalFileSystem())
+    return pafs.PyFileSystem(pafs.FSSpecHandler(fs)) if wrapped else fs
+
+
+@pytest.fixture
+def mock_scheme() -> Iterator[None]:
+    """``mock://``: an fsspec scheme whose class wraps a pyarrow file system (pyarrow's in-memory
+    one), as fsspec's ``hdfs://`` does."""
+    pafs = pytest.importorskip("pyarrow.fs")
+    import fsspec
+    from fsspec.implementations.arrow import ArrowFSWrapper
+    from fsspec.registry import _registry
+
+    class MockArrowFS(ArrowFSWrapper):
+        protocol = "mock"
+
+        def __init__(self, **kwargs: object) -> None:
+            super().__init__(fs=pafs._MockFileSystem(), **kwargs)
+
+    fsspec.register_implementation("mock", MockArrowFS, clobber=True)
+    yield
+    MockArrowFS.clear_instance_cache()
+    _registry.pop("mock", None)
+
+
+def _remote_checkpoints(where: str, tmp_path: Path) -> tuple[train.Checkpoint, train.Checkpoint]:
+    """A checkpoint with a file ``dummy.txt`` on ``mock://`` or on a custom file system, and one
+    that does not exist."""
+    if where == "mock":
+        checkpoint = train.Checkpoint("mock:///mock_bucket/ckpt_dir")
+        missing = train.Checkpoint("mock:///mock_bucket/no_such_ckpt")
+    else:
+        fs = _dir_filesystem(tmp_path / "custom_fs", wrapped=True)
+        checkpoint = train.Checkpoint("mock_bucket/ckpt_dir", filesystem=fs)
+        missing = train.Checkpoint("mock_bucket/no_such_ckpt", filesystem=fs)
+    checkpoint._fs.makedirs(checkpoint._fs._strip_protocol(checkpoint.path), exist_ok=True)
+    checkpoint._fs.pipe_file(checkpoint._fs._strip_protocol(checkpoint.path) + "/dummy.txt", b"dummy")
+    return checkpoint, missing
+
+
+def test_a_uri_checkpoints_path_works_with_its_filesystem(mock_scheme: None, tmp_path: Path) -> None:
+    """Ray's checkpoint test writes a checkpoint's files through ``.filesystem`` at ``.path``:
+    for a scheme whose fsspec class wraps a pyarrow file system too."""
+    pafs = pytest.importorskip("pyarrow.fs")
+    source = tmp_path / "ckpt_dir"
+    source.mkdir()
+    (source / "dummy.txt").write_text("dummy")
+    checkpoint = train.Checkpoint("mock:///mock_bucket/ckpt_dir")
+    fs = checkpoint.filesystem
+    assert isinstance(fs, pafs.FileSystem)
+    fs.create_dir(checkpoint.path)
+    pafs.copy_files(str(source), checkpoint.path, destination_filesystem=fs)
+    with fs.open_output_stream(checkpoint.path + "/extra.txt") as out:
+        out.write(b"extra")
+    assert fs.get_file_info(checkpoint.path + "/dummy.txt").type == pafs.FileType.File
+    assert sorted(os.listdir(checkpoint.to_directory())) == ["dummy.txt", "extra.txt"]
+
+
+@pytest.mark.parametrize("where", ["mock", "custom_fs"])
+def test_remote_checkpoints_download_into_one_prefix(where: str, mock_scheme: None, tmp_path: Path) -> None:
+    checkpoint, _ = _remote_checkpoints(where, tmp_path)
+    downloaded = Path(checkpoint.to_directory())
+    assert os.listdir(downloaded) == ["dummy.txt"]
+    assert downloaded.name.startswith("checkpoint_tmp_")
+    with checkpoint.as_directory() as d:
+        assert Path(d, "dummy.txt").read_text() == "dummy"
+        assert Path(d).name.startswith("checkpoint_tmp_")  # one prefix for both (Ray's)
+    assert not Path(d).exists()
+
+
+@pytest.mark.parametrize("where", ["mock", "custom_fs"])
+def test_a_missing_remote_checkpoint_is_a_file_not_found_error(where: str, mock_scheme: None, tmp_path: Path) -> None:
+    _, missing = _remote_checkpoints(where, tmp_path)
+    target = tmp_path / "copy_of_missing"
+    with pytest.raises(FileNotFoundError, match=missing.path):
+        missing.to_directory(target)
+    assert not target.exists()
+    with pytest.raises(FileNotFoundError, match=missing.path), missing.as_directory():
+        pass
+
+
+def count_on_custom_fs(config: dict) -> int:
+    start = 0
+    checkpoint = train.get_checkpoint()
+    if checkpoint:
+        with checkpoint.as_directory() as d:
+            start = json.loads(Path(d, "state.json").read_text())["epoch"] + 1
+    rank = train.get_context().get_world_rank()
+    for epoch in range(start, config["epochs"]):
+        with tempfile.TemporaryDirectory() as d:
+            write_checkpoint(d, **{"state.json": json.dumps({"epoch": epoch}), f"rank_{rank}.txt": str(epoch)})
+            train.report({"epoch": epoch}, checkpoint=train.Checkpoint.from_directory(d))
+    return start
+
+
+def test_a_run_on_a_filesystem_with_folders_creates_them_and_restores(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ray's persistence tests' custom file system: parent folders that do not exist yet are
+    created; the run resumes and restores with the file system given again."""
+    root = tmp_path / "custom_fs"
+    fs = _dir_filesystem(root, wrapped=True)
+
+    def trainer(epochs: int) -> train.DataParallelTrainer:
+        return train.DataParallelTrainer(
+            count_on_custom_fs,
+            train_loop_config={"epochs": epochs},
+            scaling_config=train.ScalingConfig(num_workers=2),
+            run_config=train.RunConfig(name="run", storage_path="bucket/exp", storage_filesystem=fs),
+        )
+
+    result = trainer(2).fit()
+    assert result.path == "bucket/exp/run"
+    assert "results in bucket/exp/run\n" in capsys.readouterr().err  # a path on the file system, as given
+    assert result.checkpoint.path == "bucket/exp/run/checkpoint_000002"
+    persisted = root / "bucket" / "exp" / "run"
+    assert sorted(os.listdir(persisted / "checkpoint_000002")) == ["rank_0.txt", "rank_1.txt", "state.json"]
+    assert {"run.json", "metrics.jsonl", "checkpoints.json", "trainer.pkl"} <= set(os.listdir(persisted))
+    assert (persisted / "logs" / "attempt_0" / "rank_1.log").is_file()
+
+    assert train.DataParallelTrainer.can_restore("bucket/exp/run", storage_filesystem=fs)
+    restored = train.DataParallelTrainer.restore(
+        "bucket/exp/run", storage_filesystem=fs, train_loop_config={"epochs": 3}
+    )
+    again = restored.fit()
+    assert again.return_values == [2, 2]
+    assert [m["epoch"] for m in again.metrics_history] == [0, 1, 2]
+    # The file system is not saved with the run: without it, the error says to pass it.
+    with pytest.raises(RunDirectoryError, match=r"restore\(path, storage_filesystem=fs\)"):
+        train.DataParallelTrainer.restore("bucket/exp/run")

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 import ddptrain as train
+from ddptrain.errors import ConfigError
 from ddptrain.torch import TorchConfig
 
 
@@ -52,7 +54,7 @@ def test_scaling_config_resources() -> None:
     [
         ({"name": ""}, "`name` must be a non-empty string"),
         ({"name": "a/b"}, "plain folder name"),
-        ({"storage_filesystem": object()}, "needs a `storage_path`"),
+        ({"storage_filesystem": object()}, "must be an fsspec or a pyarrow.fs file system"),
         ({"storage_path": 3}, "`storage_path` must be a path"),
         ({"failure_config": {"max_failures": 1}}, "must be a ddptrain.FailureConfig"),
         ({"callbacks": [object()]}, "UserCallback"),
@@ -138,3 +140,46 @@ def test_remote_storage_paths_are_checked_before_anything_starts(tmp_path: Path)
     fsspec = pytest.importorskip("fsspec")
     with pytest.raises(ConfigError, match="not a URI"):
         train.RunConfig(storage_path="s3://bucket/x", storage_filesystem=fsspec.filesystem("memory"))._remote()
+
+
+def test_storage_filesystem_without_storage_path_uses_the_default_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As Ray: the path on the file system defaults to the default storage path."""
+    from fsspec.implementations.dirfs import DirFileSystem
+    from fsspec.implementations.local import LocalFileSystem
+
+    monkeypatch.delenv("DDPTRAIN_STORAGE_PATH", raising=False)
+    fs = DirFileSystem(path=str(tmp_path), fs=LocalFileSystem())
+    config = train.RunConfig(name="run", storage_filesystem=fs)
+    root = config._remote()
+    assert root is not None and root.root == os.path.expanduser("~/ddptrain_results")
+    config._check_storage()  # the folders are created on the file system
+    assert (tmp_path / os.path.expanduser("~/ddptrain_results").lstrip("/")).is_dir()
+    monkeypatch.setenv("DDPTRAIN_STORAGE_PATH", "/shared/runs")
+    assert train.RunConfig(storage_filesystem=fs)._remote().root == "/shared/runs"
+    monkeypatch.setenv("DDPTRAIN_STORAGE_PATH", "s3://bucket/runs")
+    with pytest.raises(
+        ConfigError, match="not a URI: got 's3://bucket/runs' \\(the default, from DDPTRAIN_STORAGE_PATH\\)"
+    ):
+        train.RunConfig(storage_filesystem=fs)._remote()
+
+
+def test_pyarrow_uri_options_are_understood_or_refused_with_what_to_do() -> None:
+    """``s3://bucket?region=...&endpoint_override=...`` (what Ray's tests pass) configures the
+    client; options ddptrain cannot map, and credentials in the URI, are refused."""
+    pytest.importorskip("s3fs")
+    root = train.RunConfig(
+        storage_path="s3://bucket/prefix?region=eu-west-3&endpoint_override=localhost:9000&scheme=http"
+    )._remote()
+    assert root is not None and root.root == "bucket/prefix"
+    assert root.fs.client_kwargs["region_name"] == "eu-west-3"
+    assert root.fs.endpoint_url == "http://localhost:9000"
+    assert root.display() == "bucket/prefix"  # paths go with `.filesystem`, as in Ray
+    with pytest.raises(ConfigError, match="'tls_ca_file_path' are not understood.*storage_filesystem=fs"):
+        train.RunConfig(storage_path="s3://bucket/prefix?tls_ca_file_path=/ca.pem")._remote()
+    with pytest.raises(ConfigError, match="credentials in the URI are refused") as info:
+        train.RunConfig(storage_path="s3://AKIAKEY:topsecret@bucket/prefix")._remote()
+    assert "topsecret" not in str(info.value)
+    plain = train.RunConfig(storage_path="s3://bucket/prefix")._remote()
+    assert plain.display() == "s3://bucket/prefix" and plain.root == "bucket/prefix"

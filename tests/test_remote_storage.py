@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 
 import ddptrain as train
-from ddptrain.errors import ConfigError, WorkerGroupError
+from ddptrain.checkpoint_manager import RunDirectoryError
+from ddptrain.errors import ConfigError, StorageError, WorkerGroupError
 from ddptrain.torch import TorchTrainer
 
 pytestmark = pytest.mark.slow
@@ -37,7 +38,8 @@ def _free_port() -> int:
 
 
 class Proxy:
-    """A TCP forwarder to the S3 server that can be cut (the store goes away) and restored."""
+    """A TCP forwarder to the S3 server that can be cut (the store goes away), stalled (it
+    accepts connections and never answers), and restored."""
 
     def __init__(self, target_port: int) -> None:
         self.target_port = target_port
@@ -45,9 +47,18 @@ class Proxy:
         self._conns: list[socket.socket] = []
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
+        self.stalled = False
         self.restore()
 
+    def stall(self) -> None:
+        """From now on nothing gets an answer: bytes sent either way are dropped, and new
+        connections are accepted and left alone."""
+        self.stalled = True
+
     def restore(self) -> None:
+        if self.stalled:
+            self.stalled = False
+            self.cut()  # the connections that saw no answer go
         if self._listener is not None and self._listener.fileno() != -1:
             return  # not cut
         listener = socket.socket()
@@ -63,6 +74,10 @@ class Proxy:
                 client, _ = listener.accept()
             except OSError:
                 return
+            if self.stalled:
+                with self._lock:
+                    self._conns.append(client)
+                continue
             try:
                 upstream = socket.create_connection(("127.0.0.1", self.target_port))
             except OSError:
@@ -73,11 +88,11 @@ class Proxy:
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
 
-    @staticmethod
-    def _pipe(a: socket.socket, b: socket.socket) -> None:
+    def _pipe(self, a: socket.socket, b: socket.socket) -> None:
         try:
             while data := a.recv(65536):
-                b.sendall(data)
+                if not self.stalled:
+                    b.sendall(data)
         except OSError:
             pass
         finally:
@@ -89,6 +104,10 @@ class Proxy:
 
     def cut(self) -> None:
         assert self._listener is not None
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the thread in accept(): the port is free at once
+        except OSError:
+            pass
         self._listener.close()
         with self._lock:
             conns, self._conns = self._conns, []
@@ -286,22 +305,28 @@ def test_a_missing_bucket_fails_before_any_worker_starts(s3: S3) -> None:
 
 
 class _CutAfter(train.UserCallback):
-    def __init__(self, proxy: Proxy, reports: int) -> None:
-        self.proxy, self.reports, self.seen = proxy, reports, 0
+    """Takes the store away (``stall``: it stops answering) after ``reports`` reports."""
+
+    def __init__(self, proxy: Proxy, reports: int, stall: bool = False) -> None:
+        self.proxy, self.reports, self.seen, self.stall = proxy, reports, 0, stall
+        self.at = 0.0
 
     def after_report(self, run_context: Any, metrics: Any, checkpoint: Any) -> None:
         self.seen += 1
         if self.seen == self.reports:
-            self.proxy.cut()
+            self.at = time.monotonic()
+            self.proxy.stall() if self.stall else self.proxy.cut()
 
 
-def test_the_store_going_away_mid_run(s3: S3, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # botocore's retries only make the test slower
+def test_the_store_going_away_mid_run(s3: S3) -> None:
     bucket = s3.bucket()
     cut = _CutAfter(s3.proxy, 2)
     try:
         with pytest.raises(WorkerGroupError, match=r"Uploading checkpoint 'checkpoint_000003' of report #3 to s3://"):
             _trainer(f"s3://{bucket}/exp", "outage", epochs=6, callbacks=[cut]).fit()
+        # With botocore's default retries this took 43-86 s (8.8 s a call); ddptrain's S3 clients
+        # try each request 3 times.
+        assert time.monotonic() - cut.at < 25
     finally:
         s3.proxy.restore()
     run = f"{bucket}/exp/outage"
@@ -316,6 +341,159 @@ def test_the_store_going_away_mid_run(s3: S3, monkeypatch: pytest.MonkeyPatch) -
     names = [c["dir_name"] for c in s3.index(run)["checkpoints"]]
     on_store = sorted({p.split("/")[0] for p in s3.listing(run) if p.startswith("checkpoint_")})
     assert on_store == sorted(names)
+
+
+def test_a_store_that_stops_answering_fails_the_run_within_the_bound(s3: S3, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The endpoint accepts connections and never answers: the run fails with a StorageError
+    naming the store after DDPTRAIN_STORAGE_TIMEOUT_S, instead of hanging."""
+    monkeypatch.setenv("DDPTRAIN_STORAGE_TIMEOUT_S", "3")
+    bucket = s3.bucket()
+    stall = _CutAfter(s3.proxy, 2, stall=True)
+    try:
+        with pytest.raises((train.TrainingFailedError, StorageError)) as info:
+            _trainer(f"s3://{bucket}/exp", "stalled", epochs=6, callbacks=[stall]).fit()
+        took = time.monotonic() - stall.at
+    finally:
+        s3.proxy.restore()
+    error = info.value if isinstance(info.value, StorageError) else info.value.__cause__
+    assert isinstance(error, StorageError) and error.timed_out, repr(info.value)
+    assert f"s3://{bucket}/exp" in str(error) and "did not answer for 3 s" in str(error)
+    assert took < 25, took  # the bound, the teardown, and a busy machine's slack
+    run = f"{bucket}/exp/stalled"
+    index = s3.index(run)
+    assert [c["dir_name"] for c in index["checkpoints"]] == ["checkpoint_000001", "checkpoint_000002"]
+    assert all(_complete(s3, f"{run}/{c['dir_name']}") for c in index["checkpoints"])
+    s3fs.S3FileSystem.clear_instance_cache()
+    result = _trainer(f"s3://{bucket}/exp", "stalled", epochs=4).fit()
+    assert result.metrics["resumed_from"] == 2
+
+
+CTRL_C_SCRIPT = textwrap.dedent(
+    """
+    import sys, tempfile, time
+    from pathlib import Path
+    import ddptrain as train
+
+    def loop():
+        for step in range(1000):
+            with tempfile.TemporaryDirectory() as d:
+                Path(d, "w.bin").write_bytes(b"x" * 1000)
+                train.report({"step": step}, checkpoint=train.Checkpoint.from_directory(d))
+            if train.get_context().get_world_rank() == 0:
+                print("step", step, flush=True)
+            time.sleep(0.2)
+
+    if __name__ == "__main__":
+        train.DataParallelTrainer(
+            loop,
+            scaling_config=train.ScalingConfig(num_workers=2),
+            run_config=train.RunConfig(name="interrupted", storage_path=sys.argv[1]),
+        ).fit()
+    """
+)
+
+
+def test_ctrl_c_ends_a_driver_whose_store_stopped_answering(s3: S3, tmp_path: Path) -> None:
+    """Even with a bound of 10 minutes, Ctrl-C ends the driver within seconds: the uploads it
+    makes on its way out get a bound of seconds."""
+    bucket = s3.bucket()
+    script = tmp_path / "driver.py"
+    script.write_text(CTRL_C_SCRIPT)
+    env = {**os.environ, "DDPTRAIN_STORAGE_TIMEOUT_S": "600", "PYTHONPATH": ROOT}
+    proc = subprocess.Popen(
+        [sys.executable, str(script), f"s3://{bucket}/exp"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        line = proc.stdout.readline()
+        if "step 0" not in line:
+            proc.kill()
+            raise AssertionError(line + proc.communicate()[1])
+        s3.proxy.stall()
+        time.sleep(2)  # every process is waiting for the store now
+        proc.send_signal(signal.SIGINT)
+        started = time.monotonic()
+        try:
+            _, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+            raise AssertionError(f"Ctrl-C did not end the driver in 30 s:\n{err[-3000:]}") from None
+        took = time.monotonic() - started
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        s3.proxy.restore()
+    assert proc.returncode != 0 and "KeyboardInterrupt" in err, err[-3000:]
+    assert took < 15, (took, err[-3000:])
+
+
+@pytest.mark.parametrize("kind", ["s3fs", "pyarrow"])
+def test_a_storage_filesystems_credentials_never_reach_the_bucket(s3: S3, kind: str) -> None:
+    """trainer.pkl holds no file system (its key and secret would be readable by anyone who
+    can read the bucket): restore() takes the file system again."""
+    import pyarrow.fs as pafs
+
+    bucket = s3.bucket()
+    secret = f"s3cr3t-{uuid.uuid4().hex}"
+    if kind == "s3fs":
+        fs: Any = s3fs.S3FileSystem(key="AKIDDPTRAINTEST", secret=secret, endpoint_url=s3.endpoint)
+    else:
+        host = s3.endpoint.split("//", 1)[1]
+        fs = pafs.S3FileSystem(
+            access_key="AKIDDPTRAINTEST", secret_key=secret, endpoint_override=host, scheme="http", region="us-east-1"
+        )
+
+    s3.direct.pipe_file(f"{bucket}/given/epoch", b"0")  # a start checkpoint on the same file system
+
+    def trainer(epochs: int) -> TorchTrainer:
+        return TorchTrainer(
+            _loop,
+            train_loop_config={"epochs": epochs},
+            scaling_config=train.ScalingConfig(num_workers=2),
+            run_config=train.RunConfig(name="creds", storage_path=f"{bucket}/exp", storage_filesystem=fs),
+            resume_from_checkpoint=train.Checkpoint(f"{bucket}/given", filesystem=fs),
+        )
+
+    assert trainer(2).fit().metrics_history[0]["resumed_from"] == 1
+    run = f"{bucket}/exp/creds"
+    stored = {path: s3.direct.cat_file(path) for path in s3.direct.find(bucket)}
+    assert f"{run}/trainer.pkl" in stored
+    assert [path for path, data in stored.items() if secret.encode() in data] == []
+
+    assert TorchTrainer.can_restore(run, storage_filesystem=fs)
+    with pytest.raises(RunDirectoryError, match=r"restore\(path, storage_filesystem=fs\)"):
+        TorchTrainer.restore(run)
+    restored = TorchTrainer.restore(run, storage_filesystem=fs, train_loop_config={"epochs": 3})
+    assert restored.resume_from_checkpoint == train.Checkpoint(f"{bucket}/given", filesystem=fs)
+    result = restored.fit()
+    assert result.metrics["resumed_from"] == 2 and result.path == run
+
+
+def test_pyarrow_style_uri_options(s3: S3, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``s3://bucket?region=...&endpoint_override=...&scheme=http``, as Ray's tests give it:
+    the options configure the client (no AWS_ENDPOINT_URL here), and paths go with it."""
+    import pyarrow.fs as pafs
+
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    bucket = s3.bucket()
+    options = f"region=us-east-1&endpoint_override={s3.endpoint.split('//', 1)[1]}&scheme=http"
+    result = _trainer(f"s3://{bucket}/exp?{options}", "opts", epochs=2).fit()
+    assert result.path == f"{bucket}/exp/opts"
+    assert result.checkpoint.path == f"{bucket}/exp/opts/checkpoint_000002"
+    assert isinstance(result.checkpoint.filesystem, pafs.FileSystem)
+    assert _complete(s3, f"{bucket}/exp/opts/checkpoint_000002")
+    again = train.Result.from_path(f"s3://{bucket}/exp/opts?{options}")
+    assert again.metrics_history == result.metrics_history
+    with again.checkpoint.as_directory() as d:
+        assert Path(d, "epoch").read_text() == "1"
+    show = _ddptrain("show", f"s3://{bucket}/exp/opts?{options}")
+    assert show.returncode == 0 and f"run 'opts': FINISHED  ({bucket}/exp/opts)" in show.stdout, show.stderr
 
 
 def test_storage_filesystem_and_pyarrow(s3: S3) -> None:
@@ -640,3 +818,79 @@ def test_the_cli_names_the_missing_extra_for_a_uri() -> None:
         [sys.executable, "-c", code, "show", "s3://bucket/prefix/run"], capture_output=True, text=True, env=env
     )
     assert out.returncode == 2 and "ddptrain show:" in out.stderr and "pip install ddptrain[s3]" in out.stderr
+
+
+def test_the_bound_holds_for_any_file_system(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file system whose uploads hang (a stand-in for a hung NFS mount or an SDK without
+    timeouts): the call fails after the bound, the next ones fail at once while it hangs, and
+    all is well once it returns. A slow upload that reports progress is not cut."""
+    from fsspec.implementations.dirfs import DirFileSystem
+    from fsspec.implementations.local import LocalFileSystem
+
+    from ddptrain import remote
+
+    release = threading.Event()
+
+    class Hanging(DirFileSystem):
+        slow = False
+
+        def put_file(self, lpath: str, rpath: str, callback: Any = None, **kwargs: Any) -> None:
+            if self.slow:  # 2.5 s in all, progress every 0.25 s
+                for _ in range(10):
+                    time.sleep(0.25)
+                    callback.relative_update(1)
+            elif not release.wait(60):
+                raise AssertionError("never released")
+            super().put_file(lpath, rpath, **kwargs)
+
+    monkeypatch.setenv("DDPTRAIN_STORAGE_TIMEOUT_S", "1")
+    (tmp_path / "store" / "bucket").mkdir(parents=True)
+    root = remote.resolve("bucket", Hanging(path=str(tmp_path / "store"), fs=LocalFileSystem()))
+    assert root is not None
+    local = tmp_path / "weights.bin"
+    local.write_bytes(b"w")
+    started = time.monotonic()
+    with pytest.raises(StorageError, match=r"bucket did not answer for 1 s while uploading bucket/a\.bin") as info:
+        root.upload_file(str(local), "bucket/a.bin")
+    assert info.value.timed_out and time.monotonic() - started < 5
+    started = time.monotonic()
+    with pytest.raises(StorageError, match=r"uploading bucket/a\.bin is still waiting\); not listing bucket"):
+        root.list_names("bucket")
+    assert time.monotonic() - started < 0.5
+    release.set()
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            assert root.list_names("bucket") == ["a.bin"]
+            break
+        except StorageError:
+            assert time.monotonic() < deadline, "the store never answered again"
+            time.sleep(0.1)
+    Hanging.slow = True
+    root.upload_file(str(local), "bucket/b.bin")  # 2.5 s with a bound of 1 s: it made progress
+    assert (tmp_path / "store" / "bucket" / "b.bin").read_bytes() == b"w"
+
+
+def test_a_storage_filesystem_whose_endpoint_never_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The user's own s3fs, with its own (long) timeouts and retries, at an endpoint that accepts
+    connections (the kernel's backlog) and never answers: fit() fails at its first call to the
+    store, after the bound, naming the store."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    monkeypatch.setenv("DDPTRAIN_STORAGE_TIMEOUT_S", "2")
+    fs = s3fs.S3FileSystem(key="k", secret="s", endpoint_url=f"http://127.0.0.1:{listener.getsockname()[1]}")
+    trainer = TorchTrainer(
+        _loop,
+        scaling_config=train.ScalingConfig(num_workers=2),
+        run_config=train.RunConfig(name="x", storage_path="bucket/exp", storage_filesystem=fs),
+    )
+    started = time.monotonic()
+    try:
+        with pytest.raises(
+            StorageError, match=r"bucket/exp did not answer for 2 s while writing bucket/exp/\.ddptrain_probe"
+        ):
+            trainer.fit()
+        assert time.monotonic() - started < 10
+    finally:
+        listener.close()
