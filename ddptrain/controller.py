@@ -15,7 +15,7 @@ from typing import Any
 
 from ddptrain import _env
 from ddptrain.driver import Attempt
-from ddptrain.errors import ConfigError, LaunchError, WorkerFailure, WorkerGroupError, is_disk_full
+from ddptrain.errors import ConfigError, LaunchError, WorkerFailure, WorkerGroupError, is_disk_full, root_cause_order
 from ddptrain.launcher import Launcher
 from ddptrain.plan import Plan
 from ddptrain.result import Result
@@ -125,7 +125,7 @@ class Controller:
         self.group = None
         run = self.run
         run.clean_after_failure()
-        failures = sorted(failed.failures, key=lambda f: (f.timestamp, f.rank))
+        failures = sorted(failed.failures, key=root_cause_order)
         self.root_causes.append(failures[0])
         run.attempt_failed(index, failures[0])
         run.after_exception(failures)
