@@ -7,12 +7,15 @@ Needs ``pip install ddptrain[jax]``; neither ``import ddptrain`` nor this packag
 in the driver.
 """
 
+import socket as _socket
+import sys as _sys
+
 from ddptrain.jax.config import _missing_jax
 
-if _missing_jax():
+if _missing_jax():  # in the driver, or in a worker's agent loading the training function
     raise ImportError(
-        "ddptrain.jax needs jax, which this Python cannot import: `pip install ddptrain[jax]` "
-        "(add `jax[cuda12]` for NVIDIA GPUs)."
+        f"ddptrain.jax needs jax, which this Python ({_sys.executable} on host {_socket.gethostname()}) cannot "
+        "import: `pip install ddptrain[jax]` (add `jax[cuda12]` for NVIDIA GPUs)."
     )
 
 from ddptrain.jax.config import JaxConfig  # noqa: E402

@@ -38,7 +38,6 @@ _logger = logging.getLogger(__name__)
 # JAX's shutdown barrier: how long a worker's `jax.distributed.shutdown()` waits for the
 # others (all of them call it at once, after the training function returned everywhere).
 _SHUTDOWN_BARRIER_S = 30
-_EXTRA = "`pip install ddptrain[jax]` (add `jax[cuda12]` for NVIDIA GPUs)"
 
 # In each worker: whether this module started jax.distributed there (and for which run).
 _started = False
@@ -150,7 +149,8 @@ def _already_used_error(jax: Any) -> ConfigError:
         f"module(s) {', '.join(modules)} computed JAX arrays when imported"
         if modules
         else "a module imported with the training function called JAX when imported (a computation, "
-        "jax.devices(), jax.device_put, ...)"
+        "jax.devices(), jax.device_put, ...), or the training function or its config holds a JAX array (pickled "
+        "with it, it is rebuilt with JAX here: pass numpy arrays instead)"
     )
     return ConfigError(
         f"JaxTrainer: rank {rank} on host {host} had already started JAX before ddptrain could call "
@@ -163,12 +163,7 @@ def _prepare(use_gpu: bool) -> dict[str, Any]:
     """Runs on each worker: check that JAX can start distributed here, select its platform
     and CPU collectives; rank 0 also picks the coordinator's port."""
     rank, host = int(os.environ["RANK"]), socket.gethostname()
-    if _missing_jax():
-        raise ConfigError(
-            f"JaxTrainer: rank {rank} on host {host} cannot import jax (Python {sys.executable}). "
-            f"Install it there: {_EXTRA}."
-        )
-    import jax
+    import jax  # importable: loading this module's package checked it
 
     if _started:  # a warm worker whose last run's shutdown did not happen: finish it now
         _shutdown()
@@ -208,7 +203,8 @@ def _initialize(coordinator: str, world_size: int, timeout_s: float, spans_hosts
     import jax
 
     rank, host = int(os.environ["RANK"]), socket.gethostname()
-    platforms = (jax.config.jax_platforms or "").split(",")
+    config: Any = jax.config  # its flags are attributes mypy does not know
+    platforms = (config.jax_platforms or "").split(",")
     gloo = _gloo_address()
     if spans_hosts and "cpu" in platforms and _is_loopback(gloo) and not _is_loopback(_own_address()):
         raise LaunchError(
@@ -244,13 +240,10 @@ def _shutdown() -> None:
     if not _started:
         return
     import jax
+    from jax.extend.backend import clear_backends
 
     _started = False
     jax.distributed.shutdown()
-    try:
-        from jax.extend.backend import clear_backends
-    except ImportError:  # older JAX
-        clear_backends = jax.clear_backends
     clear_backends()
 
 
