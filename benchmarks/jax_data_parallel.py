@@ -13,7 +13,9 @@ from each process's local batch with ``jax.make_array_from_process_local_data``,
 gradients in one jitted function with replicated parameters (XLA all-reduces the gradients
 across the processes), an optax Adam update. Measured: ``samples_per_s``, global samples of
 the timed steps over the time from the end of the last warm-up step to the end of the last
-timed step, on the slowest process. The order of the variants alternates across repeats.
+timed step, on the slowest process; and ``cpu_ms_per_1k_samples``, the CPU time all processes
+(every thread) used in the timed steps per 1000 samples, which other load skews least. The
+order of the variants alternates across repeats.
 Ratios: median(a) / median(b); best run of (a) / best run of (b); and the ratio of the
 medians of the runs no other process disturbed (other processes kept < 0.05 cores busy: on a
 shared 2-core machine the medians of all runs mostly measure the neighbours).
@@ -40,8 +42,9 @@ _CHILD_VAR = "DDPTRAIN_BENCH_JAX_CHILD"  # set in the hand-started processes: th
 _QUIET_CORES = 0.05  # a run during which other processes kept fewer cores busy is "undisturbed"
 
 
-def steps(config: dict[str, Any]) -> list[float]:
-    """The measured loop, in a process whose jax.distributed is running: step end times."""
+def steps(config: dict[str, Any]) -> dict[str, Any]:
+    """The measured loop, in a process whose jax.distributed is running: the end time of every
+    step, and the CPU time the whole process (every thread) used in the timed steps."""
     import jax
     import numpy as np
     import optax
@@ -92,8 +95,10 @@ def steps(config: dict[str, Any]) -> list[float]:
         import ddptrain
 
         report = ddptrain.report
-    ends = []
+    ends, cpu_start = [], 0.0
     for i in range(config["warmup"] + config["steps"]):
+        if i == config["warmup"]:
+            cpu_start = time.process_time()
         x, y = batches[i % len(batches)]
         params, opt_state, loss = step(
             params,
@@ -105,18 +110,21 @@ def steps(config: dict[str, Any]) -> list[float]:
         ends.append(time.perf_counter())
         if report is not None and (i + 1) % config["report_every"] == 0:
             report({"step": i, "loss": float(np.asarray(loss.addressable_data(0)))})
-    return ends
+    return {"ends": ends, "cpu_s": time.process_time() - cpu_start}
 
 
-def rate(config: dict[str, Any], ends_per_rank: list[list[float]]) -> float:
-    """Global samples per second of the timed steps, on the slowest process."""
+def rate(config: dict[str, Any], per_rank: list[dict[str, Any]]) -> tuple[float, float]:
+    """Global samples per second of the timed steps, on the slowest process; and the CPU
+    milliseconds all processes used per 1000 samples (what other load on the machine skews
+    least)."""
     warmup, count = config["warmup"], config["steps"]
-    seconds = max(ends[warmup + count - 1] - ends[warmup - 1] for ends in ends_per_rank)
-    return count * config["batch"] * WORLD / seconds
+    seconds = max(r["ends"][warmup + count - 1] - r["ends"][warmup - 1] for r in per_rank)
+    samples = count * config["batch"] * WORLD
+    return samples / seconds, 1e6 * sum(r["cpu_s"] for r in per_rank) / samples
 
 
 # ----------------------------------------------------------------- (a) JaxTrainer
-def run_ddptrain(config: dict[str, Any], storage: str, name: str) -> float:
+def run_ddptrain(config: dict[str, Any], storage: str, name: str) -> tuple[float, float]:
     import ddptrain
     from ddptrain.jax import JaxTrainer
 
@@ -139,9 +147,9 @@ def child(settings: dict[str, Any]) -> None:
     jax.distributed.initialize(
         coordinator_address=f"127.0.0.1:{settings['port']}", num_processes=WORLD, process_id=settings["rank"]
     )
-    ends = steps({**settings["config"], "report_every": 0})
+    measured = steps({**settings["config"], "report_every": 0})
     with open(settings["out"], "w") as f:
-        json.dump(ends, f)
+        json.dump(measured, f)
     jax.distributed.shutdown()  # together: JAX's shutdown barrier is met at once
     sys.stdout.flush()
     os._exit(0)
@@ -153,7 +161,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_by_hand(config: dict[str, Any], folder: str) -> float:
+def run_by_hand(config: dict[str, Any], folder: str) -> tuple[float, float]:
     port = _free_port()
     outs = [os.path.join(folder, f"rank{rank}.json") for rank in range(WORLD)]
     children = []
@@ -170,11 +178,11 @@ def run_by_hand(config: dict[str, Any], folder: str) -> float:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    ends_per_rank = []
+    per_rank = []
     for out in outs:
         with open(out) as f:
-            ends_per_rank.append(json.load(f))
-    return rate(config, ends_per_rank)
+            per_rank.append(json.load(f))
+    return rate(config, per_rank)
 
 
 def main() -> int:
@@ -199,6 +207,7 @@ def main() -> int:
     variants = ["ddptrain", "by_hand"]
     measured: dict[str, list[float]] = {v: [] for v in variants}
     quiet: dict[str, list[float]] = {v: [] for v in variants}  # runs no other process disturbed
+    cpu: dict[str, list[float]] = {v: [] for v in variants}
     folder = tempfile.mkdtemp(prefix="ddptrain-bench-jax-")
     try:
         for repeat in range(args.repeats):
@@ -206,10 +215,11 @@ def main() -> int:
             for variant in order:
                 window = _bench.ForeignLoad()
                 if variant == "ddptrain":
-                    value = run_ddptrain(config, folder, f"run{repeat}")
+                    value, cpu_ms = run_ddptrain(config, folder, f"run{repeat}")
                 else:
-                    value = run_by_hand(config, folder)
+                    value, cpu_ms = run_by_hand(config, folder)
                 measured[variant].append(value)
+                cpu[variant].append(cpu_ms)
                 disturbed = window.result()
                 if disturbed["foreign_cores"] < _QUIET_CORES:
                     quiet[variant].append(value)
@@ -221,6 +231,7 @@ def main() -> int:
                         "repeat": repeat,
                         "position": order.index(variant),
                         "value": value,
+                        "cpu_ms_per_1k_samples": cpu_ms,
                         **disturbed,
                     }
                 )
@@ -234,7 +245,11 @@ def main() -> int:
     stats = {variant: _bench.summary(values) for variant, values in measured.items()}
     for variant, st in stats.items():
         _bench.emit({"bench": BENCH, "metric": "samples_per_s", "variant": variant, "summary": True, **st})
+    cpu_stats = {variant: _bench.summary(values) for variant, values in cpu.items()}
+    for variant, st in cpu_stats.items():
+        _bench.emit({"bench": BENCH, "metric": "cpu_ms_per_1k_samples", "variant": variant, "summary": True, **st})
     ratio = stats["ddptrain"]["median"] / stats["by_hand"]["median"]
+    cpu_ratio = cpu_stats["ddptrain"]["median"] / cpu_stats["by_hand"]["median"]
     best = stats["ddptrain"]["max"] / stats["by_hand"]["max"]
     quiet_ratio = (
         _bench.median(quiet["ddptrain"]) / _bench.median(quiet["by_hand"])
@@ -249,6 +264,7 @@ def main() -> int:
             "best_over_best": best,
             "quiet_medians": quiet_ratio,
             "quiet_runs": {v: len(values) for v, values in quiet.items()},
+            "cpu_ddptrain_over_by_hand": cpu_ratio,
         }
     )
     labels = {
@@ -262,8 +278,11 @@ def main() -> int:
     ]
     for variant, label in labels.items():
         st = stats[variant]
-        lines.append(f"  {label}: {st['median']:.0f} samples/s (min {st['min']:.0f}, max {st['max']:.0f})")
-    lines.append(f"  ratio (a)/(b): medians {ratio:.3f}, best runs {best:.3f}")
+        lines.append(
+            f"  {label}: {st['median']:.0f} samples/s (min {st['min']:.0f}, max {st['max']:.0f}), "
+            f"{cpu_stats[variant]['median']:.1f} CPU ms per 1000 samples"
+        )
+    lines.append(f"  ratio (a)/(b): medians {ratio:.3f}, best runs {best:.3f}; CPU per sample {cpu_ratio:.3f}")
     if quiet_ratio is not None:
         counts = "/".join(str(len(quiet[v])) for v in variants)
         lines.append(f"  ratio of the medians of undisturbed runs ({counts}): {quiet_ratio:.3f}")
