@@ -272,3 +272,26 @@ def test_jax_config_arguments_are_checked(storage: str) -> None:
             scaling_config=train.ScalingConfig(num_workers=1),
             run_config=train.RunConfig(storage_path=storage),
         ).fit()
+
+
+@pytest.mark.ssh
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_hosts_whose_names_do_not_resolve_fail_at_once_saying_what_gloo_needs(netns, storage: str) -> None:
+    """Two hosts with their own network stacks and names that resolve nowhere: JAX's gloo could
+    not even open its device there ("rv == 0. -3 vs 0" in the first JAX call)."""
+    from ddptrain.jax import JaxTrainer
+
+    started = time.monotonic()
+    with pytest.raises(train.TrainingFailedError) as info:
+        JaxTrainer(
+            _never_runs,
+            scaling_config=train.ScalingConfig(num_workers=2, hosts=["n0 slots=1", "n1 slots=1"]),
+            run_config=train.RunConfig(storage_path=storage),
+        ).fit()
+    assert time.monotonic() - started < 60
+    message = str(info.value)
+    root = message.splitlines()[1]
+    assert "JaxTrainer: the name of host n" in root and "does not resolve to an address" in root
+    assert "listens on the address the host name resolves to" in root
+    assert f"({netns.hosts[0].addr})" in message or f"({netns.hosts[1].addr})" in message

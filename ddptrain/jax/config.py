@@ -110,13 +110,24 @@ def _free_port() -> int:
     return port
 
 
-def _gloo_address() -> str:
+def _gloo_address() -> str | None:
     """The address gloo listens on for JAX's CPU collectives: the first one this host's name
-    resolves to (JAX offers no setting for it)."""
+    resolves to (JAX offers no setting for it); ``None``: the name does not resolve."""
     try:
         return str(socket.getaddrinfo(socket.gethostname(), None, type=socket.SOCK_STREAM)[0][4][0])
     except OSError:
-        return "?"
+        return None
+
+
+def _uses_cpu() -> bool:
+    """Whether JAX will run on the CPU in this worker (then gloo carries its collectives)."""
+    import jax
+
+    config: Any = jax.config  # its flags are attributes mypy does not know
+    return "cpu" in (config.jax_platforms or "cpu").split(",")
+
+
+_GLOO = "gloo, which carries JAX's CPU collectives, listens on the address the host name resolves to"
 
 
 def _is_loopback(address: str) -> bool:
@@ -181,12 +192,15 @@ def _prepare(use_gpu: bool) -> dict[str, Any]:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     except AttributeError:  # JAX before 0.4.29 named it differently
         jax.config.update("jax_cpu_enable_gloo_collectives", True)
-    return {
-        "host": host,
-        "address": _own_address(),
-        "gloo": _gloo_address(),
-        "port": _free_port() if rank == 0 else None,
-    }
+    address = _own_address()
+    if _uses_cpu() and _gloo_address() is None:  # else the first JAX call fails with "rv == 0. -3 vs 0"
+        raise LaunchError(
+            f"JaxTrainer: the name of host {host} (rank {rank}) does not resolve to an address, and {_GLOO} "
+            f"(JAX has no setting for it). Make {host!r} resolve to the address the other workers reach this "
+            f"host at ({address}), e.g. in /etc/hosts or DNS.",
+            hosts=[host],
+        )
+    return {"host": host, "address": address, "port": _free_port() if rank == 0 else None}
 
 
 def _backends_initialized() -> bool:
@@ -205,12 +219,12 @@ def _initialize(coordinator: str, world_size: int, timeout_s: float, spans_hosts
     rank, host = int(os.environ["RANK"]), socket.gethostname()
     config: Any = jax.config  # its flags are attributes mypy does not know
     platforms = (config.jax_platforms or "").split(",")
-    gloo = _gloo_address()
-    if spans_hosts and "cpu" in platforms and _is_loopback(gloo) and not _is_loopback(_own_address()):
+    gloo = _gloo_address() or "?"
+    if spans_hosts and _uses_cpu() and _is_loopback(gloo) and not _is_loopback(_own_address()):
         raise LaunchError(
-            f"JaxTrainer: on host {host} gloo, which carries JAX's CPU collectives, would listen on {gloo} (the "
-            f"address the host name {host!r} resolves to), which the other hosts cannot reach. Make the host name "
-            f"resolve to the address the other hosts reach it at ({_own_address()}), e.g. in /etc/hosts.",
+            f"JaxTrainer: {_GLOO} (JAX has no setting for it), and {host!r} resolves to {gloo}, which the other "
+            f"hosts cannot reach. Make {host!r} resolve to the address the other hosts reach this host at "
+            f"({_own_address()}), e.g. in /etc/hosts or DNS.",
             hosts=[host],
         )
     kwargs: dict[str, Any] = {}
