@@ -190,7 +190,7 @@ def _prepare(use_gpu: bool) -> dict[str, Any]:
         jax.config.update("jax_platforms", "cuda" if use_gpu else "cpu")
     try:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    except AttributeError:  # JAX before 0.4.29 named it differently
+    except AttributeError:  # older JAX had a switch instead
         jax.config.update("jax_cpu_enable_gloo_collectives", True)
     address = _own_address()
     if _uses_cpu() and _gloo_address() is None:  # else the first JAX call fails with "rv == 0. -3 vs 0"
