@@ -138,3 +138,17 @@ def test_torch_xla_config_arguments_are_checked() -> None:
     with pytest.raises(train.ConfigError, match="`init_method` must be 'env' or 'tcp'"):
         TorchXLAConfig(init_method="xla")
     assert "torch_xla" not in sys.modules
+
+
+@pytest.mark.timeout(120)
+def test_neuron_parallel_compile_sets_neurons_variables_and_names_a_missing_compiler(
+    storage: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Training succeeds; the compile step after it needs libneuronxla, which is not here: its
+    error is logged (training finished), naming what to install."""
+    first, second = _fit(
+        storage, _report_env, _stand_in(tmp_path, _STAND_IN), neuron_parallel_compile=True
+    ).return_values
+    assert first["env"]["NEURON_PARALLEL_COMPILE"] == second["env"]["NEURON_PARALLEL_COMPILE"] == "1"
+    assert "cannot import libneuronxla" in caplog.text
+    assert "install the AWS Neuron SDK there" in caplog.text
