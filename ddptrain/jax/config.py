@@ -39,7 +39,7 @@ _logger = logging.getLogger(__name__)
 # others (all of them call it at once, after the training function returned everywhere).
 _SHUTDOWN_BARRIER_S = 30
 
-# In each worker: whether this module started jax.distributed there (and for which run).
+# In each worker: whether this module started jax.distributed there (and has not shut it down).
 _started = False
 
 
@@ -200,7 +200,7 @@ def _prepare(use_gpu: bool) -> dict[str, Any]:
             f"host at ({address}), e.g. in /etc/hosts or DNS.",
             hosts=[host],
         )
-    return {"host": host, "address": address, "port": _free_port() if rank == 0 else None}
+    return {"address": address, "port": _free_port() if rank == 0 else None}
 
 
 def _backends_initialized() -> bool:
