@@ -15,7 +15,15 @@ from typing import Any
 
 from ddptrain import _env
 from ddptrain.driver import Attempt
-from ddptrain.errors import ChannelError, ConfigError, LaunchError, WorkerFailure, WorkerGroupError, is_disk_full
+from ddptrain.errors import (
+    ChannelError,
+    ConfigError,
+    LaunchError,
+    WorkerFailure,
+    WorkerGroupError,
+    is_disk_full,
+    root_cause_order,
+)
 from ddptrain.launcher import Launcher
 from ddptrain.plan import Plan
 from ddptrain.result import Result
@@ -127,7 +135,7 @@ class Controller:
         self.group.shutdown(0)
         self.group = None
         run = self.run
-        failures = sorted(failed.failures, key=lambda f: (f.timestamp, f.rank))
+        failures = sorted(failed.failures, key=root_cause_order)
         run.clean_after_failure(failures)
         self.root_causes.append(failures[0])
         run.attempt_failed(index, failures[0])

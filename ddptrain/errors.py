@@ -320,9 +320,21 @@ class WorkerFailure:
         return f"{where}: {how}" + (f" ({self.note})" if self.note else "")
 
 
+# What gloo (under torch.distributed and JAX) says in a rank whose peer left a collective.
+_PEER_GONE = ("closed by peer", "reset by peer")
+
+
+def root_cause_order(failure: WorkerFailure) -> tuple[bool, float, int]:
+    """Sort key of failures, root cause first: the earliest, except that a rank whose
+    collective failed only because a peer went away comes after the others. A killed peer is
+    known only when its agent reaps it, often after the survivors raised."""
+    peer_gone = any(text in str(failure.exception) for text in _PEER_GONE)
+    return (peer_gone, failure.timestamp, failure.rank)
+
+
 def format_failures(failures: list[WorkerFailure], log_dir: str | None) -> str:
     """The message of a :class:`WorkerGroupError`: root cause first, then the others."""
-    ordered = sorted(failures, key=lambda f: (f.timestamp, f.rank))
+    ordered = sorted(failures, key=root_cause_order)
     root = ordered[0]
     lines = ["Training failed due to worker errors:", f"Root cause (first failure): {root.headline()}"]
     if root.traceback_str:
@@ -362,7 +374,7 @@ class WorkerGroupError(TrainingFailedError):
     @classmethod
     def from_failures(cls, failures: list[WorkerFailure], log_dir: str | None) -> WorkerGroupError:
         """Build the error, with the root cause's exception as ``__cause__``."""
-        ordered = sorted(failures, key=lambda f: (f.timestamp, f.rank))
+        ordered = sorted(failures, key=root_cause_order)
         error = cls(
             format_failures(ordered, log_dir),
             {f.rank: f.exception for f in ordered},

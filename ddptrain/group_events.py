@@ -32,6 +32,7 @@ from ddptrain.errors import (
     describe_exitcode,
     format_failures,
     is_disk_full,
+    root_cause_order,
 )
 from ddptrain.plan import Plan
 from ddptrain.sealing import StoreTamperedError
@@ -52,7 +53,7 @@ class GroupFailed(WorkerGroupError):
     """The worker group failed; ``failures`` says how (first failure first). The group is dead."""
 
     def __init__(self, failures: list[WorkerFailure]) -> None:
-        ordered = sorted(failures, key=lambda f: (f.timestamp, f.rank))
+        ordered = sorted(failures, key=root_cause_order)
         super().__init__(format_failures(ordered, None), {f.rank: f.exception for f in ordered}, ordered)
         self.__cause__ = ordered[0].exception
 

@@ -4,7 +4,8 @@
 its submodules, whether or not the real ``ray`` package is installed:
 
 * ``ray.train`` is ``ddptrain``, and ``ray.train.X`` is ``ddptrain.X`` (``ray.train.torch``,
-  ``ray.train.lightning``, ``ray.train.huggingface.transformers``, ``ray.train.xgboost``...);
+  ``ray.train.lightning``, ``ray.train.huggingface.transformers``, ``ray.train.xgboost``...),
+  and so is ``ray.train.v2.X`` (``ray.train.v2.jax``, where Ray keeps ``JaxTrainer``);
 * ``ray.data``, ``ray.tune`` and ``ray.util.sgd`` are ``ddptrain.data``, ``ddptrain.tune`` and
   ``ddptrain.util.sgd`` (RaySGD left Ray in 2.0; mapping it is ddptrain's extension);
 * ``ray.air`` and ``ray.air.config`` (Ray 2.0-2.6 spellings of the configs) are ddptrain's;
@@ -44,6 +45,7 @@ __all__ = ["RayAPIUnavailable", "install", "installed", "target_of"]
 # Ray module -> ddptrain module; a longer prefix wins. ``ray.train.<x>`` falls back to ``ddptrain.<x>``.
 _PREFIXES = {
     "ray.train": "ddptrain",
+    "ray.train.v2": "ddptrain",  # Ray Train V2's own package (``ray.train.v2.jax``: JaxTrainer)
     "ray.air.config": "ddptrain.config",
     "ray.air": "ddptrain",
     "ray.data": "ddptrain.data",
