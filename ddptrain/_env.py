@@ -140,9 +140,27 @@ def worker_start(use_gpu: bool) -> str:
     return raw
 
 
+# `ddptrain run --hosts FILE`: the host file of the script's own trainers. Held by the process,
+# never put in the environment, so that the programs the script starts do not get it;
+# `ddptrain.ray_compat` hands it to the processes multiprocessing starts from the script.
+_script_hostfile: str | None = None
+
+
+def set_script_hostfile(path: str | None) -> None:
+    """Make ``path`` this process's host file (``ddptrain run --hosts``), over ``DDPTRAIN_HOSTFILE``."""
+    global _script_hostfile
+    _script_hostfile = path
+
+
+def script_hostfile() -> str | None:
+    """The host file ``ddptrain run --hosts`` gave this process (``None``: none)."""
+    return _script_hostfile
+
+
 def hostfile() -> str | None:
-    """The host file of multi-host runs, from ``DDPTRAIN_HOSTFILE`` (``None``: this machine only)."""
-    return os.environ.get("DDPTRAIN_HOSTFILE") or None
+    """The host file of multi-host runs: ``ddptrain run --hosts FILE``'s in the script's processes,
+    else ``DDPTRAIN_HOSTFILE`` (``None``: this machine only)."""
+    return _script_hostfile or os.environ.get("DDPTRAIN_HOSTFILE") or None
 
 
 def ssh_known_hosts() -> str:

@@ -181,7 +181,7 @@ def run_script(script: str, args: list[str], hostfile: str | None = None) -> int
         if not os.path.isfile(hostfile):
             print(f"ddptrain run: no such host file: {hostfile}", file=sys.stderr)
             return 2
-        os.environ["DDPTRAIN_HOSTFILE"] = os.path.abspath(hostfile)
+        _env.set_script_hostfile(os.path.abspath(hostfile))  # the script's, not its programs' (see _env)
     install_ray_compat()
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python script.py` does
@@ -207,7 +207,11 @@ def main(argv: list[str] | None = None) -> int:
         "`ray.data`, `ray.tune`, `ray.util.sgd`... resolving to ddptrain's modules (in its workers and "
         "multiprocessing children too, not in programs it starts).",
     )
-    run.add_argument("--hosts", metavar="FILE", help="host file for the script's trainers (sets DDPTRAIN_HOSTFILE)")
+    run.add_argument(
+        "--hosts",
+        metavar="FILE",
+        help="host file for the script's trainers, over $DDPTRAIN_HOSTFILE (not for programs the script starts)",
+    )
     run.add_argument("script", help="the Python script")
     run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     check = sub.add_parser("check", help="check SSH, Python, versions, GPUs, disk and the driver port on every host")

@@ -56,7 +56,8 @@ class ScalingConfig:
         accelerator_type: Accepted for compatibility; ddptrain does not select GPUs by type.
         hosts: ddptrain's own: a host file path, or a list of ``"name slots=N ..."`` strings or
             :class:`~ddptrain.hosts.HostSpec`, to run the workers on those hosts over SSH.
-            Default: ``$DDPTRAIN_HOSTFILE`` if set, else this machine only. See ``ddptrain.hosts``.
+            Default: the host file of ``ddptrain run --hosts FILE`` in the script it runs, else
+            ``$DDPTRAIN_HOSTFILE`` if set, else this machine only. See ``ddptrain.hosts``.
 
     Example:
         >>> ScalingConfig(num_workers=2, use_gpu=False)

@@ -20,9 +20,9 @@ DNS name is rebound to 127.0.0.1 cannot read it). The dashboard writes no file.
 Only direct children of the storage folder are served, through :mod:`ddptrain.run_files` (no
 link is followed, only regular files are read). Nothing can be written through it.
 
-Connections are served by a few threads; a connection waits for its request in one selector,
-not in a thread, is closed after ``idle_timeout_s`` without one, and at most
-``max_connections`` are open (the oldest idle one is closed to make room).
+Requests are served by a few threads; a connection waits in one selector, not in a thread,
+until its whole request has arrived, which must be within ``request_timeout_s`` of its first
+byte (see :mod:`ddptrain.dashboard_server`).
 """
 
 from __future__ import annotations
@@ -33,17 +33,15 @@ import logging
 import math
 import os
 import secrets
-import selectors
 import socket
 import threading
-import time
 import urllib.parse
-from concurrent.futures import ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
 from ddptrain import run_files, run_metrics
+from ddptrain.dashboard_server import PooledHTTPServer, ReadRequestHandler
 from ddptrain.inspect_runs import list_runs, report_row, run_summary
 from ddptrain.run_views import RunView
 
@@ -108,101 +106,7 @@ def _allowed_hosts(host: str, port: int) -> frozenset[str]:
     return frozenset(allowed | ({name.lower() for name in names} if port == 80 else set()))
 
 
-class _Server(HTTPServer):
-    """An ``HTTPServer`` with a fixed pool of threads (see the module's docstring)."""
-
-    request_queue_size = 64
-
-    def __init__(
-        self,
-        address: tuple[str, int],
-        handler: type[BaseHTTPRequestHandler],
-        workers: int,
-        idle_timeout_s: float,
-        max_connections: int,
-    ) -> None:
-        if ":" in address[0]:
-            self.address_family = socket.AF_INET6
-        super().__init__(address, handler)
-        self.workers, self.idle_timeout_s, self.max_connections = workers, idle_timeout_s, max_connections
-        self._stop = threading.Event()
-        self._stopped = threading.Event()
-        self._stopped.set()
-        self._lock = threading.Lock()
-        self._serving: set[socket.socket] = set()  # handed to the pool
-
-    def serve_forever(self, poll_interval: float = 0.25) -> None:
-        self._stop.clear()
-        self._stopped.clear()
-        waiting: dict[socket.socket, float] = {}  # connection -> when it is closed unless it speaks; oldest first
-        selector = selectors.DefaultSelector()
-        selector.register(self.socket, selectors.EVENT_READ)
-        pool = ThreadPoolExecutor(self.workers, thread_name_prefix="ddptrain-dashboard")
-        try:
-            while not self._stop.is_set():
-                for key, _ in selector.select(poll_interval):
-                    if key.fileobj is self.socket:
-                        self._accept(selector, waiting)
-                        continue
-                    conn, address = key.data
-                    del waiting[conn]
-                    selector.unregister(conn)
-                    with self._lock:
-                        self._serving.add(conn)
-                    pool.submit(self._serve, conn, address)
-                now = time.monotonic()
-                while waiting and next(iter(waiting.values())) < now:
-                    self._drop(selector, waiting, next(iter(waiting)))
-        finally:
-            for conn in list(waiting):
-                self._drop(selector, waiting, conn)
-            selector.close()
-            with self._lock:
-                for conn in self._serving:  # wakes the threads serving them
-                    try:
-                        conn.shutdown(socket.SHUT_RDWR)
-                    except OSError:
-                        pass
-            pool.shutdown(wait=True)
-            self._stopped.set()
-
-    def _accept(self, selector: selectors.BaseSelector, waiting: dict[socket.socket, float]) -> None:
-        try:
-            conn, address = self.socket.accept()
-        except OSError:
-            return
-        with self._lock:
-            full = len(waiting) + len(self._serving) >= self.max_connections
-        if full and not waiting:  # every one is being served
-            conn.close()
-            return
-        if full:
-            self._drop(selector, waiting, next(iter(waiting)))
-        selector.register(conn, selectors.EVENT_READ, (conn, address))
-        waiting[conn] = time.monotonic() + self.idle_timeout_s
-
-    @staticmethod
-    def _drop(selector: selectors.BaseSelector, waiting: dict[socket.socket, float], conn: socket.socket) -> None:
-        del waiting[conn]
-        selector.unregister(conn)
-        conn.close()
-
-    def _serve(self, conn: socket.socket, address: Any) -> None:
-        try:
-            self.finish_request(conn, address)
-        except Exception:
-            _logger.debug("ddptrain dashboard: a connection from %s failed", address, exc_info=True)
-        finally:
-            self.shutdown_request(conn)
-            with self._lock:
-                self._serving.discard(conn)
-
-    def shutdown(self) -> None:
-        self._stop.set()
-        self._stopped.wait()
-
-
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(ReadRequestHandler):
     dashboard: Dashboard  # set on the subclass each dashboard makes
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
@@ -220,8 +124,10 @@ class Dashboard:
         host: The address to listen on (127.0.0.1: this machine only).
         port: The port (0: any free one).
         workers: The threads that serve requests.
-        idle_timeout_s: How long a connection may stay without sending its request (and
-            between the parts of one).
+        idle_timeout_s: How long a connection may stay without sending anything, and the bound
+            on each write of an answer.
+        request_timeout_s: How long a request's line and headers may take to arrive, from its
+            first byte (a client that trickles them is closed then).
         max_connections: The most connections open at once.
     """
 
@@ -233,12 +139,20 @@ class Dashboard:
         *,
         workers: int = 8,
         idle_timeout_s: float = 10.0,
+        request_timeout_s: float = 5.0,
         max_connections: int = 128,
     ) -> None:
         self.root = Path(storage_path).expanduser().resolve()
         self.token = secrets.token_urlsafe(24)  # this start's, never written anywhere
         handler = type("Handler", (_Handler,), {"dashboard": self, "timeout": idle_timeout_s})
-        self.server = _Server((host, port), handler, workers, idle_timeout_s, max_connections)
+        self.server = PooledHTTPServer(
+            (host, port),
+            handler,
+            workers=workers,
+            idle_timeout_s=idle_timeout_s,
+            request_timeout_s=request_timeout_s,
+            max_connections=max_connections,
+        )
         self._hosts = _allowed_hosts(host, self.port)
         self._host = host
         self._thread: threading.Thread | None = None

@@ -24,7 +24,8 @@ starts from any of these with ``spawn`` or ``forkserver`` (a ``Pool``, a ``Proce
 that installs the mapping before they do (:func:`install` adds it). Forked children inherit it.
 A program the script starts (``subprocess.run([sys.executable, "other.py"])``) is not the
 script: it gets ``ray`` as it would without ``ddptrain run``. Nothing goes through the
-environment.
+environment. The same hook hands ``ddptrain run --hosts``'s host file
+(:func:`ddptrain._env.script_hostfile`) to those processes, under the same rule.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import types
 from collections.abc import Sequence
 from typing import Any
 
+from ddptrain import _env
 from ddptrain.errors import DdpTrainError
 
 __all__ = ["RayAPIUnavailable", "install", "installed", "target_of"]
@@ -204,8 +206,9 @@ def installed() -> bool:
 # Run by a process that multiprocessing started with "spawn" or "forkserver" while it reads its
 # preparation data, before `multiprocessing.spawn.prepare` imports the script again as
 # `__mp_main__` (globals: `name`, the process's name; `parent`, the pid that started it;
-# `sys_path`, the path `prepare` sets next). Only the standard library is used before the
-# mapping is installed, so that a failure to import ddptrain here is reported like any other.
+# `sys_path`, the path `prepare` sets next; `hostfile`, the host file `ddptrain run --hosts`
+# gave the script). Only the standard library is used before the mapping is installed, so that
+# a failure to import ddptrain here is reported like any other.
 # A Pool worker that cannot start (here, or while importing the script) would be replaced by
 # the Pool with workers that fail the same way, forever: the process that started the Pool is
 # interrupted instead (KeyboardInterrupt), after the worker's traceback.
@@ -226,8 +229,9 @@ def excepthook(kind, value, tb, default=sys.excepthook):
 
 sys.excepthook = excepthook
 sys.path[:] = sys_path
-import ddptrain.ray_compat
+import ddptrain._env, ddptrain.ray_compat
 ddptrain.ray_compat.install()
+ddptrain._env.set_script_hostfile(hostfile)
 """
 _PREPARATION_KEY = "ddptrain_ray_compat"
 
@@ -236,8 +240,8 @@ class _SpawnedHook:
     """An entry of the preparation data of a process that multiprocessing spawns: unpickling it
     runs ``_SPAWNED`` there."""
 
-    def __init__(self, name: str, parent: int, sys_path: list[str]) -> None:
-        self._globals = {"name": name, "parent": parent, "sys_path": list(sys_path)}
+    def __init__(self, name: str, parent: int, sys_path: list[str], hostfile: str | None) -> None:
+        self._globals = {"name": name, "parent": parent, "sys_path": list(sys_path), "hostfile": hostfile}
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (exec, (_SPAWNED, self._globals))
@@ -254,7 +258,8 @@ def _hook_multiprocessing() -> None:
 
     def get_preparation_data(name: str) -> dict[str, Any]:
         data: dict[str, Any] = original(name)
-        data[_PREPARATION_KEY] = _SpawnedHook(name, os.getpid(), data.get("sys_path") or sys.path)
+        sys_path = data.get("sys_path") or sys.path
+        data[_PREPARATION_KEY] = _SpawnedHook(name, os.getpid(), sys_path, _env.script_hostfile())
         return data
 
     get_preparation_data._ddptrain_ray_compat = True  # type: ignore[attr-defined]

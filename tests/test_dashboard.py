@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+import select
 import shutil
 import signal
 import socket
@@ -30,6 +31,7 @@ from run_folders import write_run
 
 import ddptrain as train
 from ddptrain import dashboard as dashboard_module
+from ddptrain import dashboard_server
 from ddptrain.dashboard import Dashboard
 from ddptrain.torch import TorchTrainer
 
@@ -415,16 +417,84 @@ def test_idle_connections_neither_take_a_thread_each_nor_block_requests(tmp_path
         dashboard.stop()
 
 
-def test_an_idle_or_stalled_connection_is_closed_after_the_idle_timeout(tmp_path: Path) -> None:
-    dashboard = Dashboard(str(tmp_path), port=0, idle_timeout_s=0.5).start()
+def _until_closed(conn: socket.socket) -> bytes:
+    """What the server sent until it closed ``conn`` (a reset counts as closed)."""
+    data = b""
     try:
-        for opening in (b"", b"GET /api/runs HTTP/1.1\r\n"):  # nothing, or a request that stalls
+        while chunk := conn.recv(4096):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return data
+
+
+def test_an_idle_stalled_or_oversized_request_is_closed(tmp_path: Path) -> None:
+    dashboard = Dashboard(str(tmp_path), port=0, idle_timeout_s=0.5, request_timeout_s=0.5).start()
+    try:
+        big = b"GET / HTTP/1.1\r\nX-Big: " + b"a" * (dashboard_server.MAX_HEAD_BYTES + 100)
+        for opening, answer in (
+            (b"", b""),  # nothing: closed without a word
+            (b"GET /api/runs HTTP/1.1\r\n", b"HTTP/1.0 408 Request Timeout"),  # a request that stalls
+            (big, b"HTTP/1.0 431 Request Header Fields Too Large"),
+        ):
             with socket.create_connection(("127.0.0.1", dashboard.port), timeout=10) as conn:
                 conn.sendall(opening)
                 started = time.monotonic()
-                assert conn.recv(1024) == b""  # closed by the server, long before our own 10 s
+                got = _until_closed(conn)  # closed by the server, long before our own 10 s
                 assert time.monotonic() - started < 8
+                assert got.startswith(answer) and (b"did not arrive within 0.5 s" in got) == (b"408" in answer), got
     finally:
+        dashboard.stop()
+
+
+@pytest.mark.timeout(120)
+def test_clients_that_trickle_their_requests_hold_no_thread(tmp_path: Path) -> None:
+    """50 connections that send their request a byte every 0.5 s: a normal request is answered
+    meanwhile, and each of them is closed (408) once its request takes `request_timeout_s`."""
+    write_run(tmp_path / "runs" / "mine", metrics=[{"loss": 0.5}])
+    request_timeout_s = 4.0
+    dashboard = Dashboard(str(tmp_path / "runs"), port=0, request_timeout_s=request_timeout_s).start()
+    headers = f"Host: 127.0.0.1:{dashboard.port}\r\nAuthorization: Token {dashboard.token}\r\n"
+    request = f"GET /api/runs HTTP/1.1\r\n{headers}\r\n"
+    tricklers = [socket.create_connection(("127.0.0.1", dashboard.port), timeout=10) for _ in range(50)]
+    first_byte: dict[socket.socket, float] = {}
+    closed: dict[socket.socket, tuple[float, bytes]] = {}  # when, and what it got
+    stop = threading.Event()
+
+    def trickle() -> None:
+        for byte in request.encode():
+            for conn in tricklers:
+                if conn not in closed:
+                    try:
+                        conn.sendall(bytes([byte]))
+                    except OSError:
+                        pass
+                    first_byte.setdefault(conn, time.monotonic())
+            ends = time.monotonic() + 0.5
+            while time.monotonic() < ends and len(closed) < len(tricklers) and not stop.is_set():
+                ready, _, _ = select.select([c for c in tricklers if c not in closed], [], [], 0.05)
+                for conn in ready:
+                    closed[conn] = (time.monotonic(), _until_closed(conn))
+            if len(closed) == len(tricklers) or stop.is_set():
+                return
+
+    thread = threading.Thread(target=trickle)
+    thread.start()
+    try:
+        time.sleep(1.5)  # each has sent 3 bytes: before the fix, the 8 pool threads are theirs
+        status, runs = api(dashboard, "/api/runs", timeout_s=15)
+        assert status == 200 and runs[0]["name"] == "mine"
+        assert not closed  # answered while all 50 were open
+        thread.join(timeout=request_timeout_s + 15)
+        assert len(closed) == len(tricklers), f"{len(tricklers) - len(closed)} trickling connections still open"
+        for conn, (when, got) in closed.items():
+            assert request_timeout_s - 0.5 < when - first_byte[conn] < request_timeout_s + 6
+            assert got.startswith(b"HTTP/1.0 408 Request Timeout"), got
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+        for conn in tricklers:
+            conn.close()
         dashboard.stop()
 
 

@@ -96,6 +96,30 @@ def test_programs_the_script_starts_do_not_get_the_ray_names(storage: str, tmp_p
     assert "other program's workers' ray: the installed ray" in proc.stdout, proc.stdout
 
 
+@pytest.mark.timeout(120)
+def test_the_hosts_of_ddptrain_run_are_the_scripts_not_its_programs(storage: str, tmp_path: Path) -> None:
+    """`--hosts FILE` is for the script's trainers (and its multiprocessing children's); a program
+    it starts gets the host list the user gave in the environment, if any."""
+    run_hosts, user_hosts = tmp_path / "run_hosts", tmp_path / "user_hosts"
+    run_hosts.write_text("runhost0 slots=2\nrunhost1 slots=2\n")
+    user_hosts.write_text("userhost slots=4\n")
+    env = python_env(DDPTRAIN_STORAGE_PATH=storage)
+    env.pop("DDPTRAIN_HOSTFILE", None)
+    for user_setting, programs in ((None, "this machine"), (str(user_hosts), "['userhost']")):
+        proc = subprocess.run(
+            [sys.executable, "-m", "ddptrain", "run", "--hosts", str(run_hosts), str(SCRIPTS / "host_lists.py")],
+            capture_output=True,
+            text=True,
+            timeout=100,
+            cwd=SCRIPTS,
+            env=env if user_setting is None else {**env, "DDPTRAIN_HOSTFILE": user_setting},
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "script's trainers: ['runhost0', 'runhost1']" in proc.stdout, proc.stdout
+        assert "spawn child's trainers: ['runhost0', 'runhost1']" in proc.stdout, proc.stdout
+        assert f"other program's trainers: {programs}" in proc.stdout, (user_setting, proc.stdout)
+
+
 @pytest.mark.timeout(300)
 def test_a_ray_tune_sweep_of_a_trainer_runs_unmodified(storage: str) -> None:
     proc = ddptrain_run("tune_trainer.py", storage)
