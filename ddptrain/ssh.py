@@ -26,7 +26,7 @@ from ddptrain._host_scripts import PID_LINE, PRESTART, env_frame, one_line
 from ddptrain._logs import LogSink
 from ddptrain.agent_events import AgentEvent
 from ddptrain.agent_session import AgentSession
-from ddptrain.errors import ConfigError, LaunchError
+from ddptrain.errors import ConfigError, HostLostError, LaunchError
 from ddptrain.hosts import HostSpec, gpus_needed, is_local, slots_for_gpus
 from ddptrain.protocol import ALIVE_S, Bootstrap
 from ddptrain.ssh_files import HostFiles
@@ -201,25 +201,39 @@ class SSHConnection:
         host: The host (for messages).
         command: The remote command that starts the agent.
         env: Environment variables of the agent and its workers (sent over stdin).
+
+    Raises:
+        ConfigError: A variable of ``env`` cannot be passed (see ``env_frame``).
     """
 
     def __init__(self, client: Any, host: HostSpec, command: str, env: dict[str, str]) -> None:
         self.where = f"on host {host.name!r}"
         self.agent_pid: int | None = None  # on the host; known once `pid_known` is set
         self.pid_known = threading.Event()
-        frame = env_frame(env)
-        transport = client.get_transport()
+        self._name = host.name
+        self._command = command
+        self._frame = env_frame(env)
+        self._transport = client.get_transport()
         # The address this machine uses to reach the host: the host can reach us back on it.
-        self.local_address: str = transport.sock.getsockname()[0]
-        self._channel = transport.open_session()
-        self._channel.exec_command(command)
+        self.local_address: str = self._transport.sock.getsockname()[0]
+        self._channel: Any = None
+
+    def open(self) -> None:
+        self._channel = self._transport.open_session()
+        self._channel.exec_command(self._command)
         self.stdout: IO[bytes] = self._channel.makefile("rb")
         self.stderr: IO[bytes] = self._channel.makefile_stderr("rb")
         try:
-            self._channel.sendall(frame)
+            self._channel.sendall(self._frame)
         except OSError:
             pass  # it ended already; `start` reports how
-        threading.Thread(target=self._read_pid, name=f"ddptrain-ssh-{host.name}", daemon=True).start()
+        threading.Thread(target=self._read_pid, name=f"ddptrain-ssh-{self._name}", daemon=True).start()
+
+    def probe(self) -> bool:
+        # A global request the server does not know: OpenSSH answers it with a failure, as it
+        # does for its own client's ServerAliveInterval. Returns once answered or disconnected.
+        self._transport.global_request("keepalive@openssh.com", wait=True)
+        return bool(self._transport.is_active())
 
     def _read_pid(self) -> None:
         """The first line of the agent's stdout: its pid (nothing if it never started)."""
@@ -233,6 +247,8 @@ class SSHConnection:
             self.pid_known.set()
 
     def write(self, data: bytes) -> None:
+        if self._channel is None:
+            raise BrokenPipeError("the agent was not started")
         self._channel.sendall(data)
 
     def wait_ready(self) -> None:
@@ -240,12 +256,14 @@ class SSHConnection:
 
     def exit_code(self) -> int | None:
         # The exit status may follow the end of the output by a moment.
-        if not self._channel.status_event.wait(2.0):
+        if self._channel is None or not self._channel.status_event.wait(2.0):
             return None
         code = int(self._channel.recv_exit_status())
         return None if code == -1 else code  # -1: the connection ended without an exit status
 
     def close(self, grace_s: float) -> None:
+        if self._channel is None:
+            return
         try:
             self._channel.shutdown_write()
         except OSError:
@@ -257,9 +275,7 @@ class SSHConnection:
 
     def abort(self) -> None:
         # The whole SSH connection: a copy of checkpoint files on it must end too.
-        transport = self._channel.get_transport()
-        if transport is not None:
-            transport.close()
+        self._transport.close()
 
 
 class SSHLauncher:
@@ -275,6 +291,7 @@ class SSHLauncher:
     def __init__(self, host: HostSpec, env: dict[str, str], python: str, workdir: str | None) -> None:
         self.host = host
         self.workdir = workdir
+        self._lost_after_s = _env.ssh_heartbeat_timeout_s()
         self._client: Any = connect(host, _env.ssh_connect_timeout_s())
         self.python = python
         try:
@@ -283,17 +300,47 @@ class SSHLauncher:
             self._client.close()
             raise LaunchError(f"host {host.name!r}: cannot start the ddptrain agent: {exc}.") from None
         self.local_address = self._connection.local_address
-        # Over SSH the agent also stops when the heartbeat stops (a host or network that vanished).
-        self._session = AgentSession(self._connection, ALIVE_S, f"ddptrain agent {host.name}")
-        self._files = HostFiles(self._client, host.name, python, lambda: self._session.lost)
+        # The host is watched from here on: one that stops answering while its agent starts is
+        # dropped within the heartbeat timeout. Over SSH the agent also stops when the driver's
+        # heartbeat stops (a host or network that vanished).
+        label = f"ddptrain agent {host.name}"
+        self._session = AgentSession(self._connection, ALIVE_S, label, lost_after_s=self._lost_after_s)
+        try:
+            self._session.open()
+        except Exception as exc:
+            self._session.shutdown(0)
+            self._client.close()
+            lost = self.lost_error()
+            if lost is not None:
+                raise lost from None
+            raise LaunchError(f"host {host.name!r}: cannot start the ddptrain agent: {exc}.") from None
+        self._files = HostFiles(self._client, host.name, python, self.lost_error)
+
+    def lost_error(self) -> HostLostError | None:
+        """Once the host stopped answering (its connection was dropped, which ended whatever
+        waited on it): the error that says so."""
+        lost = self._session.lost
+        return None if lost is None else HostLostError(self.host.name, lost.silent_s, lost.timeout_s)
 
     @property
     def agent_pid(self) -> int | None:
         return self._connection.agent_pid
 
     def start(self, bootstrap: Bootstrap, sink: LogSink, on_event: Callable[[AgentEvent], None]) -> None:
-        bootstrap = dataclasses.replace(bootstrap, cwd=self.workdir, heartbeat_s=_env.ssh_heartbeat_timeout_s())
-        self._session.start(bootstrap, sink, on_event)
+        """Hand the host's share of the bootstrap to its agent (see ``AgentSession.start``).
+
+        Raises:
+            HostLostError: The host stopped answering before its agent got its work.
+            LaunchError: The agent is gone.
+        """
+        bootstrap = dataclasses.replace(bootstrap, cwd=self.workdir, heartbeat_s=self._lost_after_s)
+        try:
+            self._session.start(bootstrap, sink, on_event)
+        except LaunchError:
+            lost = self.lost_error()
+            if lost is not None:
+                raise lost from None
+            raise
 
     # ----------------------------------------------------------------- files (no shared storage)
     def prepare_storage(self, run_dir: str, run_id: str) -> str | None:
@@ -302,11 +349,15 @@ class SSHLauncher:
         path (see ``HostFiles.prepare``).
 
         Raises:
+            HostLostError: The host stopped answering.
             LaunchError: The agent did not start in time, or see ``HostFiles.prepare``.
         """
         if not self._connection.pid_known.wait(_env.worker_start_timeout_s()):
             raise LaunchError(f"the ddptrain agent on host {self.host.name!r} did not start in time")
         if self.agent_pid is None:
+            lost = self.lost_error()
+            if lost is not None:
+                raise lost
             return None  # the agent did not start: `start` reports why
         return self._files.prepare(run_dir, run_id, self.agent_pid)
 
