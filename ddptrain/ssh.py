@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import shlex
+import socket
 import threading
 from collections.abc import Callable
 from typing import IO, Any
@@ -53,7 +54,11 @@ def run_program(
     client: Any, python: str, workdir: str | None, env: dict[str, str], program: list[str], timeout_s: float
 ) -> tuple[int | None, str, str]:
     """Run ``program`` on a host exactly as the agent is started there (same shell step, working
-    directory and environment); returns its exit status, stdout and stderr."""
+    directory and environment); returns its exit status, stdout and stderr.
+
+    Raises:
+        LaunchError: The connection was lost while it ran (see :func:`connect` for the bound).
+    """
     channel = client.get_transport().open_session()
     try:
         channel.settimeout(timeout_s)
@@ -66,6 +71,10 @@ def run_program(
         out = channel.makefile("rb").read()
         err = channel.makefile_stderr("rb").read()
         code = int(channel.recv_exit_status())
+        if code == -1 and not client.get_transport().is_active():
+            raise LaunchError(
+                "the connection was lost while the program ran there: the host stopped answering, or closed it"
+            )
     finally:
         channel.close()
     if out.startswith(PID_LINE):
@@ -75,6 +84,11 @@ def run_program(
 
 def connect(host: HostSpec, timeout_s: float) -> Any:
     """An authenticated paramiko client for ``host``; errors name the host and say what to do.
+
+    Once connected, the kernel ends the connection when the host has acknowledged nothing for
+    twice ``DDPTRAIN_SSH_HEARTBEAT_TIMEOUT_S`` (:func:`_bound_dead_links`): whatever waits on it
+    then fails, also where no heartbeat watches it (``ddptrain check``, the GPU probe, the
+    staging folder's removal at shutdown).
 
     Host keys are checked against ``~/.ssh/known_hosts`` (or ``$DDPTRAIN_SSH_KNOWN_HOSTS``);
     unknown hosts are refused unless ``DDPTRAIN_SSH_ACCEPT_NEW_HOST_KEYS=1``, which appends their
@@ -140,7 +154,24 @@ def connect(host: HostSpec, timeout_s: float) -> Any:
     except OSError as exc:
         client.close()
         raise LaunchError(f"{where}: cannot connect: {exc}.") from None
+    _bound_dead_links(client.get_transport().sock, 2 * _env.ssh_heartbeat_timeout_s())
     return client
+
+
+def _bound_dead_links(sock: Any, timeout_s: float) -> None:
+    """Make the kernel end the connection on ``sock`` once the host acknowledged nothing for
+    ``timeout_s``: TCP keepalives probe the link after a second without traffic, and Linux's
+    ``TCP_USER_TIMEOUT`` ends a connection whose data or probes go unacknowledged that long.
+    Without it, a read or write on a link that went down waits for TCP's own retries (about
+    15 minutes) or forever."""
+    if not isinstance(sock, socket.socket):
+        return  # a proxy command's pipe: nothing to set
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 1), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", max(1, round(timeout_s)))):
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    if hasattr(socket, "TCP_USER_TIMEOUT"):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, round(timeout_s * 1000))
 
 
 _GPU_PROBE = "nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true"

@@ -482,6 +482,42 @@ def test_ddptrain_check_reports_every_host(ssh, tmp_path: Path) -> None:
     assert "some hosts are not ready" in proc.stdout
 
 
+@pytest.mark.timeout(90)
+def test_ddptrain_check_names_a_host_whose_network_goes_away_while_probed(make_netns, tmp_path: Path) -> None:
+    """n1's link goes down as ddptrain check's probe starts there (its python pulls the
+    cable). No heartbeat watches that connection: the kernel must end it (TCP keepalive and
+    TCP_USER_TIMEOUT, twice the heartbeat timeout), not the probe's 120 s read timeout."""
+    import shutil
+    import time
+
+    hosts = make_netns()
+    wrapper = tmp_path / "python"
+    wrapper.write_text(
+        f'#!/bin/sh\ncase "$*" in *DDPTRAIN_CHECK*) {shutil.which("ip")} link set eth0 down;; esac\n'
+        f'exec {sys.executable} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text(f"n0\nn1 python={wrapper}\n")
+    started = time.monotonic()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "ddptrain.cli", "check", str(hostfile)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "DDPTRAIN_SSH_HEARTBEAT_TIMEOUT_S": "2"},
+        )
+        took = time.monotonic() - started
+    finally:
+        hosts.set_link(1, True)
+    n1 = next(line for line in proc.stdout.splitlines() if line.startswith("n1 "))
+    assert "FAILED: the connection was lost while the program ran there" in n1, proc.stdout
+    assert next(line for line in proc.stdout.splitlines() if line.startswith("n0 ")).endswith("yes")
+    assert proc.returncode == 1
+    assert took < 20, f"ddptrain check took {took:.0f} s"
+
+
 def reads_its_shard() -> list:
     shard = train.get_dataset_shard("train")
     return [int(x) for batch in shard.iter_batches(batch_size=2) for x in batch["id"]]
