@@ -191,8 +191,7 @@ class Controller:
             if lost:
                 names = ", ".join(repr(name) for name in lost)
                 error.args = (
-                    f"{error.args[0]}\nHost {names} stopped answering and could not be reached again (tried once, "
-                    f"DDPTRAIN_SSH_CONNECT_TIMEOUT_S={_env.ssh_connect_timeout_s():g}). Bring it back or take it out "
-                    "of the host list, then run again to resume.",
+                    f"{error.args[0]}\nHost {names} stopped answering and could not be reached again (tried once). "
+                    "Bring it back or take it out of the host list, then run again to resume.",
                 )
         return error

@@ -131,14 +131,19 @@ def connect(host: HostSpec, timeout_s: float) -> Any:
             f"{where}: its host key does not match the one in {known_hosts} ({exc}). If the host was "
             "reinstalled, remove the old key with `ssh-keygen -R`; otherwise someone may be intercepting."
         ) from None
-    except paramiko.AuthenticationException as exc:
-        client.close()
-        raise LaunchError(
-            f"{where}: authentication failed ({exc}). ddptrain logs in with keys only (never a "
-            "password): add your public key to the host's authorized_keys, or set `key=` in the host list."
-        ) from None
     except paramiko.SSHException as exc:
         client.close()
+        if _gave_up_waiting(exc):  # before the keys: a login that timed out is not a refused key
+            raise LaunchError(
+                f"{where}: stopped answering while ddptrain logged in (nothing for "
+                f"DDPTRAIN_SSH_CONNECT_TIMEOUT_S={timeout_s:g} s: {exc}). Its network or the machine went away, "
+                "or its SSH server is overloaded."
+            ) from None
+        if isinstance(exc, paramiko.AuthenticationException):
+            raise LaunchError(
+                f"{where}: authentication failed ({exc}). ddptrain logs in with keys only (never a "
+                "password): add your public key to the host's authorized_keys, or set `key=` in the host list."
+            ) from None
         if "known_hosts" in str(exc):
             skipped = (
                 f" Its {known.authorities} @cert-authority line(s) were skipped: ddptrain checks host keys, "
@@ -153,9 +158,21 @@ def connect(host: HostSpec, timeout_s: float) -> Any:
         raise LaunchError(f"{where}: SSH failed: {exc}.") from None
     except OSError as exc:
         client.close()
+        if isinstance(exc, TimeoutError):
+            raise LaunchError(
+                f"{where}: cannot connect: no answer within DDPTRAIN_SSH_CONNECT_TIMEOUT_S={timeout_s:g} s."
+            ) from None
         raise LaunchError(f"{where}: cannot connect: {exc}.") from None
     _bound_dead_links(client.get_transport().sock, 2 * _env.ssh_heartbeat_timeout_s())
     return client
+
+
+def _gave_up_waiting(exc: Exception) -> bool:
+    """Whether paramiko gave up waiting for the host while logging in: for its banner, the key
+    exchange (``No existing session`` follows one that did not finish in time) or the answer
+    to a key."""
+    text = str(exc).lower()
+    return "timeout" in text or "timed out" in text or text == "no existing session"
 
 
 def _bound_dead_links(sock: Any, timeout_s: float) -> None:

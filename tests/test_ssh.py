@@ -546,6 +546,36 @@ def test_a_key_the_host_does_not_accept_is_a_clear_error(ssh, storage: str, tmp_
         ).fit()
 
 
+def test_a_host_that_stops_answering_while_logging_in_is_not_called_a_key_problem(
+    ssh, storage: str, tmp_path: Path, monkeypatch
+) -> None:
+    """The host's SSH server never answers the key (it waits on a command that sleeps, as a host
+    whose network goes away mid-login): the error says it stopped answering, within the
+    connect timeout, rather than telling the user to fix their keys."""
+    import time
+
+    key = tmp_path / "other_key"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
+    sleeps = "AuthorizedKeysCommand /usr/bin/sleep 6\nAuthorizedKeysCommandUser root\n"
+    host = ssh.add_host("mute", "127.0.0.12", extra=sleeps)
+    monkeypatch.setenv("DDPTRAIN_SSH_CONNECT_TIMEOUT_S", "2")
+    started = time.monotonic()
+    try:
+        with pytest.raises(train.LaunchError) as caught:
+            train.DataParallelTrainer(
+                returns_cwd,
+                scaling_config=train.ScalingConfig(num_workers=1, hosts=[f"mute key={key}"]),
+                run_config=train.RunConfig(storage_path=storage),
+            ).fit()
+        took = time.monotonic() - started
+    finally:
+        ssh.remove_host(host)
+    message = str(caught.value)
+    assert "host 'mute' (root@127.0.0.12:" in message and "stopped answering while ddptrain logged in" in message
+    assert "authorized_keys" not in message, message
+    assert took < 6, f"fit() took {took:.1f} s"
+
+
 def test_a_host_with_another_ddptrain_version_is_refused(ssh, storage: str, tmp_path: Path) -> None:
     import sys
 
