@@ -894,7 +894,7 @@ def _addr(ssh, name: str) -> str:
 
 
 def test_cert_authority_and_revoked_lines_are_understood(ssh, tmp_path: Path, monkeypatch) -> None:
-    from ddptrain.ssh import connect
+    from ddptrain.ssh_connect import connect
 
     other = tmp_path / "other"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
@@ -919,7 +919,7 @@ def test_cert_authority_and_revoked_lines_are_understood(ssh, tmp_path: Path, mo
 
 
 def test_accepting_a_new_host_key_only_appends_to_known_hosts(ssh, tmp_path: Path, monkeypatch) -> None:
-    from ddptrain.ssh import connect
+    from ddptrain.ssh_connect import connect
 
     known = tmp_path / "known_hosts"
     original = f"# my comment, kept\n\n{_host_key_line(ssh, 'h1')}  # h1, with a trailing comment"  # no final newline
