@@ -8,6 +8,12 @@ for all of them: the bootstrap frame, reading framed worker output and agent eve
 (``ddptrain.protocol``, ``ddptrain.agent_events``), the agent's stderr (prefixed, and its tail
 kept for errors), heartbeats, requests, and the events that say the agent stopped answering or
 is gone.
+
+A host that can be cut off (over SSH) is watched from the moment its connection is open, not
+only once its workers run: until its agent speaks, the host's own answers to
+:meth:`HostConnection.probe` (its SSH server's) say it is there, so a network that goes away
+while the agent starts, the host's storage is checked, or the training function loads, is
+noticed within the same bound as mid-run.
 """
 
 from __future__ import annotations
@@ -37,6 +43,13 @@ class HostConnection(Protocol):
     stdout: IO[bytes]  # framed output (see ``ddptrain.protocol``)
     stderr: IO[bytes]  # the agent's own messages, line by line
 
+    def open(self) -> None:
+        """Start the agent; from now on ``stdout`` and ``stderr`` can be read."""
+
+    def probe(self) -> bool:
+        """Block until the host answers a request that costs it nothing (an SSH server's reply);
+        ``False`` once the connection is gone."""
+
     def write(self, data: bytes) -> None:
         """Write to the agent's stdin. Raises OSError when the agent is gone."""
 
@@ -55,29 +68,48 @@ class HostConnection(Protocol):
 
 
 class AgentSession:
-    """Drives one agent through ``connection``.
+    """Drives one agent through ``connection``; :meth:`open` starts it.
 
     Args:
         connection: The pipe to the agent.
         heartbeat_s: Send a heartbeat byte this often (``None``: none; a local agent sees its
             driver die through its stdin).
         label: Prefix of the agent's stderr lines on the driver's stderr.
+        lost_after_s: Declare the host lost (:attr:`lost`, :class:`AgentLost`) once nothing came
+            from it for this long, from the moment the session exists; its connection is then
+            dropped, which ends every wait on it. ``None``: never (a local agent).
     """
 
-    def __init__(self, connection: HostConnection, heartbeat_s: float | None, label: str) -> None:
+    def __init__(
+        self, connection: HostConnection, heartbeat_s: float | None, label: str, lost_after_s: float | None = None
+    ) -> None:
         self.connection = connection
         self._heartbeat_s = heartbeat_s
         self._label = label
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._stderr_thread: threading.Thread | None = None
         self._stderr_tail: list[str] = []
-        # When something last came from the agent; `None` until its workers run (before that,
-        # the worker start timeout bounds the wait). `_busy`: the driver is handling a frame.
+        # When something last came from the agent; `None` until it speaks after the bootstrap
+        # (its first worker started). Until then, `_answered_at`: when the host last answered a
+        # probe. `_busy`: the driver is handling a frame.
         self._heard_at: float | None = None
+        self._answered_at = time.monotonic()  # the connection was just made
         self._busy = False
-        self.lost: AgentLost | None = None  # set when the agent stopped answering
+        self._lock = threading.Lock()  # `lost` and `_on_event`: who tells the driver
+        self._on_event: Callable[[AgentEvent], None] | None = None
+        self.lost: AgentLost | None = None  # set when the host stopped answering
+        if lost_after_s is not None:
+            self._spawn(self._probe, "probe")
+            self._spawn(lambda: self._watch(lost_after_s), "watch")
+
+    def open(self) -> None:
+        """Start the agent (see :meth:`HostConnection.open`): watched already, so a host that
+        stops answering meanwhile ends it within ``lost_after_s`` (check :attr:`lost`)."""
+        self.connection.open()
         # Read stderr from the start: a full pipe would stall the agent.
         self._spawn(self._read_stderr, "stderr")
+        self._stderr_thread = self._threads[-1]
 
     def _spawn(self, target: Callable[[], None], what: str) -> None:
         thread = threading.Thread(target=target, name=f"ddptrain-agent-{what}", daemon=True)
@@ -99,24 +131,30 @@ class AgentSession:
     def exit_detail(self) -> str:
         """``exit status N`` and the agent's last stderr lines, for errors."""
         code = self.connection.exit_code()
-        self._threads[0].join(1.0)  # the stderr reader: let it take the last lines
+        if self._stderr_thread is not None:
+            self._stderr_thread.join(1.0)  # let it take the last lines
         tail = "\n".join(self._stderr_tail[-10:])
         return f"exit status {code}" + (f":\n{tail}" if tail else "")
 
     def start(self, bootstrap: Bootstrap, sink: LogSink, on_event: Callable[[AgentEvent], None]) -> None:
         """Send the bootstrap; from now on worker output goes to ``sink`` and agent events to
         ``on_event``, ending with :class:`AgentGone` (after an :class:`AgentFailed` if the agent
-        never ran). With ``bootstrap.heartbeat_s`` (SSH hosts), an agent whose workers run and
-        from which nothing came for that long is declared lost (:class:`AgentLost`) and its
-        connection dropped.
+        never ran), or with :class:`AgentLost` once the host stopped answering (``lost_after_s``).
 
         Raises:
-            LaunchError: The agent is gone before it got its work.
+            LaunchError: The agent is gone before it got its work, or the host stopped answering
+                (:attr:`lost` says so).
         """
         try:
             self.connection.write(encode_bootstrap(bootstrap, versions()))
         except OSError:
+            if self.lost is not None:
+                raise LaunchError(f"{self.connection.where} the host stopped answering") from None
             raise LaunchError(f"{self.connection.where} the agent did not start ({self.exit_detail()})") from None
+        with self._lock:
+            if self.lost is not None:  # while the bootstrap went out
+                raise LaunchError(f"{self.connection.where} the host stopped answering")
+            self._on_event = on_event
 
         def read_frames() -> None:
             self.connection.wait_ready()
@@ -147,29 +185,39 @@ class AgentSession:
         self._spawn(read_frames, "frames")
         if self._heartbeat_s is not None:
             self._spawn(self._heartbeat, "heartbeat")
-        if bootstrap.heartbeat_s is not None:
-            timeout_s = bootstrap.heartbeat_s
-            self._spawn(lambda: self._watch(timeout_s, on_event), "watch")
 
-    def _watch(self, timeout_s: float, on_event: Callable[[AgentEvent], None]) -> None:
-        """Declare the agent lost once nothing came from it for ``timeout_s`` while its workers
-        run; then drop the connection, which ends every wait on it (a copy of checkpoint files
-        included). Its own heartbeat check stops the agent's workers on the host."""
+    def _probe(self) -> None:
+        """Until the agent speaks, ask the host for an answer every ``ALIVE_S`` (the agent is
+        silent while it starts, imports and loads the training function, which may take long)."""
+        while self._heard_at is None and not self._stop.is_set():
+            if not self.connection.probe():
+                return
+            self._answered_at = time.monotonic()
+            self._stop.wait(ALIVE_S)
+
+    def _watch(self, timeout_s: float) -> None:
+        """Declare the host lost once nothing came from it for ``timeout_s``: from its agent once
+        it spoke, before that in answer to a probe. Then drop the connection, which ends every
+        wait on it (starting the agent, checking the storage, a copy of checkpoint files). The
+        agent's own heartbeat check stops its workers on the host."""
         while not self._stop.wait(ALIVE_S / 2):
-            heard = self._heard_at
-            if heard is None or self._busy:
+            if self._busy:
                 continue
+            heard = self._heard_at if self._heard_at is not None else self._answered_at
             silent_s = time.monotonic() - heard
             if silent_s > timeout_s:
                 _logger.warning(
-                    "ddptrain: nothing came from the agent %s for %.1f s (DDPTRAIN_SSH_HEARTBEAT_TIMEOUT_S=%g): "
+                    "ddptrain: nothing came from %s for %.1f s (DDPTRAIN_SSH_HEARTBEAT_TIMEOUT_S=%g): "
                     "the host stopped answering; dropping its connection",
-                    self.connection.where,
+                    self.connection.where.removeprefix("on "),
                     silent_s,
                     timeout_s,
                 )
-                self.lost = AgentLost(AGENT_RANK, silent_s, timeout_s)
-                on_event(self.lost)
+                with self._lock:
+                    self.lost = AgentLost(AGENT_RANK, silent_s, timeout_s)
+                    on_event = self._on_event
+                if on_event is not None:
+                    on_event(self.lost)
                 self.connection.abort()
                 return
 

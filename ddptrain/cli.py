@@ -19,7 +19,7 @@ from ddptrain._agent_start import PIN, import_pins
 from ddptrain.errors import DdpTrainError
 from ddptrain.hosts import HostSpec, is_local, parse_hosts, with_ssh_config
 from ddptrain.ray_compat import install as install_ray_compat
-from ddptrain.ssh import connect, run_program
+from ddptrain.ssh_connect import connect, run_program
 from ddptrain.watch import stack_command
 
 __all__ = ["main", "check_hosts"]

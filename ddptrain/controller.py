@@ -18,6 +18,7 @@ from ddptrain.driver import Attempt
 from ddptrain.errors import (
     ChannelError,
     ConfigError,
+    HostLostError,
     LaunchError,
     WorkerFailure,
     WorkerGroupError,
@@ -142,7 +143,7 @@ class Controller:
         run.after_exception(failures)
         disk_full = any(is_disk_full(f.exception) for f in failures)
         if retry and not disk_full and self._budget_left():
-            if self._next is None:  # not started early, or that failed: (once more) now
+            if self._next is None and not self._still_lost(failures):  # not started early, or that failed: once more
                 self._start_next()
             if self._next is not None:
                 plan, launcher = self._next
@@ -165,6 +166,14 @@ class Controller:
         run.save_status("RESTARTING", attempt=index)
         return index
 
+    def _still_lost(self, failures: list[WorkerFailure]) -> list[str]:
+        """The hosts that stopped answering in the failed attempt and that the next attempt's
+        agents could not reach during the teardown: they had one connect timeout to come back,
+        and are not tried again."""
+        lost = {f.exception.host for f in failures if isinstance(f.exception, HostLostError)}
+        error = self._next_error
+        return sorted(lost & set(error.hosts)) if isinstance(error, LaunchError) else []
+
     def _final_error(self, failures: list[WorkerFailure], index: int) -> WorkerGroupError:
         error = WorkerGroupError.from_failures(failures, str(self.run.log_dir(index)))
         causes = self.root_causes
@@ -179,4 +188,11 @@ class Controller:
             )
         elif self._next_error is not None:
             error.args = (f"{error.args[0]}\nThe next attempt could not start: {self._next_error}",)
+            lost = self._still_lost(failures)
+            if lost:
+                names = ", ".join(repr(name) for name in lost)
+                error.args = (
+                    f"{error.args[0]}\nHost {names} stopped answering and could not be reached again (tried once). "
+                    "Bring it back or take it out of the host list, then run again to resume.",
+                )
         return error

@@ -61,9 +61,10 @@ def _launch_error(args: tuple[object, ...], hosts: list[str]) -> LaunchError:
 
 
 class HostLostError(LaunchError):
-    """An SSH host stopped answering mid-run: nothing came from it (not even its agent's
-    heartbeat) for longer than ``DDPTRAIN_SSH_HEARTBEAT_TIMEOUT_S``. Its network or the machine
-    went away; its agent stops its workers once it misses the driver's heartbeat in turn.
+    """An SSH host stopped answering, mid-run or while its workers started: nothing came from it
+    (not even its agent's heartbeat, or its SSH server's answer before the agent ran) for longer
+    than ``DDPTRAIN_SSH_HEARTBEAT_TIMEOUT_S``. Its network or the machine went away; its agent
+    stops its workers once it misses the driver's heartbeat in turn.
 
     Attributes:
         host: The host's name in the host list.

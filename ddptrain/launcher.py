@@ -23,6 +23,7 @@ from ddptrain._agent_start import agent_command, import_pins
 from ddptrain._logs import LogSink
 from ddptrain.agent_events import AgentEvent
 from ddptrain.agent_session import AgentSession
+from ddptrain.errors import HostLostError
 from ddptrain.protocol import AGENT_RANK, Bootstrap
 
 __all__ = ["GroupLauncher", "HostLauncher", "Launcher", "LocalLauncher", "AgentEvent"]
@@ -87,17 +88,23 @@ class LocalConnection:
     where = "on this machine"
 
     def __init__(self, env: dict[str, str]) -> None:
+        self._env = env
+
+    def open(self) -> None:
         self._proc = subprocess.Popen(
             agent_command(sys.executable, import_pins()),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            env=env,
+            env=self._env,
             start_new_session=True,
         )
         assert self._proc.stdout is not None and self._proc.stderr is not None
         self.stdout: IO[bytes] = self._proc.stdout
         self.stderr: IO[bytes] = self._proc.stderr
+
+    def probe(self) -> bool:
+        return self._proc.poll() is None  # this machine always answers; its agent may have exited
 
     def write(self, data: bytes) -> None:
         stdin = self._proc.stdin
@@ -155,6 +162,7 @@ class LocalLauncher:
 
     def __init__(self, env: dict[str, str]) -> None:
         self._session = AgentSession(LocalConnection(env), heartbeat_s=None, label="ddptrain agent")
+        self._session.open()
 
     def bind_address(self) -> str:
         return "127.0.0.1"  # a local run's store is never reachable from elsewhere
@@ -243,6 +251,12 @@ class GroupLauncher:
         return dataclasses.replace(share, run=run)
 
     def start(self, bootstrap: Bootstrap, sink: LogSink, on_event: Callable[[AgentEvent], None]) -> None:
+        """Hand each host its share, one after the other.
+
+        Raises:
+            HostLostError: A host stopped answering before its agent got its work (its ranks named).
+            LaunchError: A host's agent or storage could not be started.
+        """
         for node, (launcher, address) in enumerate(self._launchers):
             workers = tuple(
                 dataclasses.replace(spec, env={**spec.env, "MASTER_ADDR": address})
@@ -253,7 +267,6 @@ class GroupLauncher:
                 bootstrap, workers=workers, store=dataclasses.replace(bootstrap.store, host=address)
             )
             self._by_rank.update((spec.rank, launcher) for spec in workers)
-            share = self._host_share(launcher, share)
             first = min(spec.rank for spec in workers)
 
             def tagged(event: AgentEvent, first: int = first) -> None:
@@ -261,7 +274,10 @@ class GroupLauncher:
                     event = dataclasses.replace(event, rank=first)
                 on_event(event)
 
-            launcher.start(share, sink, tagged)
+            try:
+                launcher.start(self._host_share(launcher, share), sink, tagged)
+            except HostLostError as exc:  # with the ranks it was to run
+                raise HostLostError(exc.host, exc.silent_s, exc.timeout_s, [spec.rank for spec in workers]) from None
 
     def shutdown(self, grace_s: float) -> None:
         threads = [

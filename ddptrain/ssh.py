@@ -15,132 +15,24 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import shlex
 import threading
 from collections.abc import Callable
 from typing import IO, Any
 
 from ddptrain import _env
-from ddptrain._agent_start import agent_command
-from ddptrain._host_scripts import PID_LINE, PRESTART, env_frame, one_line
+from ddptrain._host_scripts import PID_LINE, env_frame
 from ddptrain._logs import LogSink
 from ddptrain.agent_events import AgentEvent
 from ddptrain.agent_session import AgentSession
-from ddptrain.errors import ConfigError, LaunchError
+from ddptrain.errors import ConfigError, HostLostError, LaunchError
 from ddptrain.hosts import HostSpec, gpus_needed, is_local, slots_for_gpus
 from ddptrain.protocol import ALIVE_S, Bootstrap
+from ddptrain.ssh_connect import connect, remote_command
 from ddptrain.ssh_files import HostFiles
 
-__all__ = ["SSHLauncher", "connect", "remote_command", "run_program"]
+__all__ = ["SSHLauncher", "gpu_count", "gpu_slots"]
 
 _logger = logging.getLogger(__name__)
-
-
-def remote_command(python: str, workdir: str | None, program: list[str] | None = None) -> str:
-    """The shell command that starts ``program`` (default: the agent) on a host; every value is quoted.
-
-    It holds no environment value: the program gets its environment from ``env_frame`` (see
-    ``ddptrain._host_scripts``), sent over the channel's stdin right after the command starts.
-    The agent imports ddptrain from the host's installation (or a forwarded ``PYTHONPATH``),
-    never from the working directory (see ``ddptrain._agent_start._BOOT``).
-    """
-    parts = [f"cd {shlex.quote(workdir)} &&"] if workdir else []
-    parts += ["exec", shlex.join([python, "-I", "-S", "-c", one_line(PRESTART), *(program or agent_command(python))])]
-    return " ".join(parts)
-
-
-def run_program(
-    client: Any, python: str, workdir: str | None, env: dict[str, str], program: list[str], timeout_s: float
-) -> tuple[int | None, str, str]:
-    """Run ``program`` on a host exactly as the agent is started there (same shell step, working
-    directory and environment); returns its exit status, stdout and stderr."""
-    channel = client.get_transport().open_session()
-    try:
-        channel.settimeout(timeout_s)
-        channel.exec_command(remote_command(python, workdir, program))
-        try:
-            channel.sendall(env_frame(env))
-            channel.shutdown_write()
-        except OSError:
-            pass  # it ended already (no such directory or python): its stderr says why
-        out = channel.makefile("rb").read()
-        err = channel.makefile_stderr("rb").read()
-        code = int(channel.recv_exit_status())
-    finally:
-        channel.close()
-    if out.startswith(PID_LINE):
-        out = out.split(b"\n", 1)[1] if b"\n" in out else b""
-    return (None if code == -1 else code), out.decode(errors="replace"), err.decode(errors="replace")
-
-
-def connect(host: HostSpec, timeout_s: float) -> Any:
-    """An authenticated paramiko client for ``host``; errors name the host and say what to do.
-
-    Host keys are checked against ``~/.ssh/known_hosts`` (or ``$DDPTRAIN_SSH_KNOWN_HOSTS``);
-    unknown hosts are refused unless ``DDPTRAIN_SSH_ACCEPT_NEW_HOST_KEYS=1``, which appends their
-    key to that file; ``@revoked`` keys are always refused, ``@cert-authority`` lines are skipped
-    (see ``ddptrain._known_hosts``). Passwords are never asked for.
-    """
-    import paramiko  # loaded only when a host list is used, as the known-hosts reader below
-
-    from ddptrain import _known_hosts  # built on paramiko
-
-    client = paramiko.SSHClient()
-    known_hosts = _env.ssh_known_hosts()
-    known = _known_hosts.install(client, known_hosts, _env.ssh_accept_new_host_keys())
-    address = host.address or host.name
-    port = host.port or 22
-    where = f"host {host.name!r} ({host.user + '@' if host.user else ''}{address}:{port})"
-    try:
-        client.connect(
-            address,
-            port=port,
-            username=host.user,
-            key_filename=host.key,
-            timeout=timeout_s,
-            banner_timeout=timeout_s,
-            auth_timeout=timeout_s,
-            allow_agent=True,
-            look_for_keys=host.key is None,
-            password=None,
-        )
-    except _known_hosts.RevokedHostKeyError as exc:
-        client.close()
-        raise LaunchError(f"{where}: {exc} in {known_hosts}; refusing to connect.") from None
-    except paramiko.BadHostKeyException as exc:
-        client.close()
-        if known.is_revoked(exc.key):
-            raise LaunchError(
-                f"{where}: its host key is marked @revoked in {known_hosts}; refusing to connect."
-            ) from None
-        raise LaunchError(
-            f"{where}: its host key does not match the one in {known_hosts} ({exc}). If the host was "
-            "reinstalled, remove the old key with `ssh-keygen -R`; otherwise someone may be intercepting."
-        ) from None
-    except paramiko.AuthenticationException as exc:
-        client.close()
-        raise LaunchError(
-            f"{where}: authentication failed ({exc}). ddptrain logs in with keys only (never a "
-            "password): add your public key to the host's authorized_keys, or set `key=` in the host list."
-        ) from None
-    except paramiko.SSHException as exc:
-        client.close()
-        if "known_hosts" in str(exc):
-            skipped = (
-                f" Its {known.authorities} @cert-authority line(s) were skipped: ddptrain checks host keys, "
-                "not host certificates."
-                if known.authorities
-                else ""
-            )
-            raise LaunchError(
-                f"{where}: unknown host key (not in {known_hosts}). Connect once with `ssh` to check "
-                f"and save it, or set DDPTRAIN_SSH_ACCEPT_NEW_HOST_KEYS=1 to accept new hosts.{skipped}"
-            ) from None
-        raise LaunchError(f"{where}: SSH failed: {exc}.") from None
-    except OSError as exc:
-        client.close()
-        raise LaunchError(f"{where}: cannot connect: {exc}.") from None
-    return client
 
 
 _GPU_PROBE = "nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true"
@@ -201,25 +93,39 @@ class SSHConnection:
         host: The host (for messages).
         command: The remote command that starts the agent.
         env: Environment variables of the agent and its workers (sent over stdin).
+
+    Raises:
+        ConfigError: A variable of ``env`` cannot be passed (see ``env_frame``).
     """
 
     def __init__(self, client: Any, host: HostSpec, command: str, env: dict[str, str]) -> None:
         self.where = f"on host {host.name!r}"
         self.agent_pid: int | None = None  # on the host; known once `pid_known` is set
         self.pid_known = threading.Event()
-        frame = env_frame(env)
-        transport = client.get_transport()
+        self._name = host.name
+        self._command = command
+        self._frame = env_frame(env)
+        self._transport = client.get_transport()
         # The address this machine uses to reach the host: the host can reach us back on it.
-        self.local_address: str = transport.sock.getsockname()[0]
-        self._channel = transport.open_session()
-        self._channel.exec_command(command)
+        self.local_address: str = self._transport.sock.getsockname()[0]
+        self._channel: Any = None
+
+    def open(self) -> None:
+        self._channel = self._transport.open_session()
+        self._channel.exec_command(self._command)
         self.stdout: IO[bytes] = self._channel.makefile("rb")
         self.stderr: IO[bytes] = self._channel.makefile_stderr("rb")
         try:
-            self._channel.sendall(frame)
+            self._channel.sendall(self._frame)
         except OSError:
             pass  # it ended already; `start` reports how
-        threading.Thread(target=self._read_pid, name=f"ddptrain-ssh-{host.name}", daemon=True).start()
+        threading.Thread(target=self._read_pid, name=f"ddptrain-ssh-{self._name}", daemon=True).start()
+
+    def probe(self) -> bool:
+        # A global request the server does not know: OpenSSH answers it with a failure, as it
+        # does for its own client's ServerAliveInterval. Returns once answered or disconnected.
+        self._transport.global_request("keepalive@openssh.com", wait=True)
+        return bool(self._transport.is_active())
 
     def _read_pid(self) -> None:
         """The first line of the agent's stdout: its pid (nothing if it never started)."""
@@ -233,6 +139,8 @@ class SSHConnection:
             self.pid_known.set()
 
     def write(self, data: bytes) -> None:
+        if self._channel is None:
+            raise BrokenPipeError("the agent was not started")
         self._channel.sendall(data)
 
     def wait_ready(self) -> None:
@@ -240,12 +148,14 @@ class SSHConnection:
 
     def exit_code(self) -> int | None:
         # The exit status may follow the end of the output by a moment.
-        if not self._channel.status_event.wait(2.0):
+        if self._channel is None or not self._channel.status_event.wait(2.0):
             return None
         code = int(self._channel.recv_exit_status())
         return None if code == -1 else code  # -1: the connection ended without an exit status
 
     def close(self, grace_s: float) -> None:
+        if self._channel is None:
+            return
         try:
             self._channel.shutdown_write()
         except OSError:
@@ -257,9 +167,7 @@ class SSHConnection:
 
     def abort(self) -> None:
         # The whole SSH connection: a copy of checkpoint files on it must end too.
-        transport = self._channel.get_transport()
-        if transport is not None:
-            transport.close()
+        self._transport.close()
 
 
 class SSHLauncher:
@@ -275,6 +183,7 @@ class SSHLauncher:
     def __init__(self, host: HostSpec, env: dict[str, str], python: str, workdir: str | None) -> None:
         self.host = host
         self.workdir = workdir
+        self._lost_after_s = _env.ssh_heartbeat_timeout_s()
         self._client: Any = connect(host, _env.ssh_connect_timeout_s())
         self.python = python
         try:
@@ -283,17 +192,47 @@ class SSHLauncher:
             self._client.close()
             raise LaunchError(f"host {host.name!r}: cannot start the ddptrain agent: {exc}.") from None
         self.local_address = self._connection.local_address
-        # Over SSH the agent also stops when the heartbeat stops (a host or network that vanished).
-        self._session = AgentSession(self._connection, ALIVE_S, f"ddptrain agent {host.name}")
-        self._files = HostFiles(self._client, host.name, python, lambda: self._session.lost)
+        # The host is watched from here on: one that stops answering while its agent starts is
+        # dropped within the heartbeat timeout. Over SSH the agent also stops when the driver's
+        # heartbeat stops (a host or network that vanished).
+        label = f"ddptrain agent {host.name}"
+        self._session = AgentSession(self._connection, ALIVE_S, label, lost_after_s=self._lost_after_s)
+        try:
+            self._session.open()
+        except Exception as exc:
+            self._session.shutdown(0)
+            self._client.close()
+            lost = self.lost_error()
+            if lost is not None:
+                raise lost from None
+            raise LaunchError(f"host {host.name!r}: cannot start the ddptrain agent: {exc}.") from None
+        self._files = HostFiles(self._client, host.name, python, self.lost_error)
+
+    def lost_error(self) -> HostLostError | None:
+        """Once the host stopped answering (its connection was dropped, which ended whatever
+        waited on it): the error that says so."""
+        lost = self._session.lost
+        return None if lost is None else HostLostError(self.host.name, lost.silent_s, lost.timeout_s)
 
     @property
     def agent_pid(self) -> int | None:
         return self._connection.agent_pid
 
     def start(self, bootstrap: Bootstrap, sink: LogSink, on_event: Callable[[AgentEvent], None]) -> None:
-        bootstrap = dataclasses.replace(bootstrap, cwd=self.workdir, heartbeat_s=_env.ssh_heartbeat_timeout_s())
-        self._session.start(bootstrap, sink, on_event)
+        """Hand the host's share of the bootstrap to its agent (see ``AgentSession.start``).
+
+        Raises:
+            HostLostError: The host stopped answering before its agent got its work.
+            LaunchError: The agent is gone.
+        """
+        bootstrap = dataclasses.replace(bootstrap, cwd=self.workdir, heartbeat_s=self._lost_after_s)
+        try:
+            self._session.start(bootstrap, sink, on_event)
+        except LaunchError:
+            lost = self.lost_error()
+            if lost is not None:
+                raise lost from None
+            raise
 
     # ----------------------------------------------------------------- files (no shared storage)
     def prepare_storage(self, run_dir: str, run_id: str) -> str | None:
@@ -302,11 +241,15 @@ class SSHLauncher:
         path (see ``HostFiles.prepare``).
 
         Raises:
+            HostLostError: The host stopped answering.
             LaunchError: The agent did not start in time, or see ``HostFiles.prepare``.
         """
         if not self._connection.pid_known.wait(_env.worker_start_timeout_s()):
             raise LaunchError(f"the ddptrain agent on host {self.host.name!r} did not start in time")
         if self.agent_pid is None:
+            lost = self.lost_error()
+            if lost is not None:
+                raise lost
             return None  # the agent did not start: `start` reports why
         return self._files.prepare(run_dir, run_id, self.agent_pid)
 

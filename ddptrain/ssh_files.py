@@ -19,7 +19,6 @@ from collections.abc import Callable
 from typing import Any
 
 from ddptrain._host_scripts import STAGING_PREFIX, STORAGE_PREP, one_line
-from ddptrain.agent_events import AgentLost
 from ddptrain.errors import HostLostError, LaunchError, is_disk_full
 from ddptrain.storage import RunLayout
 
@@ -42,10 +41,10 @@ class HostFiles:
         client: The host's connected paramiko client (the agent's connection).
         host: The host's name, for messages.
         python: Python executable on the host.
-        lost: The :class:`AgentLost` event once the host stopped answering, else ``None``.
+        lost: The error that says the host stopped answering, once it did; else ``None``.
     """
 
-    def __init__(self, client: Any, host: str, python: str, lost: Callable[[], AgentLost | None]) -> None:
+    def __init__(self, client: Any, host: str, python: str, lost: Callable[[], HostLostError | None]) -> None:
         self._client = client
         self._host = host
         self._python = python
@@ -58,7 +57,7 @@ class HostFiles:
         host stopped answering."""
         lost = self._lost()
         if lost is not None:
-            return HostLostError(self._host, lost.silent_s, lost.timeout_s)
+            return lost
         return LaunchError(f"host {self._host!r}: {doing} failed: {exc!r}", hosts=[self._host])
 
     def _sftp(self) -> Any:
@@ -99,6 +98,9 @@ class HostFiles:
         try:
             answer = json.loads(out)
         except ValueError:
+            lost = self._lost()  # the connection was dropped while it ran: no answer
+            if lost is not None:
+                raise lost from None
             raise LaunchError(f"host {self._host!r}: cannot prepare its storage: {err.strip() or out!r}") from None
         if answer.get("error"):
             raise LaunchError(f"host {self._host!r}: {answer['error']}")

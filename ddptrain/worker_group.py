@@ -30,7 +30,7 @@ from ddptrain import _env, protocol
 from ddptrain._logs import LogSink
 from ddptrain.channel import Keys, open_store
 from ddptrain.driver_channel import DriverChannel
-from ddptrain.errors import LaunchError, WorkerGroupError
+from ddptrain.errors import HostLostError, LaunchError, WorkerGroupError
 from ddptrain.group_events import GroupEvents, GroupFailed, failure_from_record
 from ddptrain.plan import Plan
 from ddptrain.torch.config import TorchConfig
@@ -151,6 +151,10 @@ class WorkerGroup(GroupEvents):
             log_dir: Where each rank's output goes (``None``: the console only).
             datasets: Each rank's dataset shard specs.
             console: Writes worker lines to the console (``Progress.console_write``).
+
+        Raises:
+            GroupFailed: A worker failed, or a host stopped answering, while they started.
+            LaunchError: A host's agent could not start them, or they did not join in time.
         """
         if self.launcher is None:
             self.launcher = self.plan.new_launcher()
@@ -171,7 +175,10 @@ class WorkerGroup(GroupEvents):
             run = dataclasses.replace(run, argv=tuple(sys.argv))
         store = protocol.StoreAddress(self._store.host, self._store.port, secret, _env.store_connect_timeout_s())
         bootstrap = self.plan.bootstrap(payload, run, store, datasets)
-        self.launcher.start(bootstrap, self.sink, lambda event: self.events.put(("agent", event)))
+        try:
+            self.launcher.start(bootstrap, self.sink, lambda event: self.events.put(("agent", event)))
+        except HostLostError as exc:  # as if it went away a moment later: FailureConfig decides
+            raise self.fail([self.failure(min(exc.ranks, default=0), None, exc)]) from None
         try:
             self.pump_until(
                 lambda: len(self.connected) == self.world_size,

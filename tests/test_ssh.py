@@ -248,13 +248,14 @@ def reports_a_checkpoint_then_waits() -> None:
 
 @pytest.mark.timeout(120)
 def test_a_host_whose_network_goes_away_is_named_and_restarting_fails_fast(
-    make_netns, tmp_path: Path, monkeypatch
+    make_netns, tmp_path: Path, monkeypatch, caplog
 ) -> None:
     """Issue 23. n1 does not see the run directory, so the driver copies its checkpoint back
     over SFTP; its link goes down as that copy starts (its SFTP server pulls the cable). The
     driver must declare n1 lost within the heartbeat timeout (not wait on the copy for good),
     fail the attempt naming it, let FailureConfig restart, and fail the restart fast because
-    n1 is still unreachable. Once the link is back, nothing of the run is left on n1."""
+    n1 is still unreachable: n1 is tried once, for one connect timeout (not again once the
+    group is down). Once the link is back, nothing of the run is left on n1."""
     import shutil
     import threading
     import time
@@ -264,8 +265,9 @@ def test_a_host_whose_network_goes_away_is_named_and_restarting_fails_fast(
     storage.mkdir()
     pull_cable = f"touch {cut}; {shutil.which('ip')} link set eth0 down; exec {sftp_server}"
     hosts = make_netns(hidden={1: storage}, sftp={1: pull_cable})
-    monkeypatch.setenv("DDPTRAIN_SSH_HEARTBEAT_TIMEOUT_S", "2")
-    monkeypatch.setenv("DDPTRAIN_SSH_CONNECT_TIMEOUT_S", "2")
+    heartbeat_s, connect_s = 2, 5
+    monkeypatch.setenv("DDPTRAIN_SSH_HEARTBEAT_TIMEOUT_S", str(heartbeat_s))
+    monkeypatch.setenv("DDPTRAIN_SSH_CONNECT_TIMEOUT_S", str(connect_s))
     ended = threading.Event()
 
     def restore_if_stuck() -> None:  # without the fix the copy waits until the link is back
@@ -289,7 +291,11 @@ def test_a_host_whose_network_goes_away_is_named_and_restarting_fails_fast(
     assert re.search(r"host 'n1' stopped answering: nothing came from it for \d+\.\d s", message), message
     # FailureConfig allowed a restart; it failed at once, as n1 is still unreachable.
     assert "The next attempt could not start: host 'n1'" in message, message
-    assert took < 30, f"fit() ended {took:.0f} s after the link went down"
+    assert "Host 'n1' stopped answering and could not be reached again (tried once" in message, message
+    tries = caplog.text.count("could not start the next attempt's agents: host 'n1'")
+    assert tries == 1, f"n1 was tried {tries} times"
+    # The link's loss, one connect timeout, the teardown (two tries took at least 2 * connect_s).
+    assert took < heartbeat_s + 2 * connect_s, f"fit() ended {took:.1f} s after the link went down"
     hosts.set_link(1, True)
     deadline = time.monotonic() + 15
     while hosts.processes() and time.monotonic() < deadline:
@@ -346,6 +352,96 @@ def test_a_host_cut_off_mid_run_is_named_and_leaves_nothing(netns, storage: str,
         netns.set_link(1, True)
 
 
+def _cable_pulled_on_n1(marker: str) -> str:
+    """Run wherever the training function's config is unpickled: on n1, the first time, its
+    link goes down (its agent is loading the training function; its workers do not run yet)."""
+    import shutil
+
+    if socket.gethostname() == "n1" and not os.path.exists(marker):
+        Path(marker).touch()
+        subprocess.run([shutil.which("ip") or "ip", "link", "set", "eth0", "down"], check=True)
+    return marker
+
+
+class PullsTheCableWhenLoaded:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return (_cable_pulled_on_n1, (self.marker,))
+
+
+def returns_host(config: dict) -> str:
+    return socket.gethostname()
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("moment", ["storage check", "loading"])
+def test_a_host_cut_off_while_its_workers_start_is_named_and_used_again_once_back(
+    make_netns, tmp_path: Path, monkeypatch, caplog, moment: str
+) -> None:
+    """Issue 23. n1's link goes down while its workers start: while the driver's storage check
+    runs there (its agent is starting), or while its agent loads the training function. The
+    driver must name n1 within the heartbeat timeout (not after the agent start, storage check
+    or worker start timeouts: 30-60 s here, 60-120 s by default), fail the attempt naming it
+    and let FailureConfig restart. n1's link is back as soon as it is named: the restart
+    uses it again."""
+    import logging
+    import shutil
+    import threading
+    import time
+
+    storage, cut = tmp_path / "runs", tmp_path / "cut"
+    hosts = make_netns()
+    monkeypatch.setenv("DDPTRAIN_SSH_HEARTBEAT_TIMEOUT_S", "2")
+    monkeypatch.setenv("DDPTRAIN_WORKER_START_TIMEOUT_S", "30")
+    n1, config = "n1 slots=1", {}
+    if moment == "loading":
+        config["cable"] = PullsTheCableWhenLoaded(str(cut))
+    else:  # n1's python pulls the cable (once) when it runs the storage check's code
+        code = ".ddptrain-owner"
+        pull = f"[ -e {cut} ] || {{ touch {cut}; {shutil.which('ip')} link set eth0 down; }}"
+        wrapper = tmp_path / "python"
+        wrapper.write_text(f'#!/bin/sh\ncase "$*" in *{code}*) {pull};; esac\nexec {sys.executable} "$@"\n')
+        wrapper.chmod(0o755)
+        n1 += f" python={wrapper}"
+    named: list[float] = []
+
+    class CableBackOnceNamed(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "nothing came from host 'n1'" in record.getMessage() and not named:
+                named.append(time.time())
+                hosts.set_link(1, True)
+
+    handler = CableBackOnceNamed()
+    logging.getLogger("ddptrain").addHandler(handler)
+    ended = threading.Event()
+
+    def restore_if_stuck() -> None:  # without the fix nothing names n1
+        if not ended.wait(40):
+            hosts.set_link(1, True)
+
+    threading.Thread(target=restore_if_stuck, daemon=True).start()
+    try:
+        result = train.DataParallelTrainer(
+            returns_host,
+            train_loop_config=config,
+            scaling_config=train.ScalingConfig(num_workers=2, hosts=["n0 slots=1", n1]),
+            run_config=train.RunConfig(
+                name="cut", storage_path=str(storage), failure_config=train.FailureConfig(max_failures=1)
+            ),
+        ).fit()
+    finally:
+        ended.set()
+        logging.getLogger("ddptrain").removeHandler(handler)
+        hosts.set_link(1, True)
+    assert named, "the driver never said that n1 stopped answering"
+    took = named[0] - cut.stat().st_mtime
+    assert took < 6, f"n1 was named {took:.1f} s after its link went down"
+    assert re.search(r"attempt 0 failed \(rank 1 \(host n1, .*host 'n1' stopped answering", caplog.text), caplog.text
+    assert result.return_values == ["n0", "n1"]  # the restart ran on n1 again
+
+
 @pytest.mark.timeout(120)
 def test_remote_workers_stop_when_heartbeats_stop(ssh, storage: str, tmp_path: Path, monkeypatch) -> None:
     import signal
@@ -386,6 +482,42 @@ def test_ddptrain_check_reports_every_host(ssh, tmp_path: Path) -> None:
     assert "some hosts are not ready" in proc.stdout
 
 
+@pytest.mark.timeout(90)
+def test_ddptrain_check_names_a_host_whose_network_goes_away_while_probed(make_netns, tmp_path: Path) -> None:
+    """n1's link goes down as ddptrain check's probe starts there (its python pulls the
+    cable). No heartbeat watches that connection: the kernel must end it (TCP keepalive and
+    TCP_USER_TIMEOUT, twice the heartbeat timeout), not the probe's 120 s read timeout."""
+    import shutil
+    import time
+
+    hosts = make_netns()
+    wrapper = tmp_path / "python"
+    wrapper.write_text(
+        f'#!/bin/sh\ncase "$*" in *DDPTRAIN_CHECK*) {shutil.which("ip")} link set eth0 down;; esac\n'
+        f'exec {sys.executable} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text(f"n0\nn1 python={wrapper}\n")
+    started = time.monotonic()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "ddptrain.cli", "check", str(hostfile)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "DDPTRAIN_SSH_HEARTBEAT_TIMEOUT_S": "2"},
+        )
+        took = time.monotonic() - started
+    finally:
+        hosts.set_link(1, True)
+    n1 = next(line for line in proc.stdout.splitlines() if line.startswith("n1 "))
+    assert "FAILED: the connection was lost while the program ran there" in n1, proc.stdout
+    assert next(line for line in proc.stdout.splitlines() if line.startswith("n0 ")).endswith("yes")
+    assert proc.returncode == 1
+    assert took < 20, f"ddptrain check took {took:.0f} s"
+
+
 def reads_its_shard() -> list:
     shard = train.get_dataset_shard("train")
     return [int(x) for batch in shard.iter_batches(batch_size=2) for x in batch["id"]]
@@ -412,6 +544,36 @@ def test_a_key_the_host_does_not_accept_is_a_clear_error(ssh, storage: str, tmp_
             scaling_config=train.ScalingConfig(num_workers=1, hosts=[f"h0 key={key}"]),
             run_config=train.RunConfig(storage_path=storage),
         ).fit()
+
+
+def test_a_host_that_stops_answering_while_logging_in_is_not_called_a_key_problem(
+    ssh, storage: str, tmp_path: Path, monkeypatch
+) -> None:
+    """The host's SSH server never answers the key (it waits on a command that sleeps, as a host
+    whose network goes away mid-login): the error says it stopped answering, within the
+    connect timeout, rather than telling the user to fix their keys."""
+    import time
+
+    key = tmp_path / "other_key"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
+    sleeps = "AuthorizedKeysCommand /usr/bin/sleep 6\nAuthorizedKeysCommandUser root\n"
+    host = ssh.add_host("mute", "127.0.0.12", extra=sleeps)
+    monkeypatch.setenv("DDPTRAIN_SSH_CONNECT_TIMEOUT_S", "2")
+    started = time.monotonic()
+    try:
+        with pytest.raises(train.LaunchError) as caught:
+            train.DataParallelTrainer(
+                returns_cwd,
+                scaling_config=train.ScalingConfig(num_workers=1, hosts=[f"mute key={key}"]),
+                run_config=train.RunConfig(storage_path=storage),
+            ).fit()
+        took = time.monotonic() - started
+    finally:
+        ssh.remove_host(host)
+    message = str(caught.value)
+    assert "host 'mute' (root@127.0.0.12:" in message and "stopped answering while ddptrain logged in" in message
+    assert "authorized_keys" not in message, message
+    assert took < 6, f"fit() took {took:.1f} s"
 
 
 def test_a_host_with_another_ddptrain_version_is_refused(ssh, storage: str, tmp_path: Path) -> None:
@@ -732,7 +894,7 @@ def _addr(ssh, name: str) -> str:
 
 
 def test_cert_authority_and_revoked_lines_are_understood(ssh, tmp_path: Path, monkeypatch) -> None:
-    from ddptrain.ssh import connect
+    from ddptrain.ssh_connect import connect
 
     other = tmp_path / "other"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
@@ -757,7 +919,7 @@ def test_cert_authority_and_revoked_lines_are_understood(ssh, tmp_path: Path, mo
 
 
 def test_accepting_a_new_host_key_only_appends_to_known_hosts(ssh, tmp_path: Path, monkeypatch) -> None:
-    from ddptrain.ssh import connect
+    from ddptrain.ssh_connect import connect
 
     known = tmp_path / "known_hosts"
     original = f"# my comment, kept\n\n{_host_key_line(ssh, 'h1')}  # h1, with a trailing comment"  # no final newline
