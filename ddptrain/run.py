@@ -112,6 +112,7 @@ class Run:
             run_config.checkpoint_config and run_config.checkpoint_config.checkpoint_score_attribute
         )
         self._run_json: dict[str, Any] = {}
+        self._ended_line: tuple[bool, tuple[str, dict[str, Any]] | None, str] | None = None  # for the console
 
     # ----------------------------------------------------------------- what workers get
     def run_info(self, attempt: int) -> protocol.RunInfo:
@@ -259,12 +260,19 @@ class Run:
 
     def save_status(self, status: str, **fields: Any) -> None:
         """Record how the run stands in ``run.json`` (read by ``ddptrain runs`` and ``show``):
-        RUNNING, RESTARTING, FINISHED, ERRORED or ABORTED (Ray Train V2's words)."""
+        RUNNING, RESTARTING, FINISHED, ERRORED or ABORTED (Ray Train V2's words). On remote
+        storage it is uploaded at once, except the final status: that goes with the run's last
+        uploads at the end of ``fit()`` (``opened``), whose failure is handled there.
+
+        Raises:
+            StorageError: The store did not take it (see ``RunMirror``).
+        """
         self._run_json.update(status=status, **fields)
-        if status in ("FINISHED", "ERRORED", "ABORTED"):
+        ended = status in ("FINISHED", "ERRORED", "ABORTED")
+        if ended:
             self._run_json["ended"] = time.time()
         storage.write_json_atomic(self.layout.run_json, self._run_json, private=True)
-        if self.remote is not None:
+        if self.remote is not None and not ended:
             self.mirror.push_file(self.layout.RUN_JSON)
 
     @contextlib.contextmanager
@@ -280,17 +288,24 @@ class Run:
         try:
             with RunLock(self.run_dir, self.name):
                 self._load_previous()
+                failed = True
                 try:
                     self._prepare_dir()
                     index = self.first_attempt()
                     self.progress.started(workers=workers, hosts=hosts, attempt=index, resume_from=self.latest_path)
                     yield index
+                    failed = False
                 except BaseException as exc:
                     if self.remote is not None and not isinstance(exc, Exception):
                         self.remote.stopping = True  # Ctrl-C: the uploads left get a bound of seconds
                     if self._run_json.get("status") in ("RUNNING", "RESTARTING"):  # not ended by a failure
+                        # The store failing is the run failing; anything else from this side stops it.
+                        status = "ERRORED" if isinstance(exc, StorageError) else "ABORTED"
+                        if status == "ERRORED":  # the console's line, which names the local copy
+                            reason = self.remote is not None and self.mirror.failure or str(exc).rstrip(".")
+                            self._ended_line = (False, self._best(), f"StorageError: {reason}")
                         with contextlib.suppress(OSError):  # a full disk: the error that got us here says so
-                            self.save_status("ABORTED", error=f"{type(exc).__name__}: {exc}")
+                            self.save_status(status, error=f"{type(exc).__name__}: {exc}")
                     raise
                 finally:
                     if self._metrics_file is not None:
@@ -300,12 +315,46 @@ class Run:
                         with contextlib.suppress(OSError):  # as above
                             self._metrics_file.close()
                     if self.remote is not None:
-                        self.mirror.push_final()
+                        self._upload_at_end(failed)
         except OSError as exc:
             full = disk_full_error(exc, exc.filename or self.run_dir)
             if full is None:
                 raise
             raise ControllerError(f"Training stopped: {full}") from full
+
+    def _upload_at_end(self, failed: bool) -> None:
+        """The run's last uploads (metrics, ``run.json``, logs), and the console's last line.
+        When they fail after the training itself failed (``failed``), the training's error is
+        the one raised and this is logged; after it finished, ``fit()`` raises.
+
+        Raises:
+            StorageError: Training finished, but its results are not all on the store: names
+                the store and the local copy (whose ``run.json`` says so in ``upload_error``).
+        """
+        try:
+            self.mirror.push_final()
+        except Exception as exc:  # a StorageError, or a local file that cannot be read
+            if failed:
+                _logger.warning("ddptrain: could not upload the run's last results: %s: %s", type(exc).__name__, exc)
+                self._say_ended(where=self.run_dir)
+                return
+            store = self.remote.display() if self.remote else self.location
+            self._run_json["upload_error"] = str(exc)
+            with contextlib.suppress(OSError):  # a full disk as well: the error says where the copy is
+                storage.write_json_atomic(self.layout.run_json, self._run_json, private=True)
+            self._say_ended(where=f"{self.run_dir} (not on {store}: the last uploads failed)")
+            raise StorageError(
+                f"Training finished, but its results could not all be uploaded to {store}: {exc}",
+                timed_out=isinstance(exc, StorageError) and exc.timed_out,
+            ) from exc
+        self._say_ended()
+
+    def _say_ended(self, where: str | None = None) -> None:
+        """The console's line for the end of the run (on remote storage, after its last uploads)."""
+        if self._ended_line is not None:
+            ok, best, error = self._ended_line
+            self._ended_line = None
+            self.progress.finished(ok, best, error=error, where=where)
 
     def new_plan(self) -> Plan:
         """A placement plan for the next attempt (the host list is read again)."""
@@ -320,12 +369,14 @@ class Run:
         return [h.name for h in self.plan.placement.hosts] if self.plan.placement else [self.plan.hostname]
 
     def ended(self, error: str | None = None) -> None:
-        """The run is over: FINISHED, or ERRORED with ``error``."""
+        """The run is over: FINISHED, or ERRORED with ``error``. On remote storage the console
+        says so once the run's last uploads are done (``opened``)."""
+        self._ended_line = (error is None, self._best(), error or "")
+        if self.remote is None:
+            self._say_ended()
         if error is None:
-            self.progress.finished(True, self._best())
             self.save_status("FINISHED")
         else:
-            self.progress.finished(False, self._best(), error=error)
             self.save_status("ERRORED", error=error)
 
     def attempt_failed(self, index: int, failure: WorkerFailure) -> None:

@@ -4,6 +4,12 @@
 local run) and uploaded: ``run.json`` on every status change, ``metrics.jsonl`` with every
 checkpoint and otherwise at most every few seconds, logs after each attempt and at the end.
 A resumed run first pulls the store's copies, which win over anything cached here.
+
+An upload that fails is tried again (after 0.5 s, 1 s, 2 s, ... at most 4 s apart) until the
+store has failed every try for ``DDPTRAIN_STORAGE_TIMEOUT_S``: a short outage costs a wait, a
+store gone for the bound raises :class:`~ddptrain.errors.StorageError`, as does a call that got
+no answer for the bound (that is one try for the whole bound). The error names the store and the
+local copy, which has everything the store lacks.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ import shutil
 import time
 from pathlib import Path
 
+from ddptrain import remote_calls
+from ddptrain.errors import StorageError
 from ddptrain.remote import RemoteRoot
 from ddptrain.storage import RunLayout
 
@@ -22,6 +30,8 @@ __all__ = ["RunMirror"]
 _logger = logging.getLogger(__name__)
 
 _METRICS_EVERY_S = 2.0
+_FIRST_RETRY_S = 0.5  # the wait before an upload that failed is tried again; doubled each time
+_LAST_RETRY_S = 4.0  # ... up to this
 
 
 class RunMirror:
@@ -39,8 +49,12 @@ class RunMirror:
         self.layout = RunLayout(run_dir)
         self.run_path = run_path
         self._metrics_pushed_at = 0.0
-        self._failing = False
+        # When the uploads began to fail (None: the last one worked). A failure a caller let
+        # pass (on its way out) leaves it set: the store's copy is behind, and the next upload
+        # is tried once more, not for another bound.
+        self._failing_since: float | None = None
         self._logs_pushed: dict[str, tuple[int, float]] = {}  # local log file -> (size, mtime)
+        self.failure: str | None = None  # why the last upload that raised failed (without the local copy's note)
 
     def pull(self) -> None:
         """Replace the local copy with the store's run files (nothing, for a new run). Earlier
@@ -76,30 +90,64 @@ class RunMirror:
             self._mark_pushed(self.layout.attempt_logs(attempt))
 
     def push_file(self, name: str) -> None:
-        """Upload one of the run's files (``name``: one of :class:`RunLayout`'s). A failure is
-        logged (once until an upload works again), not raised: the local copy has it, and the
-        next upload sends it."""
-        try:
-            self.remote.upload_file(str(self.layout.root / name), posixpath.join(self.run_path, name))
-        except Exception as exc:  # each fsspec backend raises its own errors
-            if not self._failing:
-                _logger.warning(
-                    "ddptrain: could not upload %s to %s: %s: %s (the local copy in %s has it; retried with "
-                    "the next report)",
-                    name,
-                    self.remote.shown(self.run_path),
-                    type(exc).__name__,
-                    exc,
-                    self.run_dir,
-                )
-            self._failing = True
-        else:
-            self._failing = False
+        """Upload one of the run's files (``name``: one of :class:`RunLayout`'s).
+
+        Raises:
+            StorageError: The store did not take it (see the module's doc); names the store and
+                the local copy.
+        """
+        self._upload(self.layout.root / name, name)
+
+    def _upload(self, local: Path, rel: str) -> None:
+        """Upload ``local`` to ``rel`` below the run's folder, trying again (see the module's doc)."""
+        remote = posixpath.join(self.run_path, rel)
+        store = self.remote.display()
+        retry_s = _FIRST_RETRY_S
+        while True:
+            tried_at = time.monotonic()
+            try:
+                self.remote.upload_file(str(local), remote)
+            except Exception as exc:  # each fsspec backend raises its own errors
+                error = exc
+            else:
+                if self._failing_since is not None:
+                    _logger.warning("ddptrain: uploads to %s work again", store)
+                self._failing_since = None
+                return
+            first = self._failing_since is None
+            if self._failing_since is None:
+                self._failing_since = tried_at
+            if isinstance(error, StorageError) and error.timed_out:  # no answer for the bound, or a call still waits
+                raise self._lost(str(error), error) from error
+            failed = f"uploading {self.remote.shown(remote)}: {type(error).__name__}: {error}"
+            if self.remote.stopping:  # on the way out (Ctrl-C): no second try
+                raise self._lost(f"{store} failed {failed}", error) from error
+            bound_s = remote_calls.timeout_s()
+            left_s = self._failing_since + bound_s - time.monotonic()
+            if left_s <= 0:
+                raise self._lost(
+                    f"{store} failed every upload for {bound_s - left_s:.0f} s (the bound is "
+                    f"DDPTRAIN_STORAGE_TIMEOUT_S={bound_s:g} s); the last: {failed}",
+                    error,
+                ) from error
+            if first:
+                _logger.warning("ddptrain: %s failed %s (tried again for up to %g s)", store, failed, bound_s)
+            time.sleep(min(retry_s, left_s))
+            retry_s = min(retry_s * 2, _LAST_RETRY_S)
+
+    def _lost(self, what: str, cause: BaseException) -> StorageError:
+        timed_out = isinstance(cause, StorageError) and cause.timed_out
+        self.failure = what.rstrip(".")
+        return StorageError(
+            f"{self.failure}. The run's reports, run.json and logs are in its local copy {self.run_dir} "
+            "(the store's copy lacks the latest of them).",
+            timed_out=timed_out,
+        )
 
     def push_metrics(self, force: bool = False) -> None:
         """Upload ``metrics.jsonl`` if ``force`` or a few seconds passed since the last upload."""
         now = time.monotonic()
-        if force or self._failing or now - self._metrics_pushed_at >= _METRICS_EVERY_S:
+        if force or self._failing_since is not None or now - self._metrics_pushed_at >= _METRICS_EVERY_S:
             self.push_file(RunLayout.METRICS)
             self._metrics_pushed_at = now
 
@@ -113,8 +161,7 @@ class RunMirror:
             key = str(path)
             if self._logs_pushed.get(key) == (stat.st_size, stat.st_mtime):
                 continue
-            rel = path.relative_to(self.layout.root).as_posix()
-            self.remote.upload_file(key, posixpath.join(self.run_path, rel))
+            self._upload(path, path.relative_to(self.layout.root).as_posix())
             self._logs_pushed[key] = (stat.st_size, stat.st_mtime)
 
     def _mark_pushed(self, folder: Path) -> None:
@@ -124,19 +171,13 @@ class RunMirror:
                 self._logs_pushed[str(path)] = (stat.st_size, stat.st_mtime)
 
     def push_final(self) -> None:
-        """At the end of ``fit()``: upload what changed. A failure is logged, not raised (the
-        error that ended the run, if any, matters more)."""
-        try:
-            if self.layout.metrics.exists():
-                self.push_metrics(force=True)
-            if self.layout.run_json.exists():
-                self.push_file(RunLayout.RUN_JSON)
-            self.push_logs()
-        except Exception as exc:
-            _logger.warning(
-                "ddptrain: could not upload the run's metrics and logs to %s: %s: %s (a local copy is in %s)",
-                self.remote.shown(self.run_path),
-                type(exc).__name__,
-                exc,
-                self.run_dir,
-            )
+        """At the end of ``fit()``: upload what changed (``metrics.jsonl``, ``run.json``, logs).
+
+        Raises:
+            StorageError: At the first upload that failed (see :meth:`push_file`).
+        """
+        if self.layout.metrics.exists():
+            self.push_metrics(force=True)
+        if self.layout.run_json.exists():
+            self.push_file(RunLayout.RUN_JSON)
+        self.push_logs()
