@@ -302,7 +302,8 @@ class Run:
                         # The store failing is the run failing; anything else from this side stops it.
                         status = "ERRORED" if isinstance(exc, StorageError) else "ABORTED"
                         if status == "ERRORED":  # the console's line, which names the local copy
-                            reason = self.remote is not None and self.mirror.failure or str(exc).rstrip(".")
+                            lost = self.mirror.lost if self.remote is not None else None
+                            reason = lost[1] if lost is not None and lost[0] is exc else str(exc).rstrip(".")
                             self._ended_line = (False, self._best(), f"StorageError: {reason}")
                         with contextlib.suppress(OSError):  # a full disk: the error that got us here says so
                             self.save_status(status, error=f"{type(exc).__name__}: {exc}")
@@ -324,15 +325,16 @@ class Run:
 
     def _upload_at_end(self, failed: bool) -> None:
         """The run's last uploads (metrics, ``run.json``, logs), and the console's last line.
-        When they fail after the training itself failed (``failed``), the training's error is
-        the one raised and this is logged; after it finished, ``fit()`` raises.
+        After the training itself failed (``failed``) each gets one try, and a failure is logged:
+        the training's error is the one raised. After it finished, they are tried again for the
+        bound (``RunMirror``), and a failure is raised.
 
         Raises:
             StorageError: Training finished, but its results are not all on the store: names
                 the store and the local copy (whose ``run.json`` says so in ``upload_error``).
         """
         try:
-            self.mirror.push_final()
+            self.mirror.push_final(retry=not failed)
         except Exception as exc:  # a StorageError, or a local file that cannot be read
             if failed:
                 _logger.warning("ddptrain: could not upload the run's last results: %s: %s", type(exc).__name__, exc)
@@ -411,7 +413,7 @@ class Run:
         )
         try:
             self.checkpoints.clean_leftovers()
-            self.mirror.push_logs()
+            self.mirror.push_logs(retry=False)  # sent again later: the next attempt's end, the run's
         except Exception as exc:  # each fsspec backend raises its own errors
             _logger.warning(
                 "ddptrain: could not clean up after the failed attempt in %s: %s: %s",

@@ -9,11 +9,14 @@ An upload that fails is tried again (after 0.5 s, 1 s, 2 s, ... at most 4 s apar
 store has failed every try for ``DDPTRAIN_STORAGE_TIMEOUT_S``: a short outage costs a wait, a
 store gone for the bound raises :class:`~ddptrain.errors.StorageError`, as does a call that got
 no answer for the bound (that is one try for the whole bound). The error names the store and the
-local copy, which has everything the store lacks.
+local copy, which has everything the store lacks. Uploads the run no longer depends on (the logs
+of a failed attempt, the last uploads of a failed run) and those on the way out (Ctrl-C) get one
+try.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import posixpath
 import shutil
@@ -54,18 +57,24 @@ class RunMirror:
         # is tried once more, not for another bound.
         self._failing_since: float | None = None
         self._logs_pushed: dict[str, tuple[int, float]] = {}  # local log file -> (size, mtime)
-        self.failure: str | None = None  # why the last upload that raised failed (without the local copy's note)
+        # The last error an upload raised, and why it failed (its message without the local copy's note).
+        self.lost: tuple[StorageError, str] | None = None
 
     def pull(self) -> None:
         """Replace the local copy with the store's run files (nothing, for a new run). Earlier
-        attempts' log folders are recreated empty, so attempts are numbered on."""
+        attempts' log folders are recreated empty, so attempts are numbered on.
+
+        What an earlier driver here could not upload (the store was away) is only here: its
+        reports are kept when this copy's extend the store's, and its logs when the store's
+        ``run.json`` is that driver's (same ``run_id``); both are uploaded."""
         root = self.layout.root
         local_metrics = self.layout.metrics
-        # Reports an earlier driver here could not upload (the store was away) are only here:
-        # keep them when this copy extends the store's.
         kept = local_metrics.read_bytes() if local_metrics.is_file() else None
+        local_run_id = _run_id(self.layout.run_json.read_bytes() if self.layout.run_json.is_file() else None)
         for entry in list(root.iterdir()) if root.is_dir() else []:
             if entry.is_dir() and not entry.is_symlink():
+                if entry == self.layout.logs and local_run_id is not None:
+                    continue  # decided below, once the store's run.json says whose run it holds
                 shutil.rmtree(entry)
             else:
                 entry.unlink()
@@ -85,20 +94,48 @@ class RunMirror:
                 (root / name).write_bytes(data)
         if keep_local:
             self.push_file(RunLayout.METRICS)
+        logs = self.layout.logs
+        if logs.is_dir() and not logs.is_symlink():
+            if local_run_id is not None and local_run_id == _run_id(pulled[RunLayout.RUN_JSON]):
+                self._push_missing_logs()
+            else:
+                shutil.rmtree(logs)
         for attempt in RunLayout.attempt_numbers(self.remote.list_names(posixpath.join(self.run_path, RunLayout.LOGS))):
             self.layout.attempt_logs(attempt).mkdir(parents=True, exist_ok=True)
             self._mark_pushed(self.layout.attempt_logs(attempt))
 
-    def push_file(self, name: str) -> None:
+    def _push_missing_logs(self) -> None:
+        """Upload the local log files that the store lacks, or has shorter (logs only grow)."""
+        stored = self.remote.file_sizes(posixpath.join(self.run_path, RunLayout.LOGS))
+        missing = [
+            path
+            for path in sorted(self.layout.logs.rglob("*"))
+            if path.is_file() and stored.get(path.relative_to(self.layout.logs).as_posix()) != path.stat().st_size
+        ]
+        if missing:
+            _logger.warning(
+                "ddptrain: %s has %d log file(s) the store's copy lacks (an earlier upload failed); uploading them",
+                self.layout.logs,
+                len(missing),
+            )
+        for path in missing:
+            self._upload(path, path.relative_to(self.layout.root).as_posix())
+        self._mark_pushed(self.layout.logs)
+
+    def push_file(self, name: str, retry: bool = True) -> None:
         """Upload one of the run's files (``name``: one of :class:`RunLayout`'s).
 
-        Raises:
-            StorageError: The store did not take it (see the module's doc); names the store and
-                the local copy.
-        """
-        self._upload(self.layout.root / name, name)
+        Args:
+            name: The file.
+            retry: Try again while the store has failed for less than the bound (see the
+                module's doc); ``False``: one try (what the run no longer depends on).
 
-    def _upload(self, local: Path, rel: str) -> None:
+        Raises:
+            StorageError: The store did not take it; names the store and the local copy.
+        """
+        self._upload(self.layout.root / name, name, retry)
+
+    def _upload(self, local: Path, rel: str, retry: bool = True) -> None:
         """Upload ``local`` to ``rel`` below the run's folder, trying again (see the module's doc)."""
         remote = posixpath.join(self.run_path, rel)
         store = self.remote.display()
@@ -120,7 +157,7 @@ class RunMirror:
             if isinstance(error, StorageError) and error.timed_out:  # no answer for the bound, or a call still waits
                 raise self._lost(str(error), error) from error
             failed = f"uploading {self.remote.shown(remote)}: {type(error).__name__}: {error}"
-            if self.remote.stopping:  # on the way out (Ctrl-C): no second try
+            if self.remote.stopping or not retry:  # on the way out (Ctrl-C), or asked to: no second try
                 raise self._lost(f"{store} failed {failed}", error) from error
             bound_s = remote_calls.timeout_s()
             left_s = self._failing_since + bound_s - time.monotonic()
@@ -136,23 +173,26 @@ class RunMirror:
             retry_s = min(retry_s * 2, _LAST_RETRY_S)
 
     def _lost(self, what: str, cause: BaseException) -> StorageError:
-        timed_out = isinstance(cause, StorageError) and cause.timed_out
-        self.failure = what.rstrip(".")
-        return StorageError(
-            f"{self.failure}. The run's reports, run.json and logs are in its local copy {self.run_dir} "
+        why = what.rstrip(".")
+        error = StorageError(
+            f"{why}. The run's reports, run.json and logs are in its local copy {self.run_dir} "
             "(the store's copy lacks the latest of them).",
-            timed_out=timed_out,
+            timed_out=isinstance(cause, StorageError) and cause.timed_out,
         )
+        self.lost = (error, why)
+        return error
 
-    def push_metrics(self, force: bool = False) -> None:
-        """Upload ``metrics.jsonl`` if ``force`` or a few seconds passed since the last upload."""
+    def push_metrics(self, force: bool = False, retry: bool = True) -> None:
+        """Upload ``metrics.jsonl`` if ``force`` or a few seconds passed since the last upload
+        (``retry``: see :meth:`push_file`)."""
         now = time.monotonic()
         if force or self._failing_since is not None or now - self._metrics_pushed_at >= _METRICS_EVERY_S:
-            self.push_file(RunLayout.METRICS)
+            self.push_file(RunLayout.METRICS, retry)
             self._metrics_pushed_at = now
 
-    def push_logs(self) -> None:
-        """Upload log files that are new or changed since the last upload."""
+    def push_logs(self, retry: bool = True) -> None:
+        """Upload log files that are new or changed since the last upload (``retry``: see
+        :meth:`push_file`)."""
         logs = self.layout.logs
         for path in sorted(logs.rglob("*")) if logs.is_dir() else []:
             if not path.is_file():
@@ -161,7 +201,7 @@ class RunMirror:
             key = str(path)
             if self._logs_pushed.get(key) == (stat.st_size, stat.st_mtime):
                 continue
-            self._upload(path, path.relative_to(self.layout.root).as_posix())
+            self._upload(path, path.relative_to(self.layout.root).as_posix(), retry)
             self._logs_pushed[key] = (stat.st_size, stat.st_mtime)
 
     def _mark_pushed(self, folder: Path) -> None:
@@ -170,14 +210,28 @@ class RunMirror:
                 stat = path.stat()
                 self._logs_pushed[str(path)] = (stat.st_size, stat.st_mtime)
 
-    def push_final(self) -> None:
+    def push_final(self, retry: bool = True) -> None:
         """At the end of ``fit()``: upload what changed (``metrics.jsonl``, ``run.json``, logs).
 
+        Args:
+            retry: See :meth:`push_file` (``False`` after the training failed: its error is what
+                matters, and a resume here uploads what is missing).
+
         Raises:
-            StorageError: At the first upload that failed (see :meth:`push_file`).
+            StorageError: At the first upload that failed.
         """
         if self.layout.metrics.exists():
-            self.push_metrics(force=True)
+            self.push_metrics(force=True, retry=retry)
         if self.layout.run_json.exists():
-            self.push_file(RunLayout.RUN_JSON)
-        self.push_logs()
+            self.push_file(RunLayout.RUN_JSON, retry)
+        self.push_logs(retry)
+
+
+def _run_id(run_json: bytes | None) -> str | None:
+    """The ``run_id`` in a ``run.json`` (``None``: none, or not a run.json ddptrain wrote)."""
+    try:
+        found = json.loads(run_json) if run_json else None
+    except ValueError:
+        return None
+    run_id = found.get("run_id") if isinstance(found, dict) else None
+    return run_id if isinstance(run_id, str) else None

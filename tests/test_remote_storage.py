@@ -1035,6 +1035,16 @@ def test_a_run_without_checkpoints_fails_when_its_store_stops_answering(
     assert (local / "logs" / "attempt_0" / "rank_0.log").is_file()
     shown = _show(local, capsys)
     assert f"run 'plain': ERRORED  ({local})" in shown and "error: StorageError: " in shown, shown
+    # Resumed on this machine once the store answers: what only the local copy had is uploaded.
+    logs = {rank: (local / "logs" / "attempt_0" / f"rank_{rank}.log").read_bytes() for rank in (0, 1)}
+    s3fs.S3FileSystem.clear_instance_cache()
+    result = _plain_trainer(bucket, "plain", steps=2, sleep=0, callbacks=[]).fit()
+    assert [m["step"] for m in result.metrics_history] == [*reported, 0, 1]
+    run = f"{bucket}/exp/plain"
+    s3.direct.invalidate_cache()
+    assert _steps(s3.direct.cat_file(f"{run}/metrics.jsonl")) == [*reported, 0, 1]
+    assert all(s3.direct.cat_file(f"{run}/logs/attempt_0/rank_{rank}.log") == logs[rank] for rank in (0, 1))
+    assert s3.direct.exists(f"{run}/logs/attempt_1/rank_0.log")
 
 
 def test_fit_raises_when_the_results_cannot_be_uploaded_at_the_end(
