@@ -261,12 +261,8 @@ class Run:
     def save_status(self, status: str, **fields: Any) -> None:
         """Record how the run stands in ``run.json`` (read by ``ddptrain runs`` and ``show``):
         RUNNING, RESTARTING, FINISHED, ERRORED or ABORTED (Ray Train V2's words). On remote
-        storage it is uploaded at once, except the final status: that goes with the run's last
-        uploads at the end of ``fit()`` (``opened``), whose failure is handled there.
-
-        Raises:
-            StorageError: The store did not take it (see ``RunMirror``).
-        """
+        storage it is uploaded (the final one with the run's last uploads, in ``opened``), or
+        a ``StorageError`` raised (``RunMirror.push_file``)."""
         self._run_json.update(status=status, **fields)
         ended = status in ("FINISHED", "ERRORED", "ABORTED")
         if ended:
@@ -280,10 +276,12 @@ class Run:
         """The run, open for one ``fit()``: locked, an earlier run of its name picked up, its
         files written; yields the number of the first attempt.
 
-        On the way out the metrics file is closed and, on remote storage, everything uploaded.
+        On the way out the metrics file is closed and, on remote storage, everything uploaded
+        (``RunMirror.push_final``: after the training finished, a failure raises StorageError).
         A ``fit()`` stopped from the driver's side (Ctrl-C, an error of the driver) leaves the
-        run ABORTED. A full disk where the driver writes (logs, metrics, checkpoints, the index)
-        raises ``ControllerError`` caused by a ``DiskFullError`` naming the file.
+        run ABORTED; one stopped by a ``StorageError``, ERRORED. A full disk where the driver
+        writes (logs, metrics, checkpoints, the index) raises ``ControllerError`` caused by a
+        ``DiskFullError`` naming the file.
         """
         try:
             with RunLock(self.run_dir, self.name):
@@ -299,13 +297,11 @@ class Run:
                     if self.remote is not None and not isinstance(exc, Exception):
                         self.remote.stopping = True  # Ctrl-C: the uploads left get a bound of seconds
                     if self._run_json.get("status") in ("RUNNING", "RESTARTING"):  # not ended by a failure
-                        # The store failing is the run failing; anything else from this side stops it.
-                        status = "ERRORED" if isinstance(exc, StorageError) else "ABORTED"
-                        if status == "ERRORED":  # the console's line, which names the local copy
-                            lost = self.mirror.lost if self.remote is not None else None
-                            reason = lost[1] if lost is not None and lost[0] is exc else str(exc).rstrip(".")
-                            self._ended_line = (False, self._best(), f"StorageError: {reason}")
+                        if isinstance(exc, StorageError):  # the store failing is the run failing: ERRORED
+                            why = self.mirror.why(exc) if self.remote is not None else str(exc)
+                            self._ended_line = (False, self._best(), f"StorageError: {why}")
                         with contextlib.suppress(OSError):  # a full disk: the error that got us here says so
+                            status = "ERRORED" if isinstance(exc, StorageError) else "ABORTED"
                             self.save_status(status, error=f"{type(exc).__name__}: {exc}")
                     raise
                 finally:
@@ -315,48 +311,23 @@ class Run:
                         self._write_summary()
                         with contextlib.suppress(OSError):  # as above
                             self._metrics_file.close()
-                    if self.remote is not None:
-                        self._upload_at_end(failed)
+                    if self.remote is not None:  # the last uploads, then the console's last line
+                        uploaded = False
+                        try:
+                            uploaded = self.mirror.push_final(failed)
+                        finally:
+                            self._say_ended(None if uploaded else self.run_dir)
         except OSError as exc:
             full = disk_full_error(exc, exc.filename or self.run_dir)
             if full is None:
                 raise
             raise ControllerError(f"Training stopped: {full}") from full
 
-    def _upload_at_end(self, failed: bool) -> None:
-        """The run's last uploads (metrics, ``run.json``, logs), and the console's last line.
-        After the training itself failed (``failed``) each gets one try, and a failure is logged:
-        the training's error is the one raised. After it finished, they are tried again for the
-        bound (``RunMirror``), and a failure is raised.
-
-        Raises:
-            StorageError: Training finished, but its results are not all on the store: names
-                the store and the local copy (whose ``run.json`` says so in ``upload_error``).
-        """
-        try:
-            self.mirror.push_final(retry=not failed)
-        except Exception as exc:  # a StorageError, or a local file that cannot be read
-            if failed:
-                _logger.warning("ddptrain: could not upload the run's last results: %s: %s", type(exc).__name__, exc)
-                self._say_ended(where=self.run_dir)
-                return
-            store = self.remote.display() if self.remote else self.location
-            self._run_json["upload_error"] = str(exc)
-            with contextlib.suppress(OSError):  # a full disk as well: the error says where the copy is
-                storage.write_json_atomic(self.layout.run_json, self._run_json, private=True)
-            self._say_ended(where=f"{self.run_dir} (not on {store}: the last uploads failed)")
-            raise StorageError(
-                f"Training finished, but its results could not all be uploaded to {store}: {exc}",
-                timed_out=isinstance(exc, StorageError) and exc.timed_out,
-            ) from exc
-        self._say_ended()
-
     def _say_ended(self, where: str | None = None) -> None:
-        """The console's line for the end of the run (on remote storage, after its last uploads)."""
-        if self._ended_line is not None:
-            ok, best, error = self._ended_line
-            self._ended_line = None
-            self.progress.finished(ok, best, error=error, where=where)
+        """The console's last line (on remote storage after the last uploads; ``where``: if failed)."""
+        ending, self._ended_line = self._ended_line, None
+        if ending is not None:
+            self.progress.finished(*ending, where=where)
 
     def new_plan(self) -> Plan:
         """A placement plan for the next attempt (the host list is read again)."""
@@ -371,8 +342,8 @@ class Run:
         return [h.name for h in self.plan.placement.hosts] if self.plan.placement else [self.plan.hostname]
 
     def ended(self, error: str | None = None) -> None:
-        """The run is over: FINISHED, or ERRORED with ``error``. On remote storage the console
-        says so once the run's last uploads are done (``opened``)."""
+        """The run is over: FINISHED, or ERRORED with ``error`` (the console says so at once, or
+        on remote storage once the run's last uploads are done)."""
         self._ended_line = (error is None, self._best(), error or "")
         if self.remote is None:
             self._say_ended()

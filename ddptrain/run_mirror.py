@@ -16,6 +16,7 @@ try.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import posixpath
@@ -26,7 +27,7 @@ from pathlib import Path
 from ddptrain import remote_calls
 from ddptrain.errors import StorageError
 from ddptrain.remote import RemoteRoot
-from ddptrain.storage import RunLayout
+from ddptrain.storage import RunLayout, write_json_atomic
 
 __all__ = ["RunMirror"]
 
@@ -151,16 +152,17 @@ class RunMirror:
                     _logger.warning("ddptrain: uploads to %s work again", store)
                 self._failing_since = None
                 return
-            first = self._failing_since is None
-            if self._failing_since is None:
-                self._failing_since = tried_at
+            failing_since = self._failing_since
+            first = failing_since is None
+            if failing_since is None:
+                failing_since = self._failing_since = tried_at
             if isinstance(error, StorageError) and error.timed_out:  # no answer for the bound, or a call still waits
                 raise self._lost(str(error), error) from error
             failed = f"uploading {self.remote.shown(remote)}: {type(error).__name__}: {error}"
             if self.remote.stopping or not retry:  # on the way out (Ctrl-C), or asked to: no second try
                 raise self._lost(f"{store} failed {failed}", error) from error
             bound_s = remote_calls.timeout_s()
-            left_s = self._failing_since + bound_s - time.monotonic()
+            left_s = failing_since + bound_s - time.monotonic()
             if left_s <= 0:
                 raise self._lost(
                     f"{store} failed every upload for {bound_s - left_s:.0f} s (the bound is "
@@ -171,6 +173,10 @@ class RunMirror:
                 _logger.warning("ddptrain: %s failed %s (tried again for up to %g s)", store, failed, bound_s)
             time.sleep(min(retry_s, left_s))
             retry_s = min(retry_s * 2, _LAST_RETRY_S)
+
+    def why(self, error: BaseException) -> str:
+        """Why ``error`` happened, without the note on the local copy when it is this mirror's."""
+        return self.lost[1] if self.lost is not None and self.lost[0] is error else str(error).rstrip(".")
 
     def _lost(self, what: str, cause: BaseException) -> StorageError:
         why = what.rstrip(".")
@@ -210,21 +216,38 @@ class RunMirror:
                 stat = path.stat()
                 self._logs_pushed[str(path)] = (stat.st_size, stat.st_mtime)
 
-    def push_final(self, retry: bool = True) -> None:
+    def push_final(self, failed: bool) -> bool:
         """At the end of ``fit()``: upload what changed (``metrics.jsonl``, ``run.json``, logs).
+        After the training failed (``failed``), each gets one try and a failure is logged: the
+        training's error is the one raised (and a resume here uploads what is missing). After
+        it finished, they are tried again (see :meth:`push_file`), and a failure is raised and
+        recorded as ``upload_error`` in the local copy's ``run.json``.
 
-        Args:
-            retry: See :meth:`push_file` (``False`` after the training failed: its error is what
-                matters, and a resume here uploads what is missing).
+        Returns:
+            Whether everything is on the store.
 
         Raises:
-            StorageError: At the first upload that failed.
+            StorageError: The training finished, but its results are not all on the store; says
+                so, and names the store and the local copy.
         """
-        if self.layout.metrics.exists():
-            self.push_metrics(force=True, retry=retry)
-        if self.layout.run_json.exists():
-            self.push_file(RunLayout.RUN_JSON, retry)
-        self.push_logs(retry)
+        try:
+            if self.layout.metrics.exists():
+                self.push_metrics(force=True, retry=not failed)
+            if self.layout.run_json.exists():
+                self.push_file(RunLayout.RUN_JSON, retry=not failed)
+            self.push_logs(retry=not failed)
+        except Exception as exc:  # a StorageError, or a local file that cannot be read
+            if failed:
+                _logger.warning("ddptrain: could not upload the run's last results: %s: %s", type(exc).__name__, exc)
+                return False
+            with contextlib.suppress(OSError, ValueError, TypeError):  # the error names the local copy anyway
+                run_json = json.loads(self.layout.run_json.read_bytes())
+                write_json_atomic(self.layout.run_json, {**run_json, "upload_error": str(exc)}, private=True)
+            raise StorageError(
+                f"Training finished, but its results could not all be uploaded to {self.remote.display()}: {exc}",
+                timed_out=isinstance(exc, StorageError) and exc.timed_out,
+            ) from exc
+        return True
 
 
 def _run_id(run_json: bytes | None) -> str | None:

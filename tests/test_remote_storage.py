@@ -940,7 +940,7 @@ def test_the_runs_uploads_are_tried_again_for_the_bound(tmp_path: Path, monkeypa
         mirror.push_file("run.json")  # one try: the store has failed for the bound already
     assert time.monotonic() - started < 0.5
     Refusing.until = 0.0
-    mirror.push_final()
+    assert mirror.push_final(failed=False)
     assert (tmp_path / "store" / "bucket" / "run" / "run.json").read_text() == "{}"
 
 
@@ -997,12 +997,19 @@ def _steps(metrics: bytes) -> list[int]:
     return [json.loads(line)["metrics"]["step"] for line in metrics.splitlines()]
 
 
-def _show(run: Path, capsys: pytest.CaptureFixture[str]) -> str:
+def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    """What `ddptrain ARGS` prints (in this process)."""
     from ddptrain.cli import main
 
     capsys.readouterr()
-    assert main(["show", str(run)]) == 0
+    assert main(list(args)) == 0
     return capsys.readouterr().out
+
+
+def _status_in_runs(capsys: pytest.CaptureFixture[str], run: Path) -> str:
+    """The STATUS column of `ddptrain runs` for ``run`` (a run folder), listing its parent."""
+    row = next(line for line in _cli(capsys, "runs", str(run.parent)).splitlines() if line.startswith(run.name + " "))
+    return row.split()[1]
 
 
 def test_a_run_without_checkpoints_fails_when_its_store_stops_answering(
@@ -1033,8 +1040,9 @@ def test_a_run_without_checkpoints_fails_when_its_store_stops_answering(
     status = json.loads((local / "run.json").read_text())
     assert status["status"] == "ERRORED" and status["error"].startswith(f"StorageError: s3://{bucket}/exp did not")
     assert (local / "logs" / "attempt_0" / "rank_0.log").is_file()
-    shown = _show(local, capsys)
+    shown = _cli(capsys, "show", str(local))
     assert f"run 'plain': ERRORED  ({local})" in shown and "error: StorageError: " in shown, shown
+    assert _status_in_runs(capsys, local) == "ERRORED"
     # Resumed on this machine once the store answers: what only the local copy had is uploaded.
     logs = {rank: (local / "logs" / "attempt_0" / f"rank_{rank}.log").read_bytes() for rank in (0, 1)}
     s3fs.S3FileSystem.clear_instance_cache()
@@ -1072,6 +1080,7 @@ def test_fit_raises_when_the_results_cannot_be_uploaded_at_the_end(
     assert status["status"] == "FINISHED" and "error" not in status
     assert status["upload_error"].startswith(f"s3://{bucket}/exp did not answer for 3 s"), status
     assert (local / "logs" / "attempt_0" / "rank_1.log").is_file()
-    shown = _show(local, capsys)
+    shown = _cli(capsys, "show", str(local))
     assert f"run 'end': FINISHED  ({local})" in shown, shown
+    assert _status_in_runs(capsys, local) == "FINISHED"
     assert f"  upload failed: s3://{bucket}/exp did not answer" in shown, shown
