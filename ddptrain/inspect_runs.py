@@ -79,6 +79,7 @@ _FIELDS: dict[str, Callable[[Any], bool]] = {
     "ended": _is_number,
     "attempt": _is_count,
     "error": _is_text,
+    "upload_error": _is_text,
     "attempt_errors": lambda value: isinstance(value, list) and all(map(_is_failure, value)),
     "num_workers": _is_count,
     "use_gpu": lambda value: isinstance(value, bool),
@@ -157,6 +158,7 @@ def run_summary(run: Path | RunView) -> dict[str, Any]:
         "checkpoints": checkpoints,
         "score_attribute": score,
         "error": info.get("error"),
+        "upload_error": info.get("upload_error"),  # training ended, its last uploads to remote storage failed
         "attempt_errors": info.get("attempt_errors", []),
         "num_workers": info.get("num_workers"),
         "use_gpu": info.get("use_gpu"),
@@ -242,6 +244,8 @@ def main_show(run: str, as_json: bool) -> int:
         )
     if s["error"] and not s["attempt_errors"]:
         print(f"  error: {s['error']}")
+    if s["upload_error"]:
+        print(f"  upload failed: {s['upload_error']}")
     print(f"  reports: {s['reports']}")
     for key, (last, low, high) in (s["metric_stats"] or {}).items():
         print(f"    {key}: last {last:.6g}, min {low:.6g}, max {high:.6g}")

@@ -153,7 +153,11 @@ class Progress:
         start = resume_from or "scratch"
         self._say(f"ddptrain: attempt {attempt - 1} failed ({reason}); attempt {attempt} starts from {start}")
 
-    def finished(self, ok: bool, best: tuple[str, dict[str, Any]] | None = None, error: str = "") -> None:
+    def finished(
+        self, ok: bool, best: tuple[str, dict[str, Any]] | None = None, error: str = "", where: str | None = None
+    ) -> None:
+        """The run's last line: how it ended, its best checkpoint, and where everything is (the
+        run's folder, or ``where``)."""
         if self.mode == "lines" and self._unprinted:
             self._print_report()
         took = format_duration(time.monotonic() - self._started)
@@ -166,7 +170,7 @@ class Progress:
             path, metrics = best
             which = "best" if self.scored else "latest"
             line += f"; {which} checkpoint {path} ({format_metrics(metrics)})"
-        self._say(line + f"; everything is in {self.run_dir}")
+        self._say(line + f"; everything is in {where or self.run_dir}")
         with self._lock:
             self._clear_status()
 

@@ -180,6 +180,14 @@ class RemoteRoot:
             return {}
         return found
 
+    def file_sizes(self, remote: str) -> dict[str, int]:
+        """The size of every file below ``remote``, by its path relative to ``remote``."""
+        remote = remote.rstrip("/")
+        return {
+            posixpath.relpath(self.bare_path(path), remote): int(info.get("size") or 0)
+            for path, info in self._files(remote).items()
+        }
+
     def download_dir(self, remote: str, local: str) -> None:
         """Download every file below ``remote`` into ``local``.
 

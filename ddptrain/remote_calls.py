@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 from ddptrain import _env
 from ddptrain.errors import ConfigError, StorageError
 
-__all__ = ["Watch", "call", "local_size", "progress_callback", "stopping_timeout_s"]
+__all__ = ["Watch", "call", "local_size", "progress_callback", "stopping_timeout_s", "timeout_s"]
 
 _logger = logging.getLogger(__name__)
 
@@ -46,10 +46,15 @@ _TICK_S = 0.2
 
 def stopping_timeout_s() -> float:
     """The bound of each call of a caller that is stopping anyway."""
-    return min(_STOPPING_S, _timeout_s())
+    return min(_STOPPING_S, timeout_s())
 
 
-def _timeout_s() -> float:
+def timeout_s() -> float:
+    """The bound of each call: ``DDPTRAIN_STORAGE_TIMEOUT_S``.
+
+    Raises:
+        ConfigError: It is not a number > 0.
+    """
     try:
         return _env.storage_timeout_s()
     except ValueError as exc:
@@ -158,7 +163,7 @@ def call(
         StorageError: ``fs`` did not answer in time, or an earlier call to it has not returned.
         ConfigError: ``DDPTRAIN_STORAGE_TIMEOUT_S`` is not a number > 0.
     """
-    timeout_s = stopping_timeout_s() if stopping else _timeout_s()
+    bound_s = stopping_timeout_s() if stopping else timeout_s()
     key = id(fs)
     with _lock:
         stuck = _stuck.get(key)
@@ -168,7 +173,7 @@ def call(
             f"waiting); not {what}.",
             timed_out=True,
         )
-    watch = Watch(timeout_s, size)
+    watch = Watch(bound_s, size)
     done = threading.Event()
     box: dict[str, Any] = {}
     mine: list[_Stuck] = []
@@ -197,8 +202,8 @@ def call(
                 mine.append(_Stuck(what, started))
                 _stuck[key] = mine[0]
             raise StorageError(
-                f"{store} did not answer for {timeout_s:g} s while {what} (the bound is DDPTRAIN_STORAGE_TIMEOUT_S"
-                f"={_timeout_s():g} s; the store may be overloaded or unreachable).",
+                f"{store} did not answer for {bound_s:g} s while {what} (the bound is DDPTRAIN_STORAGE_TIMEOUT_S"
+                f"={timeout_s():g} s; the store may be overloaded or unreachable).",
                 timed_out=True,
             )
     except BaseException:

@@ -112,6 +112,7 @@ class Run:
             run_config.checkpoint_config and run_config.checkpoint_config.checkpoint_score_attribute
         )
         self._run_json: dict[str, Any] = {}
+        self._ended_line: tuple[bool, tuple[str, dict[str, Any]] | None, str] | None = None  # for the console
 
     # ----------------------------------------------------------------- what workers get
     def run_info(self, attempt: int) -> protocol.RunInfo:
@@ -259,12 +260,15 @@ class Run:
 
     def save_status(self, status: str, **fields: Any) -> None:
         """Record how the run stands in ``run.json`` (read by ``ddptrain runs`` and ``show``):
-        RUNNING, RESTARTING, FINISHED, ERRORED or ABORTED (Ray Train V2's words)."""
+        RUNNING, RESTARTING, FINISHED, ERRORED or ABORTED (Ray Train V2's words). On remote
+        storage it is uploaded (the final one with the run's last uploads, in ``opened``), or
+        a ``StorageError`` raised (``RunMirror.push_file``)."""
         self._run_json.update(status=status, **fields)
-        if status in ("FINISHED", "ERRORED", "ABORTED"):
+        ended = status in ("FINISHED", "ERRORED", "ABORTED")
+        if ended:
             self._run_json["ended"] = time.time()
         storage.write_json_atomic(self.layout.run_json, self._run_json, private=True)
-        if self.remote is not None:
+        if self.remote is not None and not ended:
             self.mirror.push_file(self.layout.RUN_JSON)
 
     @contextlib.contextmanager
@@ -272,25 +276,33 @@ class Run:
         """The run, open for one ``fit()``: locked, an earlier run of its name picked up, its
         files written; yields the number of the first attempt.
 
-        On the way out the metrics file is closed and, on remote storage, everything uploaded.
+        On the way out the metrics file is closed and, on remote storage, everything uploaded
+        (``RunMirror.push_final``: after the training finished, a failure raises StorageError).
         A ``fit()`` stopped from the driver's side (Ctrl-C, an error of the driver) leaves the
-        run ABORTED. A full disk where the driver writes (logs, metrics, checkpoints, the index)
-        raises ``ControllerError`` caused by a ``DiskFullError`` naming the file.
+        run ABORTED; one stopped by a ``StorageError``, ERRORED. A full disk where the driver
+        writes (logs, metrics, checkpoints, the index) raises ``ControllerError`` caused by a
+        ``DiskFullError`` naming the file.
         """
         try:
             with RunLock(self.run_dir, self.name):
                 self._load_previous()
+                failed = True
                 try:
                     self._prepare_dir()
                     index = self.first_attempt()
                     self.progress.started(workers=workers, hosts=hosts, attempt=index, resume_from=self.latest_path)
                     yield index
+                    failed = False
                 except BaseException as exc:
                     if self.remote is not None and not isinstance(exc, Exception):
                         self.remote.stopping = True  # Ctrl-C: the uploads left get a bound of seconds
                     if self._run_json.get("status") in ("RUNNING", "RESTARTING"):  # not ended by a failure
+                        if isinstance(exc, StorageError):  # the store failing is the run failing: ERRORED
+                            why = self.mirror.why(exc) if self.remote is not None else str(exc)
+                            self._ended_line = (False, self._best(), f"StorageError: {why}")
                         with contextlib.suppress(OSError):  # a full disk: the error that got us here says so
-                            self.save_status("ABORTED", error=f"{type(exc).__name__}: {exc}")
+                            status = "ERRORED" if isinstance(exc, StorageError) else "ABORTED"
+                            self.save_status(status, error=f"{type(exc).__name__}: {exc}")
                     raise
                 finally:
                     if self._metrics_file is not None:
@@ -299,13 +311,23 @@ class Run:
                         self._write_summary()
                         with contextlib.suppress(OSError):  # as above
                             self._metrics_file.close()
-                    if self.remote is not None:
-                        self.mirror.push_final()
+                    if self.remote is not None:  # the last uploads, then the console's last line
+                        uploaded = False
+                        try:
+                            uploaded = self.mirror.push_final(failed)
+                        finally:
+                            self._say_ended(None if uploaded else self.run_dir)
         except OSError as exc:
             full = disk_full_error(exc, exc.filename or self.run_dir)
             if full is None:
                 raise
             raise ControllerError(f"Training stopped: {full}") from full
+
+    def _say_ended(self, where: str | None = None) -> None:
+        """The console's last line (on remote storage after the last uploads; ``where``: if failed)."""
+        ending, self._ended_line = self._ended_line, None
+        if ending is not None:
+            self.progress.finished(*ending, where=where)
 
     def new_plan(self) -> Plan:
         """A placement plan for the next attempt (the host list is read again)."""
@@ -320,12 +342,14 @@ class Run:
         return [h.name for h in self.plan.placement.hosts] if self.plan.placement else [self.plan.hostname]
 
     def ended(self, error: str | None = None) -> None:
-        """The run is over: FINISHED, or ERRORED with ``error``."""
+        """The run is over: FINISHED, or ERRORED with ``error`` (the console says so at once, or
+        on remote storage once the run's last uploads are done)."""
+        self._ended_line = (error is None, self._best(), error or "")
+        if self.remote is None:
+            self._say_ended()
         if error is None:
-            self.progress.finished(True, self._best())
             self.save_status("FINISHED")
         else:
-            self.progress.finished(False, self._best(), error=error)
             self.save_status("ERRORED", error=error)
 
     def attempt_failed(self, index: int, failure: WorkerFailure) -> None:
@@ -360,7 +384,7 @@ class Run:
         )
         try:
             self.checkpoints.clean_leftovers()
-            self.mirror.push_logs()
+            self.mirror.push_logs(retry=False)  # sent again later: the next attempt's end, the run's
         except Exception as exc:  # each fsspec backend raises its own errors
             _logger.warning(
                 "ddptrain: could not clean up after the failed attempt in %s: %s: %s",

@@ -374,18 +374,26 @@ CTRL_C_SCRIPT = textwrap.dedent(
     from pathlib import Path
     import ddptrain as train
 
-    def loop():
+    def loop(config):
+        rank = train.get_context().get_world_rank()
+        if config["at_end"]:  # one report, whose metrics are uploaded meanwhile; then it returns
+            train.report({"step": 0})
+            time.sleep(3)
+            if rank == 0:
+                print("done", flush=True)
+            return
         for step in range(1000):
             with tempfile.TemporaryDirectory() as d:
                 Path(d, "w.bin").write_bytes(b"x" * 1000)
                 train.report({"step": step}, checkpoint=train.Checkpoint.from_directory(d))
-            if train.get_context().get_world_rank() == 0:
+            if rank == 0:
                 print("step", step, flush=True)
             time.sleep(0.2)
 
     if __name__ == "__main__":
         train.DataParallelTrainer(
             loop,
+            train_loop_config={"at_end": sys.argv[2] == "at-end"},
             scaling_config=train.ScalingConfig(num_workers=2),
             run_config=train.RunConfig(name="interrupted", storage_path=sys.argv[1]),
         ).fit()
@@ -393,15 +401,21 @@ CTRL_C_SCRIPT = textwrap.dedent(
 )
 
 
-def test_ctrl_c_ends_a_driver_whose_store_stopped_answering(s3: S3, tmp_path: Path) -> None:
+def _children(pid: int) -> list[str]:
+    return [c for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+
+
+@pytest.mark.parametrize("when", ["mid-run", "at-end"])
+def test_ctrl_c_ends_a_driver_whose_store_stopped_answering(s3: S3, tmp_path: Path, when: str) -> None:
     """Even with a bound of 10 minutes, Ctrl-C ends the driver within seconds: the uploads it
-    makes on its way out get a bound of seconds."""
+    makes on its way out get a bound of seconds. Mid-run, or in the run's last uploads after
+    the training finished (its workers are gone)."""
     bucket = s3.bucket()
     script = tmp_path / "driver.py"
     script.write_text(CTRL_C_SCRIPT)
     env = {**os.environ, "DDPTRAIN_STORAGE_TIMEOUT_S": "600", "PYTHONPATH": ROOT}
     proc = subprocess.Popen(
-        [sys.executable, str(script), f"s3://{bucket}/exp"],
+        [sys.executable, str(script), f"s3://{bucket}/exp", when],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -410,10 +424,15 @@ def test_ctrl_c_ends_a_driver_whose_store_stopped_answering(s3: S3, tmp_path: Pa
     try:
         assert proc.stdout is not None and proc.stderr is not None
         line = proc.stdout.readline()
-        if "step 0" not in line:
+        if ("done" if when == "at-end" else "step 0") not in line:
             proc.kill()
             raise AssertionError(line + proc.communicate()[1])
         s3.proxy.stall()
+        if when == "at-end":  # the workers returned: the driver is in its last uploads
+            deadline = time.monotonic() + 30
+            while _children(proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not _children(proc.pid)
         time.sleep(2)  # every process is waiting for the store now
         proc.send_signal(signal.SIGINT)
         started = time.monotonic()
@@ -871,6 +890,60 @@ def test_the_bound_holds_for_any_file_system(tmp_path: Path, monkeypatch: pytest
     assert (tmp_path / "store" / "bucket" / "b.bin").read_bytes() == b"w"
 
 
+def test_the_runs_uploads_are_tried_again_for_the_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store that refuses the driver's uploads (an error, not a hang): a short outage costs a
+    wait, not the run; one that lasts DDPTRAIN_STORAGE_TIMEOUT_S is a StorageError naming the
+    store, the last error and the local copy, and the next upload is not tried for another bound."""
+    from fsspec.implementations.dirfs import DirFileSystem
+    from fsspec.implementations.local import LocalFileSystem
+
+    from ddptrain import remote
+    from ddptrain.run_mirror import RunMirror
+
+    class Refusing(DirFileSystem):
+        until = 0.0
+
+        def put_file(self, lpath: str, rpath: str, callback: Any = None, **kwargs: Any) -> None:
+            if time.monotonic() < Refusing.until:
+                raise ConnectionRefusedError(111, "Connection refused")
+            super().put_file(lpath, rpath, **kwargs)
+
+    monkeypatch.setenv("DDPTRAIN_STORAGE_TIMEOUT_S", "2")
+    (tmp_path / "store" / "bucket").mkdir(parents=True)
+    root = remote.resolve("bucket", Refusing(path=str(tmp_path / "store"), fs=LocalFileSystem()))
+    assert root is not None
+    local = tmp_path / "copy"
+    local.mkdir()
+    (local / "metrics.jsonl").write_text('{"metrics": {"step": 0}}\n')
+    (local / "run.json").write_text("{}")
+    mirror = RunMirror(root, str(local), "bucket/run")
+    stored = tmp_path / "store" / "bucket" / "run" / "metrics.jsonl"
+
+    Refusing.until = time.monotonic() + 1.0
+    mirror.push_file("metrics.jsonl")  # tried again after 0.5 s and 1 s
+    assert stored.read_text() == '{"metrics": {"step": 0}}\n'
+
+    Refusing.until = time.monotonic() + 60
+    started = time.monotonic()
+    with pytest.raises(StorageError) as info:
+        mirror.push_metrics(force=True)
+    took = time.monotonic() - started
+    assert 2 <= took < 5, took
+    assert str(info.value).startswith(
+        "bucket failed every upload for 2 s (the bound is DDPTRAIN_STORAGE_TIMEOUT_S=2 s); the last: uploading "
+        "bucket/run/metrics.jsonl: ConnectionRefusedError: [Errno 111] Connection refused. The run's reports, "
+        f"run.json and logs are in its local copy {local} "
+    ), str(info.value)
+    assert not info.value.timed_out
+    started = time.monotonic()
+    with pytest.raises(StorageError, match=r"failed every upload for [23] s"):
+        mirror.push_file("run.json")  # one try: the store has failed for the bound already
+    assert time.monotonic() - started < 0.5
+    Refusing.until = 0.0
+    assert mirror.push_final(failed=False)
+    assert (tmp_path / "store" / "bucket" / "run" / "run.json").read_text() == "{}"
+
+
 def test_a_storage_filesystem_whose_endpoint_never_answers(monkeypatch: pytest.MonkeyPatch) -> None:
     """The user's own s3fs, with its own (long) timeouts and retries, at an endpoint that accepts
     connections (the kernel's backlog) and never answers: fit() fails at its first call to the
@@ -894,3 +967,120 @@ def test_a_storage_filesystem_whose_endpoint_never_answers(monkeypatch: pytest.M
         assert time.monotonic() - started < 10
     finally:
         listener.close()
+
+
+def _reports_only(config: dict[str, Any]) -> None:
+    """Reports `steps` steps, no checkpoint; prints "done" (rank 0) before it returns."""
+    for step in range(config["steps"]):
+        train.report({"step": step})
+        time.sleep(config["sleep"])
+    if train.get_context().get_world_rank() == 0:
+        print("done", flush=True)
+
+
+def _plain_trainer(bucket: str, name: str, steps: int, sleep: float, callbacks: list[Any]) -> TorchTrainer:
+    return TorchTrainer(
+        _reports_only,
+        train_loop_config={"steps": steps, "sleep": sleep},
+        scaling_config=train.ScalingConfig(num_workers=2),
+        run_config=train.RunConfig(name=name, storage_path=f"s3://{bucket}/exp", callbacks=callbacks),
+    )
+
+
+def _local_copy(tmp_path: Path, name: str) -> Path:
+    """The driver's working copy of run ``name`` (under the fixture's DDPTRAIN_CACHE_DIR)."""
+    (found,) = (tmp_path / "cache" / "runs").glob(f"*/{name}")
+    return found
+
+
+def _steps(metrics: bytes) -> list[int]:
+    return [json.loads(line)["metrics"]["step"] for line in metrics.splitlines()]
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    """What `ddptrain ARGS` prints (in this process)."""
+    from ddptrain.cli import main
+
+    capsys.readouterr()
+    assert main(list(args)) == 0
+    return capsys.readouterr().out
+
+
+def _status_in_runs(capsys: pytest.CaptureFixture[str], run: Path) -> str:
+    """The STATUS column of `ddptrain runs` for ``run`` (a run folder), listing its parent."""
+    row = next(line for line in _cli(capsys, "runs", str(run.parent)).splitlines() if line.startswith(run.name + " "))
+    return row.split()[1]
+
+
+def test_a_run_without_checkpoints_fails_when_its_store_stops_answering(
+    s3: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Only the driver talks to the store (metrics, run.json, logs): an upload that gets no
+    answer for the bound fails the run with a StorageError naming the store and the local copy,
+    which has every report; `ddptrain show` of the copy says ERRORED and why."""
+    monkeypatch.setenv("DDPTRAIN_STORAGE_TIMEOUT_S", "3")
+    bucket = s3.bucket()
+    stall = _CutAfter(s3.proxy, 3, stall=True)
+    try:
+        with pytest.raises(StorageError) as info:
+            _plain_trainer(bucket, "plain", steps=60, sleep=0.5, callbacks=[stall]).fit()
+        took = time.monotonic() - stall.at
+        s3.direct.invalidate_cache()
+        stored = _steps(s3.direct.cat_file(f"{bucket}/exp/plain/metrics.jsonl"))  # before the store answers again
+    finally:
+        s3.proxy.restore()
+    local = _local_copy(tmp_path, "plain")
+    message = str(info.value)
+    assert info.value.timed_out and f"s3://{bucket}/exp did not answer for 3 s while uploading" in message, message
+    assert f"local copy {local} " in message, message
+    assert took < 20, took  # at most 2 s to the next upload, the bound, the teardown, a busy machine
+    reported = _steps((local / "metrics.jsonl").read_bytes())
+    assert reported == list(range(len(reported))) and len(reported) > 3
+    assert len(stored) < len(reported)
+    status = json.loads((local / "run.json").read_text())
+    assert status["status"] == "ERRORED" and status["error"].startswith(f"StorageError: s3://{bucket}/exp did not")
+    assert (local / "logs" / "attempt_0" / "rank_0.log").is_file()
+    shown = _cli(capsys, "show", str(local))
+    assert f"run 'plain': ERRORED  ({local})" in shown and "error: StorageError: " in shown, shown
+    assert _status_in_runs(capsys, local) == "ERRORED"
+    # Resumed on this machine once the store answers: what only the local copy had is uploaded.
+    logs = {rank: (local / "logs" / "attempt_0" / f"rank_{rank}.log").read_bytes() for rank in (0, 1)}
+    s3fs.S3FileSystem.clear_instance_cache()
+    result = _plain_trainer(bucket, "plain", steps=2, sleep=0, callbacks=[]).fit()
+    assert [m["step"] for m in result.metrics_history] == [*reported, 0, 1]
+    run = f"{bucket}/exp/plain"
+    s3.direct.invalidate_cache()
+    assert _steps(s3.direct.cat_file(f"{run}/metrics.jsonl")) == [*reported, 0, 1]
+    assert all(s3.direct.cat_file(f"{run}/logs/attempt_0/rank_{rank}.log") == logs[rank] for rank in (0, 1))
+    assert s3.direct.exists(f"{run}/logs/attempt_1/rank_0.log")
+
+
+def test_fit_raises_when_the_results_cannot_be_uploaded_at_the_end(
+    s3: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Training finished, then the store stopped answering: fit() does not report success with
+    results missing from the bucket; its StorageError says the training finished and where the
+    local copy is, and the copy's run.json says what happened."""
+    monkeypatch.setenv("DDPTRAIN_STORAGE_TIMEOUT_S", "3")
+    bucket = s3.bucket()
+    stall = _CutAfter(s3.proxy, 4, stall=True)  # after the last report
+    try:
+        with pytest.raises(StorageError) as info:
+            _plain_trainer(bucket, "end", steps=4, sleep=0, callbacks=[stall]).fit()
+        took = time.monotonic() - stall.at
+    finally:
+        s3.proxy.restore()
+    local = _local_copy(tmp_path, "end")
+    message = str(info.value)
+    assert message.startswith(f"Training finished, but its results could not all be uploaded to s3://{bucket}/exp: ")
+    assert f"local copy {local} " in message, message
+    assert took < 20, took
+    assert _steps((local / "metrics.jsonl").read_bytes()) == [0, 1, 2, 3]
+    status = json.loads((local / "run.json").read_text())
+    assert status["status"] == "FINISHED" and "error" not in status
+    assert status["upload_error"].startswith(f"s3://{bucket}/exp did not answer for 3 s"), status
+    assert (local / "logs" / "attempt_0" / "rank_1.log").is_file()
+    shown = _cli(capsys, "show", str(local))
+    assert f"run 'end': FINISHED  ({local})" in shown, shown
+    assert _status_in_runs(capsys, local) == "FINISHED"
+    assert f"  upload failed: s3://{bucket}/exp did not answer" in shown, shown
