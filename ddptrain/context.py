@@ -14,14 +14,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ddptrain import protocol, storage
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.errors import DdpTrainError, StorageError
-from ddptrain.remote_checkpoints import upload_checkpoint
+from ddptrain.storage import layout as storage
+from ddptrain.storage.remote_checkpoints import upload_checkpoint
 from ddptrain.train_context import StorageContext, TrainContext
+from ddptrain.wire import protocol
 
 if TYPE_CHECKING:
-    from ddptrain.channel import WorkerChannel
+    from ddptrain.wire.channel import WorkerChannel
 
 __all__ = [
     "TrainContext",

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import ddptrain as train
-from ddptrain.cli import main
+from ddptrain.cli.main import main
 from ddptrain.torch import TorchTrainer
 
 DATA = Path(__file__).resolve().parent / "data"

@@ -20,8 +20,9 @@ import cloudpickle
 import torch
 
 from ddptrain.config import ScalingConfig
+from ddptrain.driver.worker_group import WorkerGroup
 from ddptrain.errors import ConfigError, LaunchError, WorkerGroupError
-from ddptrain.hosts import HostSpec, parse_hosts
+from ddptrain.launch.hosts import HostSpec, parse_hosts
 from ddptrain.torch.config import TorchConfig
 from ddptrain.util.sgd.torch import _runner, _tune
 from ddptrain.util.sgd.torch._arguments import check_arguments
@@ -29,7 +30,6 @@ from ddptrain.util.sgd.torch._recovery import discard, first_line, lost_worker
 from ddptrain.util.sgd.torch._workers import State, Workers
 from ddptrain.util.sgd.torch.training_operator import TrainingOperator
 from ddptrain.util.sgd.utils import BATCH_SIZE, reduce_worker_stats
-from ddptrain.worker_group import WorkerGroup
 
 __all__ = ["TorchTrainer"]
 
