@@ -54,7 +54,7 @@ def timed_fit(storage: str, name: str) -> float:
 def main() -> int:
     args = _bench.parse_args(__doc__.splitlines()[0], default_repeats=5, quick_repeats=2)
     import ddptrain as train
-    from ddptrain.driver.worker_group import WorkerGroup
+    from ddptrain.worker_group import WorkerGroup
 
     _bench.emit({"bench": BENCH, "metric": "environment", **_bench.environment(), "repeats": args.repeats})
     storage = tempfile.mkdtemp(prefix="ddptrain-bench-warm-")

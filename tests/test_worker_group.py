@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 import ddptrain as train
 from ddptrain import WorkerDiedError, WorkerGroupError
-from ddptrain.driver.worker_group import WorkerGroup
 from ddptrain.torch import TorchTrainer
+from ddptrain.worker_group import WorkerGroup
 
 
 def _rank_and_sum() -> tuple[int, float]:

@@ -29,7 +29,7 @@ import cloudpickle
 from ddptrain import _env
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.config import CheckpointConfig, FailureConfig, RunConfig
-from ddptrain.driver.progress import quiet
+from ddptrain.progress import quiet
 from ddptrain.storage import layout as storage
 from ddptrain.tune._resources import Grant, Resources
 from ddptrain.tune._trial_run import call_function, fit_trainer, pick_up_checkpoints

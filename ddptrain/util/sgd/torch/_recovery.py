@@ -9,9 +9,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ddptrain.driver.worker_group import WorkerGroup
 from ddptrain.errors import LaunchError, WorkerDiedError, WorkerGroupError
 from ddptrain.launch.hosts import HostSpec
+from ddptrain.worker_group import WorkerGroup
 
 __all__: list[str] = []
 

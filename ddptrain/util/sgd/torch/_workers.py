@@ -16,11 +16,11 @@ import warnings
 from collections.abc import Callable
 from typing import Any, TypeAlias
 
-from ddptrain.driver.worker_group import WorkerGroup
 from ddptrain.errors import WorkerGroupError
 from ddptrain.launch.hosts import HostSpec
 from ddptrain.util.sgd.torch import _runner
 from ddptrain.util.sgd.torch._recovery import PendingCall, discard, first_line, lost_worker, start_what_starts
+from ddptrain.worker_group import WorkerGroup
 
 __all__: list[str] = []
 

@@ -20,7 +20,6 @@ import cloudpickle
 import torch
 
 from ddptrain.config import ScalingConfig
-from ddptrain.driver.worker_group import WorkerGroup
 from ddptrain.errors import ConfigError, LaunchError, WorkerGroupError
 from ddptrain.launch.hosts import HostSpec, parse_hosts
 from ddptrain.torch.config import TorchConfig
@@ -30,6 +29,7 @@ from ddptrain.util.sgd.torch._recovery import discard, first_line, lost_worker
 from ddptrain.util.sgd.torch._workers import State, Workers
 from ddptrain.util.sgd.torch.training_operator import TrainingOperator
 from ddptrain.util.sgd.utils import BATCH_SIZE, reduce_worker_stats
+from ddptrain.worker_group import WorkerGroup
 
 __all__ = ["TorchTrainer"]
 

@@ -1,0 +1,7 @@
+"""``ddptrain.progress.set_progress(...)``, the path the README documents for the run's console
+lines: a shim that re-exports the public names of :mod:`ddptrain.driver.progress`, where the
+console lives."""
+
+from ddptrain.driver.progress import MODES, progress_mode, quiet, set_progress
+
+__all__ = ["MODES", "progress_mode", "quiet", "set_progress"]
