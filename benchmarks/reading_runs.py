@@ -4,7 +4,7 @@ summary) and, with ``--baseline SRC``, against another ddptrain source tree (e.g
 
 Each run's ``metrics.jsonl`` has 1.5 M reports of four metrics (about 190 MB; written once in
 the driver's format and hard-linked into every run folder: readers see 100 files). Each run's
-``metrics_summary.json`` is what the driver keeps (:class:`ddptrain.run_metrics.MetricsSummary`,
+``metrics_summary.json`` is what the driver keeps (:class:`ddptrain.storage.metrics.MetricsSummary`,
 built here by one full read, as a driver resuming the run would).
 
 Measured, each a median over ``--repeats``:
@@ -40,8 +40,8 @@ from typing import Any
 
 import _bench
 
-from ddptrain import run_metrics
-from ddptrain.storage import RunLayout
+from ddptrain.storage import metrics as run_metrics
+from ddptrain.storage.layout import RunLayout
 
 BENCH = "reading_runs"
 ROOT = str(Path(__file__).resolve().parent.parent)
@@ -79,7 +79,7 @@ def timed(command: list[str], env: dict[str, str]) -> float:
 
 
 def cli(*args: str) -> list[str]:
-    return [sys.executable, "-c", "import sys; from ddptrain.cli import main; sys.exit(main())", *args]
+    return [sys.executable, "-c", "import sys; from ddptrain.cli.main import main; sys.exit(main())", *args]
 
 
 def dashboard(storage: Path, env: dict[str, str], repeats: int) -> dict[str, Any]:
@@ -143,7 +143,7 @@ def main() -> int:
 
     def in_process(storage: Path) -> float:
         """``list_runs`` alone, in a fresh process."""
-        code = "import sys, time; from ddptrain.inspect_runs import list_runs; t = time.perf_counter(); "
+        code = "import sys, time; from ddptrain.cli.runs import list_runs; t = time.perf_counter(); "
         code += "list_runs(sys.argv[1]); print(time.perf_counter() - t)"
         done = subprocess.run(
             [sys.executable, "-c", code, str(storage)], env=env, capture_output=True, text=True, cwd="/"
@@ -158,7 +158,7 @@ def main() -> int:
         make_runs(new, history, count, summaries=True)
         make_runs(old, history, min(count, 10), summaries=False)
         # Python's start and ddptrain's imports: the part of each command that is not reading runs.
-        record("startup_s", lambda: timed([sys.executable, "-c", "import ddptrain.cli"], env))
+        record("startup_s", lambda: timed([sys.executable, "-c", "import ddptrain.cli.main"], env))
         record("runs_100_s", lambda: timed(cli("runs", str(new)), env))
         record("list_runs_100_s", lambda: in_process(new))
         record("show_s", lambda: timed(cli("show", str(new / "run_000")), env))

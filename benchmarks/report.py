@@ -58,7 +58,8 @@ def report_loop(config: dict) -> dict:
     from time import perf_counter
 
     import ddptrain as train
-    from ddptrain import channel, context
+    from ddptrain import context
+    from ddptrain.wire import channel
 
     n = config["n"]
     rank = train.get_context().get_world_rank()
@@ -192,7 +193,7 @@ class _Gate:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def __enter__(self) -> _Gate:
-        from ddptrain.driver_channel import DriverChannel
+        from ddptrain.wire.driver_channel import DriverChannel
 
         self._original = original = DriverChannel._drain
         gate = self
@@ -208,7 +209,7 @@ class _Gate:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        from ddptrain.driver_channel import DriverChannel
+        from ddptrain.wire.driver_channel import DriverChannel
 
         self.release.set()
         DriverChannel._drain = self._original  # type: ignore[method-assign]

@@ -30,6 +30,7 @@ from ddptrain.context import (
     report,
 )
 from ddptrain.data_parallel_trainer import DataParallelTrainer
+from ddptrain.driver.warm import reuse_workers
 from ddptrain.errors import (
     ConfigError,
     ControllerError,
@@ -43,7 +44,6 @@ from ddptrain.errors import (
     WorkerGroupError,
 )
 from ddptrain.result import Result
-from ddptrain.warm import reuse_workers
 
 __version__ = "0.1.0"
 

@@ -2,6 +2,6 @@
 
 import sys
 
-from ddptrain.cli import main
+from ddptrain.cli.main import main
 
 sys.exit(main())

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ddptrain.worker_group import WorkerGroup
+    from ddptrain.driver.worker_group import WorkerGroup
 
 __all__ = ["Backend", "BackendConfig"]
 

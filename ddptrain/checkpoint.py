@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ddptrain import remote
+from ddptrain.storage import remote
 
 __all__ = ["Checkpoint"]
 

@@ -11,8 +11,8 @@ from typing import TypeVar
 
 import cloudpickle
 
-from ddptrain import protocol
 from ddptrain.context import _get_session
+from ddptrain.wire import protocol
 
 __all__ = ["barrier", "broadcast_from_rank_zero"]
 

@@ -11,10 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from ddptrain import _env, remote
+from ddptrain import _env
 from ddptrain.callbacks import UserCallback
 from ddptrain.errors import ConfigError, ConfigTypeError
-from ddptrain.hosts import parse_hosts
+from ddptrain.launch.hosts import parse_hosts
+from ddptrain.storage import remote
 
 __all__ = [
     "ScalingConfig",

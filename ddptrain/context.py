@@ -14,14 +14,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ddptrain import protocol, storage
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.errors import DdpTrainError, StorageError
-from ddptrain.remote_checkpoints import upload_checkpoint
+from ddptrain.storage import layout as storage
+from ddptrain.storage.remote_checkpoints import upload_checkpoint
 from ddptrain.train_context import StorageContext, TrainContext
+from ddptrain.wire import protocol
 
 if TYPE_CHECKING:
-    from ddptrain.channel import WorkerChannel
+    from ddptrain.wire.channel import WorkerChannel
 
 __all__ = [
     "TrainContext",
@@ -83,7 +84,7 @@ class _Session:
     report_index: int = 0
     collective_index: int = 0
     end_hooks: list[Callable[[bool], None]] = field(default_factory=list)  # see on_training_end
-    local_sink: Any = None  # local mode: persists reports in this process (ddptrain.local_run)
+    local_sink: Any = None  # local mode: persists reports in this process (ddptrain.driver.local_run)
 
     def checkpoint_at(self, path: str) -> Checkpoint:
         """The run's checkpoint at ``path`` (a path the driver sent)."""

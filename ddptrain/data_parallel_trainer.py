@@ -13,18 +13,19 @@ from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 
-from ddptrain import _env, remote
+from ddptrain import _env
 from ddptrain.backend import BackendConfig
 from ddptrain.checkpoint import Checkpoint
-from ddptrain.checkpoint_manager import RunDirectoryError
 from ddptrain.config import DataConfig, RunConfig, ScalingConfig
 from ddptrain.data.ingest import DatasetIngest, check_datasets
 from ddptrain.errors import ConfigError
 from ddptrain.result import Result
-from ddptrain.storage import RunLayout
+from ddptrain.storage import remote
+from ddptrain.storage.checkpoint_manager import RunDirectoryError
+from ddptrain.storage.layout import RunLayout
 
 if TYPE_CHECKING:
-    from ddptrain.run import Run
+    from ddptrain.driver.run import Run
 
 __all__ = ["DataParallelTrainer"]
 
@@ -204,13 +205,13 @@ class DataParallelTrainer:
             return self._fit_local()
         self._check_before_start()
         datasets = DatasetIngest(self.datasets, self.dataset_config, self.scaling_config.num_workers)
-        from ddptrain.controller import Controller  # imports torch, as `Run` below
+        from ddptrain.driver.controller import Controller  # imports torch, as `Run` below
 
         return Controller(self._new_run(self._payload(), datasets)).fit()
 
     def _new_run(self, payload: bytes, datasets: DatasetIngest | None) -> Run:
         """The driver's state of one ``fit()`` (``payload``: the pickled function, for workers)."""
-        from ddptrain.run import Run  # imports torch (seconds): `import ddptrain` stays light until fit()
+        from ddptrain.driver.run import Run  # imports torch (seconds): `import ddptrain` stays light until fit()
 
         run = Run(
             payload=payload,
@@ -244,7 +245,7 @@ class DataParallelTrainer:
     def _fit_local(self) -> Result:
         """Local mode: run the function in this process, as rank 0 of 1, with the run's
         storage (metrics, checkpoints, retention, resume) as for a worker group."""
-        from ddptrain.local_run import fit_local  # imports torch, as above
+        from ddptrain.driver.local_run import fit_local  # imports torch, as above
 
         self._check_before_start()
         run = self._new_run(b"", None)  # the function runs here: nothing to pickle

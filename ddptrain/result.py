@@ -7,11 +7,12 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddptrain import remote, run_metrics
 from ddptrain.checkpoint import Checkpoint
-from ddptrain.checkpoint_manager import CheckpointManager
-from ddptrain.remote_checkpoints import RemoteCheckpointManager
-from ddptrain.storage import RunLayout
+from ddptrain.storage import metrics as run_metrics
+from ddptrain.storage import remote
+from ddptrain.storage.checkpoint_manager import CheckpointManager
+from ddptrain.storage.layout import RunLayout
+from ddptrain.storage.remote_checkpoints import RemoteCheckpointManager
 
 __all__ = ["Result", "read_metrics", "read_metric_lines"]
 

@@ -12,13 +12,14 @@ import cloudpickle
 import pytest
 
 import ddptrain as train
-from ddptrain import protocol, storage
 from ddptrain.backend import BackendConfig
-from ddptrain.driver import Attempt
+from ddptrain.driver.attempt import Attempt
+from ddptrain.driver.run import Run
+from ddptrain.driver.worker_group import GroupFailed
 from ddptrain.errors import WorkerFailure
 from ddptrain.result import read_metric_lines
-from ddptrain.run import Run
-from ddptrain.worker_group import GroupFailed
+from ddptrain.storage import layout as storage
+from ddptrain.wire import protocol
 
 
 class FakeGroup:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import ddptrain as train
-from ddptrain import channel
+from ddptrain.wire import channel
 
 
 def test_sign_and_verify_round_trip() -> None:
@@ -133,9 +133,9 @@ def test_rejected_messages_are_counted_not_each_logged(caplog) -> None:
 def _driver_end(world_size: int):
     import secrets
 
-    from ddptrain.driver_channel import DriverChannel
-    from ddptrain.group_events import GroupEvents
-    from ddptrain.plan import Plan
+    from ddptrain.driver.group_events import GroupEvents
+    from ddptrain.driver.plan import Plan
+    from ddptrain.wire.driver_channel import DriverChannel
 
     store = channel.open_store("127.0.0.1")
     secret = secrets.token_bytes(32)
@@ -147,8 +147,8 @@ def _driver_end(world_size: int):
 
 
 def test_a_deleted_log_key_fails_the_group_within_the_tamper_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ddptrain import protocol
-    from ddptrain.group_events import GroupFailed
+    from ddptrain.driver.group_events import GroupFailed
+    from ddptrain.wire import protocol
 
     monkeypatch.setenv("DDPTRAIN_STORE_TAMPER_TIMEOUT_S", "1")
     store, secret, keys, group = _driver_end(1)

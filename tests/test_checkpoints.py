@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import ddptrain as train
-from ddptrain.checkpoint_manager import RunDirectoryError
+from ddptrain.storage.checkpoint_manager import RunDirectoryError
 
 
 def write_checkpoint(directory: str, **files: str) -> None:
@@ -517,7 +517,7 @@ def test_a_folder_that_is_not_a_checkpoint_is_not_overwritten(storage: str) -> N
 
 
 def test_an_interrupted_overwrite_is_rolled_back(storage: str) -> None:
-    from ddptrain import storage as store
+    from ddptrain.storage import layout as store
 
     run_dir = Path(storage, "roll")
     run_dir.mkdir(parents=True)

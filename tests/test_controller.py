@@ -1,4 +1,4 @@
-"""The controller's restart policy (``ddptrain.controller``), with real worker processes on this
+"""The controller's restart policy (``ddptrain.driver.controller``), with real worker processes on this
 machine: every attempt gets a placement plan of its own, and a next attempt that cannot start
 ends the run with an error that says so."""
 

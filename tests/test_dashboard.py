@@ -30,9 +30,9 @@ import pytest
 from run_folders import write_run
 
 import ddptrain as train
-from ddptrain import dashboard as dashboard_module
-from ddptrain import dashboard_server
-from ddptrain.dashboard import Dashboard
+from ddptrain.cli import dashboard as dashboard_module
+from ddptrain.cli import dashboard_server
+from ddptrain.cli.dashboard import Dashboard
 from ddptrain.torch import TorchTrainer
 
 ROOT = str(Path(__file__).resolve().parent.parent)

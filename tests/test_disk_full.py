@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 
 import ddptrain as train
-from ddptrain import storage
-from ddptrain.checkpoint_manager import CheckpointManager
 from ddptrain.config import CheckpointConfig
 from ddptrain.errors import DiskFullError
+from ddptrain.storage import layout as storage
+from ddptrain.storage.checkpoint_manager import CheckpointManager
 
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 _HANG_S = 90  # a child fit() still running after this hung

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 import ddptrain as train
+from ddptrain.driver.plan import Plan
 from ddptrain.errors import ConfigError
-from ddptrain.hosts import HostSpec, parse_hostfile, parse_hosts, place_workers, with_ssh_config
-from ddptrain.plan import Plan
-from ddptrain.ssh import gpu_slots
+from ddptrain.launch.hosts import HostSpec, parse_hostfile, parse_hosts, place_workers, with_ssh_config
+from ddptrain.launch.ssh import gpu_slots
 
 
 def test_host_file_with_comments_options_and_blank_lines(tmp_path: Path) -> None:

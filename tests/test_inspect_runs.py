@@ -21,7 +21,7 @@ import pytest
 from run_folders import write_run
 
 import ddptrain as train
-from ddptrain.cli import main
+from ddptrain.cli.main import main
 from ddptrain.torch import TorchTrainer
 
 ROOT = str(Path(__file__).resolve().parent.parent)
@@ -276,7 +276,7 @@ def test_runs_and_show_read_the_summary_and_the_lines_after_it(runs: str, tmp_pa
 def test_a_long_run_of_an_older_ddptrain_is_read_from_its_tail(tmp_path: Path, capfd, monkeypatch) -> None:
     """No summary (written before there was one): `runs` and `show` count the lines and read
     the last one (the min and max are not known without reading it all)."""
-    from ddptrain import run_metrics
+    from ddptrain.storage import metrics as run_metrics
 
     monkeypatch.setattr(run_metrics, "_DELTA_MAX_BYTES", 1000)  # "long": over 1000 bytes
     write_run(tmp_path / "old", metrics=[{"loss": 1.0 / (i + 1), "step": i} for i in range(100)])

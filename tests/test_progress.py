@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 import ddptrain as train
-from ddptrain.progress import format_metrics, set_progress
+from ddptrain.driver.progress import format_metrics
+from ddptrain.progress import set_progress
 from ddptrain.torch import TorchTrainer
 
 ROOT = str(Path(__file__).resolve().parent.parent)

@@ -1,5 +1,5 @@
 """The agent's wire protocol, without processes: frames are encoded and decoded by
-``ddptrain.protocol``, and a fake connection replays an agent's frames through the real
+``ddptrain.wire.protocol``, and a fake connection replays an agent's frames through the real
 ``AgentSession`` into a real worker group's event pump, which must turn them into the
 failures a user reads."""
 
@@ -13,15 +13,15 @@ from pathlib import Path
 import cloudpickle
 import pytest
 
-from ddptrain import agent_events, protocol
-from ddptrain._agent_start import versions
-from ddptrain._logs import LogSink
-from ddptrain.agent_session import AgentSession
 from ddptrain.config import ScalingConfig
+from ddptrain.driver.group_events import GroupEvents, GroupFailed
+from ddptrain.driver.logs import LogSink
+from ddptrain.driver.plan import Plan
 from ddptrain.errors import LaunchError
-from ddptrain.group_events import GroupEvents, GroupFailed
-from ddptrain.plan import Plan
-from ddptrain.worker import failure_record
+from ddptrain.launch.agent_session import AgentSession
+from ddptrain.wire import agent_events, protocol
+from ddptrain.wire.boot import versions
+from ddptrain.worker.main import failure_record
 
 
 def _bootstrap(workers: int = 2) -> protocol.Bootstrap:

@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 
 import ddptrain as train
-from ddptrain.checkpoint_manager import RunDirectoryError
 from ddptrain.errors import ConfigError, StorageError, WorkerGroupError
+from ddptrain.storage.checkpoint_manager import RunDirectoryError
 from ddptrain.torch import TorchTrainer
 
 pytestmark = pytest.mark.slow
@@ -698,8 +698,8 @@ def test_random_driver_kills_never_leave_a_half_checkpoint_on_the_store(s3: S3, 
 def test_a_replacement_cut_short_puts_the_old_checkpoint_back(s3: S3, tmp_path: Path, caplog) -> None:
     """The moment the random kills above may or may not hit: the committed checkpoint was put
     aside and unlisted, its successor not yet listed, when the driver died."""
-    from ddptrain import remote
-    from ddptrain.remote_checkpoints import RemoteCheckpointManager
+    from ddptrain.storage import remote
+    from ddptrain.storage.remote_checkpoints import RemoteCheckpointManager
 
     bucket = s3.bucket()
     root = remote.resolve(f"s3://{bucket}/exp")
@@ -730,8 +730,8 @@ def test_a_replacement_cut_short_puts_the_old_checkpoint_back(s3: S3, tmp_path: 
 def test_reports_only_the_local_copy_has_survive_a_resume(s3: S3, tmp_path: Path) -> None:
     """An earlier driver here could not upload its last reports (the store was away): the
     next start keeps them and uploads them, instead of taking the store's shorter copy."""
-    from ddptrain import remote
-    from ddptrain.run_mirror import RunMirror
+    from ddptrain.storage import remote
+    from ddptrain.storage.mirror import RunMirror
 
     bucket = s3.bucket()
     root = remote.resolve(f"s3://{bucket}/exp")
@@ -831,7 +831,7 @@ def test_the_cli_reads_a_run_on_remote_storage(s3: S3, tmp_path: Path) -> None:
 
 
 def test_the_cli_names_the_missing_extra_for_a_uri() -> None:
-    code = "import sys; sys.modules['s3fs'] = None; from ddptrain.cli import main; sys.exit(main(sys.argv[1:]))"
+    code = "import sys; sys.modules['s3fs'] = None; from ddptrain.cli.main import main; sys.exit(main(sys.argv[1:]))"
     env = {**os.environ, "PYTHONPATH": ROOT}
     out = subprocess.run(
         [sys.executable, "-c", code, "show", "s3://bucket/prefix/run"], capture_output=True, text=True, env=env
@@ -846,7 +846,7 @@ def test_the_bound_holds_for_any_file_system(tmp_path: Path, monkeypatch: pytest
     from fsspec.implementations.dirfs import DirFileSystem
     from fsspec.implementations.local import LocalFileSystem
 
-    from ddptrain import remote
+    from ddptrain.storage import remote
 
     release = threading.Event()
 
@@ -898,7 +898,7 @@ def test_the_runs_uploads_are_tried_again_for_the_bound(tmp_path: Path, monkeypa
     from fsspec.implementations.local import LocalFileSystem
 
     from ddptrain import remote
-    from ddptrain.run_mirror import RunMirror
+    from ddptrain.storage.mirror import RunMirror
 
     class Refusing(DirFileSystem):
         until = 0.0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ddptrain.storage import RunLayout
+from ddptrain.storage.layout import RunLayout
 
 
 def test_attempts_are_numbered_from_the_log_folders_in_numeric_order(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import ddptrain as train
-from ddptrain.hosts import HostSpec
+from ddptrain.launch.hosts import HostSpec
 from ddptrain.torch import TorchTrainer
 
 pytestmark = pytest.mark.ssh
@@ -825,8 +825,8 @@ def test_forwarded_values_are_never_on_a_command_line(ssh, storage: str, tmp_pat
 
 
 def test_env_frame_carries_any_value_and_refuses_what_env_cannot_hold() -> None:
-    from ddptrain._host_scripts import env_frame
     from ddptrain.errors import ConfigError
+    from ddptrain.launch.host_scripts import env_frame
 
     frame = env_frame({"B": "a b'c $X\nü", "A": ""})
     assert frame == len(frame[4:]).to_bytes(4, "big") + b"A=\0B=" + "a b'c $X\nü".encode()
@@ -838,8 +838,8 @@ def test_env_frame_carries_any_value_and_refuses_what_env_cannot_hold() -> None:
 def test_fetched_names_must_stay_inside_the_destination(ssh, tmp_path: Path) -> None:
     """A host that lists `../escape` (a lying SFTP server) cannot make the driver write outside."""
     from ddptrain.errors import LaunchError
-    from ddptrain.hosts import with_ssh_config
-    from ddptrain.ssh import SSHLauncher
+    from ddptrain.launch.hosts import with_ssh_config
+    from ddptrain.launch.ssh import SSHLauncher
 
     sftp_server = next(
         (p for p in ("/usr/lib/openssh/sftp-server", "/usr/libexec/sftp-server") if os.path.exists(p)), None
@@ -871,7 +871,7 @@ def test_fetched_names_must_stay_inside_the_destination(ssh, tmp_path: Path) -> 
 
 
 def test_only_plain_names_are_fetched() -> None:
-    from ddptrain.ssh_files import _child_path
+    from ddptrain.launch.ssh_files import _child_path
 
     assert _child_path("/dst", "rank_0.pt") == "/dst/rank_0.pt"
     assert _child_path("/dst", "..hidden") == "/dst/..hidden"
@@ -880,7 +880,7 @@ def test_only_plain_names_are_fetched() -> None:
 
 
 def _h0(ssh) -> HostSpec:
-    from ddptrain.hosts import with_ssh_config
+    from ddptrain.launch.hosts import with_ssh_config
 
     return with_ssh_config(HostSpec("h0"), str(ssh.ssh_config))
 
@@ -894,7 +894,7 @@ def _addr(ssh, name: str) -> str:
 
 
 def test_cert_authority_and_revoked_lines_are_understood(ssh, tmp_path: Path, monkeypatch) -> None:
-    from ddptrain.ssh_connect import connect
+    from ddptrain.launch.ssh_connect import connect
 
     other = tmp_path / "other"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
@@ -919,7 +919,7 @@ def test_cert_authority_and_revoked_lines_are_understood(ssh, tmp_path: Path, mo
 
 
 def test_accepting_a_new_host_key_only_appends_to_known_hosts(ssh, tmp_path: Path, monkeypatch) -> None:
-    from ddptrain.ssh_connect import connect
+    from ddptrain.launch.ssh_connect import connect
 
     known = tmp_path / "known_hosts"
     original = f"# my comment, kept\n\n{_host_key_line(ssh, 'h1')}  # h1, with a trailing comment"  # no final newline

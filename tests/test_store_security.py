@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import ddptrain as train
-from ddptrain import channel, protocol
+from ddptrain.wire import channel, protocol
 
 
 def _listen_addresses(port: int) -> list[str]:

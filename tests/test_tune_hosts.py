@@ -18,7 +18,7 @@ import pytest
 import ddptrain as train
 from ddptrain import tune
 from ddptrain.errors import ConfigError
-from ddptrain.hosts import HostSpec, parse_hosts
+from ddptrain.launch.hosts import HostSpec, parse_hosts
 from ddptrain.tune._resources import HostPool, Resources
 from ddptrain.tune.trainable import TrainerTrainable
 

@@ -221,7 +221,7 @@ def test_workers_import_the_packages_a_pythonpath_folder_shadows_as_the_driver_d
 
 
 def test_the_workers_path_is_the_drivers_with_their_own_entries_where_python_put_them() -> None:
-    from ddptrain._agent_start import worker_sys_path
+    from ddptrain.wire.boot import worker_sys_path
 
     driver = ["", "/shadow", "/usr/lib/python3", "/venv/site"]
     # The agent's own path: a PYTHONPATH of the workers' environment first, then Python's order.
@@ -248,7 +248,7 @@ def test_the_fork_probe_reads_a_forked_childs_cuda_state() -> None:
     # CPU build of torch has none, so a stand-in module answers for the child here.
     from types import SimpleNamespace
 
-    from ddptrain._agent import _children_cannot_use_cuda
+    from ddptrain.agent.main import _children_cannot_use_cuda
 
     def built_for_cuda(marked: bool) -> SimpleNamespace:
         parent = os.getpid()
@@ -268,8 +268,8 @@ def test_the_fork_probe_reads_a_forked_childs_cuda_state() -> None:
 def test_workers_sharing_a_gpu_get_gloo_and_an_explicit_nccl_is_refused(caplog: pytest.LogCaptureFixture) -> None:
     from types import SimpleNamespace
 
+    from ddptrain.driver.plan import Plan
     from ddptrain.errors import ConfigError
-    from ddptrain.plan import Plan
     from ddptrain.torch.config import _backend_for
 
     def group(gpus: float, hosts: list[str], workers: int = 2) -> SimpleNamespace:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddptrain.context import ContextError, get_context
-from ddptrain.storage import RunLayout, write_json_atomic
+from ddptrain.storage.layout import RunLayout, write_json_atomic
 
 __all__ = ["NoOp", "Caller", "caller", "flatten", "load_id", "missing", "save_id"]
 

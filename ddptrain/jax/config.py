@@ -29,7 +29,7 @@ from ddptrain.backend import Backend, BackendConfig
 from ddptrain.errors import ConfigError, LaunchError
 
 if TYPE_CHECKING:
-    from ddptrain.worker_group import WorkerGroup
+    from ddptrain.driver.worker_group import WorkerGroup
 
 __all__ = ["JaxConfig"]
 

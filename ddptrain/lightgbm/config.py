@@ -23,7 +23,7 @@ from ddptrain.context import get_context
 from ddptrain.errors import ConfigError, LaunchError
 
 if TYPE_CHECKING:
-    from ddptrain.worker_group import WorkerGroup
+    from ddptrain.driver.worker_group import WorkerGroup
 
 __all__ = ["LightGBMConfig", "PortInUseError", "get_network_params"]
 

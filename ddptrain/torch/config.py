@@ -17,7 +17,7 @@ from ddptrain.errors import ConfigError, LaunchError
 from ddptrain.torch.train_loop_utils import get_device
 
 if TYPE_CHECKING:
-    from ddptrain.worker_group import WorkerGroup
+    from ddptrain.driver.worker_group import WorkerGroup
 
 __all__ = ["TorchConfig"]
 

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 
 from ddptrain import _env
 from ddptrain.errors import ConfigError
-from ddptrain.hosts import HostSpec, gpus_needed, is_local, place_workers, slots_for_gpus, with_ssh_config
-from ddptrain.ssh import gpu_count, gpu_slots
+from ddptrain.launch.hosts import HostSpec, gpus_needed, is_local, place_workers, slots_for_gpus, with_ssh_config
+from ddptrain.launch.ssh import gpu_count, gpu_slots
 from ddptrain.tune.trainable import PreparedTrial
 
 __all__ = ["Grant", "HostPool", "Resources"]

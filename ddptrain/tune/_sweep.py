@@ -26,10 +26,11 @@ from typing import Any
 
 import cloudpickle
 
-from ddptrain import _env, storage
+from ddptrain import _env
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.config import CheckpointConfig, FailureConfig, RunConfig
 from ddptrain.progress import quiet
+from ddptrain.storage import layout as storage
 from ddptrain.tune._resources import Grant, Resources
 from ddptrain.tune._trial_run import call_function, fit_trainer, pick_up_checkpoints
 from ddptrain.tune.progress import StatusReporter

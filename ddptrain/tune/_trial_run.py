@@ -16,7 +16,7 @@ from typing import Any
 
 from ddptrain.config import FailureConfig, RunConfig
 from ddptrain.result import Result, read_metrics
-from ddptrain.storage import RunLayout
+from ddptrain.storage.layout import RunLayout
 from ddptrain.tune._resources import Grant
 from ddptrain.tune.integration.ray_train import TuneReportCallback
 from ddptrain.tune.trainable import FunctionTrainable, PreparedTrial, TrainerTrainable

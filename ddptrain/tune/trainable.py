@@ -24,7 +24,7 @@ from ddptrain import _env
 from ddptrain.config import RunConfig, ScalingConfig
 from ddptrain.data_parallel_trainer import DataParallelTrainer
 from ddptrain.errors import ConfigError
-from ddptrain.hosts import HostSpec, parse_hosts
+from ddptrain.launch.hosts import HostSpec, parse_hosts
 from ddptrain.result import Result
 
 __all__ = ["TrainerTrainable", "FunctionTrainable", "as_trainable", "with_resources", "wrap_trainable"]

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddptrain.checkpoint import Checkpoint
-from ddptrain.storage import to_jsonable
+from ddptrain.storage.layout import to_jsonable
 
 __all__ = ["Trial", "RESULT_FILE", "PARAMS_FILE"]
 

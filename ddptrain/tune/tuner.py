@@ -22,9 +22,9 @@ from typing import Any
 import cloudpickle
 
 from ddptrain import config as _config
-from ddptrain import storage
 from ddptrain.config import RunConfig as TrainRunConfig
 from ddptrain.errors import ConfigError
+from ddptrain.storage import layout as storage
 from ddptrain.tune._sweep import STATE_FILE, Sweep
 from ddptrain.tune.progress import StatusReporter
 from ddptrain.tune.result_grid import ResultGrid, best_trial

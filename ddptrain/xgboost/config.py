@@ -25,7 +25,7 @@ from ddptrain.errors import ConfigError, LaunchError
 from ddptrain.xgboost._tracker import TrackerProcess
 
 if TYPE_CHECKING:
-    from ddptrain.worker_group import WorkerGroup
+    from ddptrain.driver.worker_group import WorkerGroup
 
 __all__ = ["XGBoostConfig"]
 

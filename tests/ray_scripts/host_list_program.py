@@ -1,7 +1,7 @@
 """A program that trains with ddptrain (started by `host_lists.py`): the hosts its trainers use."""
 
 import ddptrain as train
-from ddptrain.plan import Plan
+from ddptrain.driver.plan import Plan
 
 
 def trainer_hosts():

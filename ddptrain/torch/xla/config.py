@@ -39,7 +39,7 @@ from ddptrain.errors import ConfigError
 from ddptrain.torch.config import TorchConfig
 
 if TYPE_CHECKING:
-    from ddptrain.worker_group import WorkerGroup
+    from ddptrain.driver.worker_group import WorkerGroup
 
 __all__ = ["TorchXLAConfig"]
 

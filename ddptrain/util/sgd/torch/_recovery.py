@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ddptrain.errors import LaunchError, WorkerDiedError, WorkerGroupError
-from ddptrain.hosts import HostSpec
+from ddptrain.launch.hosts import HostSpec
 from ddptrain.worker_group import WorkerGroup
 
 __all__: list[str] = []

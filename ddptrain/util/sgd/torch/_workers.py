@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any, TypeAlias
 
 from ddptrain.errors import WorkerGroupError
-from ddptrain.hosts import HostSpec
+from ddptrain.launch.hosts import HostSpec
 from ddptrain.util.sgd.torch import _runner
 from ddptrain.util.sgd.torch._recovery import PendingCall, discard, first_line, lost_worker, start_what_starts
 from ddptrain.worker_group import WorkerGroup

@@ -21,7 +21,7 @@ import torch
 
 from ddptrain.config import ScalingConfig
 from ddptrain.errors import ConfigError, LaunchError, WorkerGroupError
-from ddptrain.hosts import HostSpec, parse_hosts
+from ddptrain.launch.hosts import HostSpec, parse_hosts
 from ddptrain.torch.config import TorchConfig
 from ddptrain.util.sgd.torch import _runner, _tune
 from ddptrain.util.sgd.torch._arguments import check_arguments

@@ -1,0 +1,198 @@
+"""The controller: ``fit()`` as a loop of plan → attempt → restart.
+
+Each attempt runs one worker group (``ddptrain.driver.Attempt``). When it fails, the next
+attempt's placement plan is built and its agents start at once, while the failed group is torn
+down, as long as ``FailureConfig.max_failures`` allows another attempt. The plan is built
+anew for every attempt: a host file edited meanwhile is read again, and a later elastic mode
+can change the world size between attempts. A failure after every rank returned, and a full
+disk, are never retried.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ddptrain import _env
+from ddptrain.driver.attempt import Attempt
+from ddptrain.driver.plan import Plan
+from ddptrain.driver.run import Run
+from ddptrain.driver.warm import keeps_warm, put_warm, take_warm
+from ddptrain.driver.worker_group import GroupFailed, WorkerGroup
+from ddptrain.errors import (
+    ChannelError,
+    ConfigError,
+    HostLostError,
+    LaunchError,
+    WorkerFailure,
+    WorkerGroupError,
+    is_disk_full,
+    root_cause_order,
+)
+from ddptrain.launch.launcher import Launcher
+from ddptrain.result import Result
+
+__all__ = ["Controller"]
+
+_logger = logging.getLogger(__name__)
+
+
+class Controller:
+    """Runs the attempts of ``run`` until one succeeds or the failure budget is spent.
+
+    Args:
+        run: The run's state: configs, storage, reports, the first attempt's plan.
+    """
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        failure_config = run.run_config.failure_config
+        self.max_failures = failure_config.max_failures if failure_config else 0  # -1: unlimited
+        self.root_causes: list[WorkerFailure] = []  # the first failure of each failed attempt
+        self.group: WorkerGroup | None = None
+        self._next: tuple[Plan, Launcher] | None = None  # the next attempt's, started on a failure
+        self._next_error: Exception | None = None  # why they could not start
+
+    def fit(self) -> Result:
+        """Run the attempts; the Result of the one that succeeded.
+
+        Raises:
+            WorkerGroupError: The last attempt failed (every attempt's root cause is listed).
+            ControllerError: The driver could not write the run (a full disk).
+        """
+        run = self.run
+        run.plan.check_gpus()
+        hosts = len(run.plan.placement.hosts) if run.plan.placement is not None else 1
+        with run.opened(workers=run.scaling_config.num_workers, hosts=hosts) as index:
+            _logger.info(
+                "ddptrain: run %r in %s with %d workers", run.name, run.location, run.scaling_config.num_workers
+            )
+            # A warm group from an earlier fit(), or new agents importing torch meanwhile.
+            try:
+                self.group = take_warm(run.plan) or WorkerGroup(run.plan, run.plan.new_launcher())
+            except LaunchError as exc:  # a host that cannot be reached: the run failed, it was not aborted
+                run.ended(error=f"LaunchError: {str(exc).splitlines()[0]}")
+                raise
+            kept = False
+            try:
+                return_values, keep = self._attempts(index)
+                run.ended()
+                kept = keep and self.group.alive and put_warm(self.group)
+            finally:
+                if self.group is not None and not kept:
+                    self.group.shutdown()
+                if self._next is not None:
+                    self._next[1].shutdown(_env.shutdown_grace_s())
+                    self._next = None
+                if run.datasets is not None:
+                    run.datasets.release()
+        return run.result(return_values)
+
+    def _attempts(self, index: int) -> tuple[list[Any], bool]:
+        """Attempt after attempt from number ``index``: the return values of the one that
+        succeeded, and whether its workers stay warm."""
+        while True:
+            assert self.group is not None
+            attempt = Attempt(self.run, index, self.group, keep=keeps_warm(self.run.plan))
+            self.group.on_failure = self.prepare_restart
+            self.run.save_status("RUNNING", attempt=index)
+            try:
+                return attempt.run_group(), attempt.keep
+            except GroupFailed as failed:
+                index = self._restart(failed, index)
+            except ChannelError as exc:  # the driver's own channel stopped: nothing to restart
+                self.run.ended(error=f"ChannelError: {str(exc).splitlines()[0]}")
+                raise
+
+    def _budget_left(self, pending: int = 0) -> bool:
+        """Whether another attempt is allowed after the failures seen (``pending``: one more
+        that is being torn down and not counted yet)."""
+        return self.max_failures == -1 or len(self.root_causes) + pending <= self.max_failures
+
+    def prepare_restart(self) -> None:
+        """On a failure (the group's ``on_failure``): if another attempt will follow, build its
+        plan and start its agents now, during the teardown."""
+        if self._next is None and self._budget_left(pending=1):
+            self._start_next()
+
+    def _start_next(self) -> None:
+        try:
+            plan = self.run.new_plan()
+            self._next = (plan, plan.new_launcher())
+            self._next_error = None
+        except (LaunchError, ConfigError) as exc:  # tried once more when the group is down
+            self._next_error = exc
+            _logger.warning("ddptrain: could not start the next attempt's agents: %s", exc)
+
+    def _restart(self, failed: GroupFailed, index: int) -> int:
+        """After attempt ``index`` failed: the number of the next one, its group started.
+
+        Raises:
+            WorkerGroupError: No attempt follows (the budget is spent, the failure came after
+                every rank returned, a disk is full, or the next group could not start).
+        """
+        assert self.group is not None
+        retry = not self.group.finishing
+        self.group.shutdown(0)
+        self.group = None
+        run = self.run
+        failures = sorted(failed.failures, key=root_cause_order)
+        run.clean_after_failure(failures)
+        self.root_causes.append(failures[0])
+        run.attempt_failed(index, failures[0])
+        run.after_exception(failures)
+        disk_full = any(is_disk_full(f.exception) for f in failures)
+        if retry and not disk_full and self._budget_left():
+            if self._next is None and not self._still_lost(failures):  # not started early, or that failed: once more
+                self._start_next()
+            if self._next is not None:
+                plan, launcher = self._next
+                self._next = None
+                run.use_plan(plan)
+                self.group = WorkerGroup(plan, launcher)
+        if self.group is None:
+            run.ended(error=failures[0].headline())
+            raise self._final_error(failures, index) from failures[0].exception
+        _logger.warning(
+            "ddptrain: attempt %d failed (%s); restarting from %s (failure %d of %s allowed)",
+            index,
+            failures[0].headline(),
+            run.latest_path or "scratch",
+            len(self.root_causes),
+            "unlimited" if self.max_failures == -1 else self.max_failures,
+        )
+        index += 1
+        run.progress.restarting(index, failures[0].headline(), run.latest_path)
+        run.save_status("RESTARTING", attempt=index)
+        return index
+
+    def _still_lost(self, failures: list[WorkerFailure]) -> list[str]:
+        """The hosts that stopped answering in the failed attempt and that the next attempt's
+        agents could not reach during the teardown: they had one connect timeout to come back,
+        and are not tried again."""
+        lost = {f.exception.host for f in failures if isinstance(f.exception, HostLostError)}
+        error = self._next_error
+        return sorted(lost & set(error.hosts)) if isinstance(error, LaunchError) else []
+
+    def _final_error(self, failures: list[WorkerFailure], index: int) -> WorkerGroupError:
+        error = WorkerGroupError.from_failures(failures, str(self.run.log_dir(index)))
+        causes = self.root_causes
+        if len(causes) > 1:
+            first = index - len(causes) + 1
+            lines = [f"  attempt {first + i}: {f.headline()} (log: {f.log_path})" for i, f in enumerate(causes)]
+            error.args = (f"{error.args[0]}\nRoot cause of every attempt ({len(causes)}):\n" + "\n".join(lines),)
+        if any(is_disk_full(f.exception) for f in failures):
+            error.args = (
+                f"{error.args[0]}\nA file system is full: the group was not restarted (FailureConfig does not "
+                "apply, every attempt would fail the same way until space is freed).",
+            )
+        elif self._next_error is not None:
+            error.args = (f"{error.args[0]}\nThe next attempt could not start: {self._next_error}",)
+            lost = self._still_lost(failures)
+            if lost:
+                names = ", ".join(repr(name) for name in lost)
+                error.args = (
+                    f"{error.args[0]}\nHost {names} stopped answering and could not be reached again (tried once). "
+                    "Bring it back or take it out of the host list, then run again to resume.",
+                )
+        return error

@@ -1,0 +1,292 @@
+"""What happens to the workers of a group, as the driver learns it: the event pump.
+
+Three kinds of threads feed one queue: the channel thread (batches of worker messages, or why
+it stopped), the launcher threads (agent events: a worker started or exited, an agent failed or
+is gone) and the log sink (a write error). The driver thread drains it in
+:meth:`GroupEvents.pump_until`, keeps
+track of which ranks joined, returned and exited, and turns the first failure (with the other
+ranks failing at about the same time) into :class:`GroupFailed`, after which the group is dead.
+``ddptrain.worker_group`` builds on this what the driver asks of its workers.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import queue
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ddptrain.driver.logs import LogSink
+from ddptrain.driver.plan import Plan
+from ddptrain.errors import (
+    ChannelError,
+    HostLostError,
+    LaunchError,
+    WorkerDiedError,
+    WorkerError,
+    WorkerFailure,
+    WorkerGroupError,
+    describe_exitcode,
+    format_failures,
+    is_disk_full,
+    root_cause_order,
+)
+from ddptrain.wire import agent_events, protocol
+from ddptrain.wire.driver_channel import Batch, DriverChannel, Undelivered
+from ddptrain.wire.sealing import StoreTamperedError
+
+if TYPE_CHECKING:
+    from ddptrain.driver.watchdog import Watch
+
+__all__ = ["GroupEvents", "GroupFailed", "failure_from_record"]
+
+_logger = logging.getLogger(__name__)
+_PUMP_S = 0.5
+_TICK_S = 0.1
+# What a run's attempt handles (``GroupEvents.handler``); the rest is the group's own.
+_RUN_MESSAGES = (protocol.Report, protocol.Collective, protocol.CheckpointsQuery)
+
+
+class GroupFailed(WorkerGroupError):
+    """The worker group failed; ``failures`` says how (first failure first). The group is dead."""
+
+    def __init__(self, failures: list[WorkerFailure]) -> None:
+        ordered = sorted(failures, key=root_cause_order)
+        super().__init__(format_failures(ordered, None), {f.rank: f.exception for f in ordered}, ordered)
+        self.__cause__ = ordered[0].exception
+
+    @property
+    def lost_ranks(self) -> list[int]:
+        """Ranks whose process died or became unreachable, as opposed to ranks whose code raised."""
+        lost = (WorkerDiedError, LaunchError, StoreTamperedError)
+        return sorted(f.rank for f in self.failures if isinstance(f.exception, lost))
+
+
+def failure_from_record(record: protocol.FailureRecord) -> BaseException:
+    """The worker's exception from its failure record, or a stand-in with its traceback."""
+    if record.exception:
+        try:
+            exc: BaseException = pickle.loads(record.exception)
+            return exc
+        except Exception:
+            pass
+    return WorkerError(record.type, record.message, record.traceback)
+
+
+class GroupEvents:
+    """The event pump of a worker group and what it has learned of each rank.
+
+    Args:
+        plan: Where the ranks run (to name their hosts in failures).
+    """
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.events: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self.hosts: dict[int, tuple[int, str]] = {}
+        self.connected: set[int] = set()
+        self.exited: set[int] = set()
+        self.done: dict[int, tuple[bytes | None, str | None]] = {}  # ranks whose function returned
+        self.exit_expected = False
+        self.finishing = False  # every rank returned; failures from here on are not retried
+        self.sink: LogSink | None = None
+        self.channel: DriverChannel | None = None
+        # A run's messages, several at a time (in the order they came, with nothing else between).
+        self.handler: Callable[[list[Any]], WorkerFailure | None] | None = None
+        self.on_failure: Callable[[], None] | None = None  # first failure seen (e.g. start the next group)
+        self.on_tick: Callable[[], None] | None = None  # a run's periodic checks
+        self.watch: Watch | None = None
+        self._results: dict[int, dict[int, tuple[bool, Any]]] = {}  # call id -> rank -> (ok, value)
+        self._next_tick = 0.0
+        self._failed = False  # a call or a worker failed: the group takes no more work
+
+    def pump_until(self, done: Callable[[], bool], timeout_s: float | None = None, waiting_for: str = "") -> None:
+        """Handle events until ``done()``; raises GroupFailed on a failure, TimeoutError after
+        ``timeout_s``."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not done():
+            try:
+                event = self.events.get(timeout=_PUMP_S)
+            except queue.Empty:
+                event = None
+            if event is not None:
+                self._handle(event)
+            now = time.monotonic()
+            if now >= self._next_tick:  # not per event: a fast rank 0 may be far ahead
+                self._next_tick = now + _TICK_S
+                if self.on_tick is not None:
+                    self.on_tick()
+                if self.watch is not None:
+                    self.watch.check(self.sink.last_write if self.sink is not None else 0.0)
+            if deadline is not None and time.monotonic() > deadline and not done():
+                raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {waiting_for}")
+
+    def fail(self, failures: list[WorkerFailure]) -> GroupFailed:
+        """The error that ends this group (``on_failure`` runs first: a restart may start early).
+
+        From here on the group is dead: :meth:`shutdown` kills it without asking its workers
+        anything (a rank may be stuck in a collective with the one that failed)."""
+        self._failed = True
+        if self.on_failure is not None and not self.finishing and not any(is_disk_full(f.exception) for f in failures):
+            self.on_failure()
+        return GroupFailed(failures)
+
+    def _handle(self, event: tuple[str, Any]) -> None:
+        failures = self._dispatch(event)
+        if not failures:
+            return
+        # Gather the other ranks that failed on their own at about the same time.
+        deadline = time.monotonic() + 0.2
+        while time.monotonic() < deadline:
+            try:
+                more = self._dispatch(self.events.get(timeout=0.05))
+            except queue.Empty:
+                continue
+            for failure in more:
+                if failure.rank not in {f.rank for f in failures}:
+                    failures.append(failure)
+        raise self.fail(failures)
+
+    def _dispatch(self, event: tuple[str, Any]) -> list[WorkerFailure]:
+        source, item = event
+        if source == "sink":  # a log file could not be written (a full disk): the driver's failure
+            raise item
+        if source == "channel":
+            return [self._channel_failed(item)]
+        if source == "msgs":
+            return self._handle_batch(item)
+        failure = self._handle_agent(item)
+        return [failure] if failure is not None else []
+
+    def _channel_failed(self, error: BaseException) -> WorkerFailure:
+        """The channel thread stopped: tampering that names a rank fails that rank (as a lost
+        message does); anything else ends the run at once."""
+        if isinstance(error, StoreTamperedError) and error.rank is not None:
+            return self.failure(error.rank, None, error)
+        self._failed = True
+        if isinstance(error, ChannelError):
+            raise error
+        raise ChannelError(f"the driver's store channel failed: {error}") from error
+
+    def _handle_batch(self, batch: Batch) -> list[WorkerFailure]:
+        """Messages in order: the group's own here, runs of the run's messages to ``handler``."""
+        failures: list[WorkerFailure] = []
+        run: list[Any] = []
+        try:
+            if self.watch is not None:
+                self.watch.activity()
+            for message in batch.messages:
+                if self.handler is not None and isinstance(message, _RUN_MESSAGES):
+                    run.append(message)
+                    continue
+                if run:
+                    failures.extend(self._handle_run(run))
+                    run = []
+                failure = self._handle_message(message)
+                if failure is not None:
+                    failures.append(failure)
+            if run:
+                failures.extend(self._handle_run(run))
+        finally:
+            if self.channel is not None:
+                self.channel.release(batch.nbytes)
+        return failures
+
+    def _handle_run(self, messages: list[Any]) -> list[WorkerFailure]:
+        assert self.handler is not None
+        failure = self.handler(messages)
+        return [failure] if failure is not None else []
+
+    def _handle_message(self, message: Any) -> WorkerFailure | None:
+        if isinstance(message, protocol.Hello):
+            self.connected.add(message.rank)
+            self.hosts[message.rank] = (message.pid, message.host)
+        elif isinstance(message, protocol.CallResult):
+            self._results.setdefault(message.call_id, {})[message.rank] = (message.ok, message.value)
+        elif isinstance(message, protocol.Done):
+            self.done[message.rank] = (message.returned, message.note)
+        elif isinstance(message, Undelivered):
+            return self.failure(message.rank, None, message.error)
+        else:
+            _logger.warning("ddptrain: a worker sent %r outside a training run; ignored", message)
+        return None
+
+    def _handle_agent(self, event: agent_events.AgentEvent) -> WorkerFailure | None:
+        if isinstance(event, agent_events.WorkerStates):
+            if self.watch is not None:
+                self.watch.on_states(event.states)
+            return None
+        if isinstance(event, agent_events.WorkerStarted):
+            self.hosts.setdefault(event.rank, (event.pid, event.host))
+            return None
+        if isinstance(event, agent_events.WorkerExited):
+            return self._worker_exited(event)
+        # Agent events name the agent by its first rank (AGENT_RANK: the only agent).
+        agent_ranks = self.plan.ranks_of_agent(None if event.rank == protocol.AGENT_RANK else event.rank)
+        if isinstance(event, agent_events.AgentFailed):
+            error = LaunchError(f"The ddptrain agent could not start the workers:\n{event.text}")
+            return self.failure(agent_ranks[0], None, error, event.text)
+        missing = sorted(set(agent_ranks) - self.exited)
+        if isinstance(event, agent_events.AgentLost):
+            if not missing or self.exit_expected:
+                return None
+            lost = HostLostError(self.plan.host_of(missing[0]), event.silent_s, event.timeout_s, missing)
+            return self.failure(missing[0], None, lost)
+        if missing and not self.exit_expected:
+            code = event.exitcode
+            how = "connection lost" if code is None else describe_exitcode(code)
+            hint = " (SIGKILL often means the kernel's out-of-memory killer)" if code == -9 else ""
+            error = LaunchError(
+                f"The ddptrain agent that runs rank(s) {missing} on {self.plan.host_of(missing[0])} "
+                f"died ({how}){hint}; its workers died with it."
+            )
+            return self.failure(missing[0], None, error)
+        return None
+
+    def _worker_exited(self, event: agent_events.WorkerExited) -> WorkerFailure | None:
+        rank, exitcode = event.rank, event.exitcode
+        self.exited.add(rank)
+        if event.status:  # it wrote a failure record
+            record = pickle.loads(event.status)
+            return self.failure(rank, exitcode, failure_from_record(record), record.traceback, record.time)
+        if self.exit_expected:
+            return None
+        return self.failure(rank, exitcode, WorkerDiedError(rank, exitcode, event.memory))
+
+    def _pid_host(self, rank: int) -> tuple[int | None, str]:
+        pid, host = self.hosts.get(rank, (None, self.plan.hostname))
+        if self.plan.placement is not None:
+            host = self.plan.host_of(rank)  # the host list's name for it
+        return pid, host
+
+    def where(self, rank: int) -> str:
+        pid, host = self._pid_host(rank)
+        return f"rank {rank} (host {host}, pid {pid})"
+
+    def failure(
+        self, rank: int, exitcode: int | None, exc: BaseException, traceback_str: str = "", at: float | None = None
+    ) -> WorkerFailure:
+        """What the driver knows of a failure of ``rank`` (``at``: when the worker saw it, if it
+        said; else now)."""
+        pid, host = self._pid_host(rank)
+        returned = sorted(r for r in self.done if r != rank)
+        note = ""
+        if returned and not self.finishing:
+            note = (
+                f"rank(s) {returned} had already returned from the training function; a rank that returns "
+                "early makes its peers' collectives fail"
+            )
+        return WorkerFailure(
+            rank=rank,
+            host=host,
+            pid=pid,
+            exitcode=exitcode,
+            exception=exc,
+            traceback_str=traceback_str,
+            log_path=self.sink.path(rank) if self.sink is not None else None,
+            timestamp=at if at is not None else time.time(),
+            log_tail=self.sink.tail(rank) if self.sink is not None else [],
+            note=note,
+        )

@@ -1,0 +1,269 @@
+"""The placement plan of a worker group: which host runs which ranks, with what environment.
+
+A plan is built from the scaling config (and the run's worker env vars) before anything
+starts, so a bad host list is an error before any process exists. It starts the agents of one
+group (``new_launcher``) and writes each worker's spec and the agents' bootstrap; it knows
+nothing of run directories, reports or checkpoints.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+from typing import Any
+
+from ddptrain import _env, ray_compat
+from ddptrain.config import ScalingConfig
+from ddptrain.errors import ConfigError, LaunchError
+from ddptrain.launch.hosts import HostSpec, Placement, is_local, parse_hosts, place_workers, with_ssh_config
+from ddptrain.launch.launcher import GroupLauncher, HostLauncher, Launcher, LocalLauncher
+from ddptrain.launch.ssh import SSHLauncher, gpu_slots
+from ddptrain.wire.protocol import Bootstrap, RunInfo, StoreAddress, WorkerSpec
+
+__all__ = ["Plan"]
+
+
+class Plan:
+    """Where the ranks of a group run.
+
+    Args:
+        scaling_config: Number of workers, their resources, and the host list.
+        env_vars: Extra environment of every worker (``RunConfig.worker_runtime_env``).
+        share_visible_gpus: The workers on a host all see its GPUs (torch); ``False``: each worker sees
+            only its own, as ``CUDA_VISIBLE_DEVICES`` (``BackendConfig.shares_visible_gpus``).
+    """
+
+    def __init__(
+        self, scaling_config: ScalingConfig, env_vars: dict[str, str] | None = None, share_visible_gpus: bool = True
+    ) -> None:
+        self.scaling_config = scaling_config
+        self.env_vars = dict(env_vars or {})
+        self.share_visible_gpus = share_visible_gpus
+        self.hostname = socket.gethostname()
+        self.placement = self._placement()
+
+    @property
+    def world_size(self) -> int:
+        return self.scaling_config.num_workers
+
+    def _placement(self) -> Placement | None:
+        raw = self.scaling_config.hosts if self.scaling_config.hosts is not None else _env.hostfile()
+        if raw is None:
+            return None
+        hosts = [h if is_local(h) else with_ssh_config(h, _env.ssh_config_path()) for h in parse_hosts(raw)]
+        if self.scaling_config.use_gpu:  # a host without `slots` runs one worker per GPU
+            hosts = gpu_slots(hosts, self.scaling_config.num_gpus_per_worker)
+        return place_workers(hosts, self.scaling_config.num_workers, self.scaling_config.placement_strategy)
+
+    def check_gpus(self) -> None:
+        """A local GPU group needs that many GPUs here (each host of a host list was checked
+        against its own GPUs when the plan was made)."""
+        if not self.scaling_config.use_gpu or self.placement is not None:
+            return
+        import torch
+
+        needed = self.scaling_config.num_gpus_per_worker * self.scaling_config.num_workers
+        available = torch.cuda.device_count()
+        if needed > available:
+            raise ConfigError(
+                f"`ScalingConfig` asks for {needed:g} GPU(s) on this machine "
+                f"({self.scaling_config.num_workers} workers x {self.scaling_config.num_gpus_per_worker:g}), "
+                f"but torch sees {available}. Lower `num_workers` or set `use_gpu=False`."
+            )
+
+    @property
+    def nodes(self) -> list[list[int]]:
+        """The ranks of each host, in node-rank order (one host: this machine)."""
+        return self.placement.ranks if self.placement else [list(range(self.world_size))]
+
+    def local_devices(self, local_rank: int) -> tuple[int, ...]:
+        """The GPU numbers of a host's ``local_rank``-th worker among the GPUs the host lets the
+        run see (``()`` without GPUs). Fractional GPUs put several workers on one number."""
+        gpus = self.scaling_config.num_gpus_per_worker
+        if gpus >= 1:
+            return tuple(local_rank * int(gpus) + i for i in range(int(gpus)))
+        return (int(local_rank * gpus),) if gpus > 0 else ()
+
+    @property
+    def ranks_share_a_gpu(self) -> bool:
+        """Whether two workers of a host are given the same GPU (fractional GPUs per worker)."""
+        for ranks in self.nodes:
+            numbers = [n for local_rank in range(len(ranks)) for n in self.local_devices(local_rank)]
+            if len(set(numbers)) < len(numbers):
+                return True
+        return False
+
+    def reuse_key(self) -> tuple[Any, ...]:
+        """Two plans with equal keys start identical groups: a warm group of one can serve the other."""
+        env = sorted(self.agent_env().items())
+        return (
+            repr(self.scaling_config),
+            self.share_visible_gpus,
+            env,
+            tuple(sys.path),
+            os.getcwd(),
+            ray_compat.installed(),
+        )
+
+    # ----------------------------------------------------------------- starting agents
+    def agent_env(self, remote: bool = False, host: HostSpec | None = None) -> dict[str, str]:
+        """Environment of an agent and its workers: the driver's own for a local agent; for a
+        remote one only the variables meant for workers (the driver's PATH or HOME may not
+        exist there).
+
+        A GPU group's agent on a ``host`` with ``gpus=`` sees only those GPUs: its workers'
+        devices (indices by local rank) then number them from 0. This overrides a
+        ``CUDA_VISIBLE_DEVICES`` of the run's env vars on that host, since the host list is what
+        says which GPUs of that host the run may use (a sweep hands each trial its own ones).
+        """
+        env = _env.forwarded_env() if remote else dict(os.environ)
+        env.update(self.env_vars)
+        env.setdefault("OMP_NUM_THREADS", str(self.scaling_config._omp_num_threads()))
+        if not self.scaling_config.use_gpu:
+            # accelerate (and the HF Trainer on it) joins CPU workers into one group only with
+            # this set; otherwise each process trains alone. The user's own value wins.
+            env.setdefault("ACCELERATE_USE_CPU", "1")
+        env[_env.WORKER_MARKER] = "1"
+        if self.scaling_config.use_gpu:
+            env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+            if host is not None and host.gpus is not None:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu) for gpu in host.gpus)
+        return env
+
+    def new_launcher(self) -> Launcher:
+        """Start the agents of one group: one local process, or one per host over SSH."""
+        if self.placement is None:
+            return LocalLauncher(self.agent_env())
+
+        def start(host: HostSpec) -> tuple[HostLauncher, str]:
+            if is_local(host):
+                return LocalLauncher(self.agent_env(host=host)), "127.0.0.1"
+            python = host.python or sys.executable
+            launcher = SSHLauncher(host, self.agent_env(remote=True, host=host), python, host.workdir or os.getcwd())
+            return launcher, _env.driver_address() or launcher.local_address
+
+        results: dict[int, tuple[HostLauncher, str] | BaseException] = {}
+
+        def start_into(node: int, host: HostSpec) -> None:
+            try:
+                results[node] = start(host)
+            except BaseException as exc:  # reported below, with every other host's outcome
+                results[node] = exc
+
+        threads = [
+            threading.Thread(target=start_into, args=(node, host), daemon=True)
+            for node, host in enumerate(self.placement.hosts)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        errors = [r for r in results.values() if isinstance(r, BaseException)]
+        started = [r for r in results.values() if not isinstance(r, BaseException)]
+        if errors:
+            for launcher, _ in started:
+                launcher.shutdown(0)
+            failed = [self.placement.hosts[n].name for n, r in sorted(results.items()) if isinstance(r, BaseException)]
+            raise LaunchError("\n".join(str(e) for e in errors), hosts=failed) from errors[0]
+        return GroupLauncher([results[node] for node in range(len(self.placement.hosts))])  # type: ignore[misc]
+
+    # ----------------------------------------------------------------- ranks and hosts
+    def bootstrap(
+        self,
+        payload: bytes | None,
+        run: RunInfo,
+        store: StoreAddress,
+        datasets: dict[int, Any] | None,
+    ) -> Bootstrap:
+        """What the agents need to start this plan's workers for ``run`` (all hosts' workers;
+        each host's launcher sends its own share)."""
+        return Bootstrap(
+            payload=payload,
+            sys_path=tuple(sys.path),
+            cwd=os.getcwd(),
+            start=_env.worker_start(self.scaling_config.use_gpu),
+            grace_s=_env.shutdown_grace_s(),
+            workers=self.worker_specs(run.attempt, store.host, store.port, datasets),
+            run=run,
+            store=store,
+            ray_compat=ray_compat.installed(),
+        )
+
+    def worker_specs(
+        self, attempt: int, store_host: str, store_port: int, datasets: dict[int, Any] | None = None
+    ) -> tuple[WorkerSpec, ...]:
+        """Each worker's rank, devices, torchrun-style environment and dataset shards
+        (``attempt``: the run's attempt number, torchrun's ``TORCHELASTIC_RESTART_COUNT``)."""
+        world = self.scaling_config.num_workers
+        nodes = self.nodes
+        specs = []
+        for node_rank, ranks in enumerate(nodes):
+            for local_rank, rank in enumerate(ranks):
+                devices = self.local_devices(local_rank)
+                env = {
+                    "RANK": str(rank),
+                    "WORLD_SIZE": str(world),
+                    "LOCAL_RANK": str(local_rank),
+                    "LOCAL_WORLD_SIZE": str(len(ranks)),
+                    "NODE_RANK": str(node_rank),
+                    "GROUP_RANK": str(node_rank),
+                    "GROUP_WORLD_SIZE": str(len(nodes)),
+                    "ROLE_RANK": str(rank),
+                    "ROLE_WORLD_SIZE": str(world),
+                    "MASTER_ADDR": store_host,
+                    "MASTER_PORT": str(store_port),
+                    # torch's env:// and tcp:// rendezvous then join the driver's store as clients.
+                    "TORCHELASTIC_USE_AGENT_STORE": "True",
+                    "TORCHELASTIC_RESTART_COUNT": str(attempt),
+                }
+                if devices and not self.share_visible_gpus:  # the worker narrows CUDA_VISIBLE_DEVICES to these
+                    env[_env.OWN_GPUS] = ",".join(str(device) for device in devices)
+                    devices = tuple(range(len(devices)))
+                specs.append(
+                    WorkerSpec(
+                        rank=rank,
+                        local_rank=local_rank,
+                        node_rank=node_rank,
+                        world_size=world,
+                        local_world_size=len(ranks),
+                        devices=devices,
+                        env=env,
+                        datasets=datasets[rank] if datasets is not None else {},
+                    )
+                )
+        return tuple(specs)
+
+    def remote_ranks(self) -> list[int]:
+        """Ranks that run on other hosts than the driver's (over SSH)."""
+        if self.placement is None:
+            return []
+        return [
+            rank
+            for host, ranks in zip(self.placement.hosts, self.placement.ranks, strict=True)
+            if not is_local(host)
+            for rank in ranks
+        ]
+
+    def ranks_of_agent(self, first_rank: int | None) -> list[int]:
+        """The ranks run by the agent whose first rank is ``first_rank`` (``None``: the only agent)."""
+        if self.placement is None or first_rank is None:
+            return list(range(self.scaling_config.num_workers))
+        node, _ = self.placement.node_of(first_rank)
+        return self.placement.ranks[node]
+
+    def host_of(self, rank: int) -> str:
+        """The name of the host that runs ``rank``."""
+        if self.placement is None:
+            return self.hostname
+        return self.placement.hosts[self.placement.node_of(rank)[0]].name
+
+    def rank_labels(self) -> dict[int, str]:
+        if self.placement is None:
+            return {rank: f"rank{rank}" for rank in range(self.scaling_config.num_workers)}
+        return {
+            rank: f"{host.name}:rank{rank}"
+            for host, ranks in zip(self.placement.hosts, self.placement.ranks, strict=True)
+            for rank in ranks
+        }

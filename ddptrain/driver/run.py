@@ -1,0 +1,412 @@
+"""One ``fit()`` call in the driver: the run's state, its directory, what it reported, the Result.
+
+``Run`` holds what outlives each attempt: the configs, the run directory (local, or the
+working copy of a run on remote storage), the metrics and checkpoints reported so far, and the
+run's status. ``ddptrain.controller`` runs its attempts; local mode (``num_workers=0``) runs
+the function in this process (``ddptrain.driver.local_run``). Both open the run with :meth:`Run.opened`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import cloudpickle
+
+from ddptrain.callbacks import TrainRunContext
+from ddptrain.checkpoint import Checkpoint
+from ddptrain.config import CheckpointConfig
+from ddptrain.driver.plan import Plan
+from ddptrain.driver.progress import Progress
+from ddptrain.errors import ControllerError, StorageError, WorkerFailure, disk_full_error
+from ddptrain.result import Result
+from ddptrain.storage import layout as storage
+from ddptrain.storage import metrics as run_metrics
+from ddptrain.storage.checkpoint_manager import CheckpointManager
+from ddptrain.storage.location import RunLocation, load_earlier
+from ddptrain.storage.lock import RunLock
+from ddptrain.storage.mirror import RunMirror
+from ddptrain.storage.remote_checkpoints import RemoteCheckpointManager
+from ddptrain.wire import protocol
+
+if TYPE_CHECKING:
+    from ddptrain.backend import BackendConfig
+    from ddptrain.config import DataConfig, RunConfig, ScalingConfig
+    from ddptrain.data.ingest import DatasetIngest
+
+__all__ = ["Run"]
+
+_logger = logging.getLogger(__name__)
+
+# How often the metrics summary that `ddptrain runs` and the dashboard read is rewritten (and
+# when the run's metrics file closes): readers add the lines written since.
+_SUMMARY_EVERY_S = 1.0
+
+
+class Run:
+    """State of one ``fit()``: configs, run directory, reported metrics and checkpoints.
+
+    Args:
+        payload: The cloudpickled training function and its config.
+        datasets: The trainer's datasets; each start of the group gets new shard specs.
+    """
+
+    def __init__(
+        self,
+        *,
+        payload: bytes,
+        trainer_bytes: bytes | None = None,
+        train_loop_config: dict[str, Any] | None,
+        scaling_config: ScalingConfig,
+        run_config: RunConfig,
+        backend_config: BackendConfig,
+        dataset_config: DataConfig,
+        datasets: DatasetIngest | None = None,
+    ) -> None:
+        self.payload = payload
+        self.datasets = datasets
+        self.trainer_bytes = trainer_bytes
+        self.scaling_config = scaling_config
+        self.run_config = run_config
+        self.backend_config = backend_config
+        self.run_id = uuid.uuid4().hex
+        self.where = RunLocation.of(run_config)  # run_dir: on remote storage, a local working copy
+        self.name, self.storage_path, self.run_dir = self.where.name, self.where.storage_path, self.where.run_dir
+        self.location, self.remote = self.where.shown, self.where.remote
+        self.layout = storage.RunLayout(self.run_dir)
+        if self.remote is not None:
+            self.mirror = RunMirror(self.remote, self.run_dir, self.remote.path(self.name))
+        self.context = TrainRunContext(
+            run_id=self.run_id,
+            run_config=run_config,
+            train_loop_config=train_loop_config,
+            scaling_config=scaling_config,
+            backend_config=backend_config,
+            dataset_config=dataset_config,
+        )
+        self.metrics_history: list[dict[str, Any]] = []
+        checkpoint_config = run_config.checkpoint_config or CheckpointConfig()
+        self.checkpoints = (
+            CheckpointManager(self.run_dir, checkpoint_config)
+            if self.remote is None
+            else RemoteCheckpointManager(self.run_dir, checkpoint_config, self.remote, self.remote.path(self.name))
+        )
+        self.start_checkpoint: Checkpoint | None = None  # resume_from_checkpoint
+        self._metrics_file: Any = None
+        self._summary = run_metrics.MetricsSummary()  # of metrics.jsonl, for its readers
+        self._summary_due = 0.0
+        self._metrics_lines: list[tuple[dict[str, Any], str]] = []  # recorded, not written yet (flush_metrics)
+        # Workers on other hosts get the storage's credentials and endpoint from the driver.
+        self._env_vars = {**(self.remote.credential_env() if self.remote else {}), **run_config._env_vars()}
+        self.plan = self.new_plan()  # a bad host list fails here
+        self._lost_reports = 0  # reports the checkpoint index knows of but metrics.jsonl lost
+        self._last_attempt = -1  # the highest attempt number in an earlier run's metrics
+        self.progress = Progress(self.name, self.location)
+        self.progress.scored = bool(
+            run_config.checkpoint_config and run_config.checkpoint_config.checkpoint_score_attribute
+        )
+        self._run_json: dict[str, Any] = {}
+        self._ended_line: tuple[bool, tuple[str, dict[str, Any]] | None, str] | None = None  # for the console
+
+    # ----------------------------------------------------------------- what workers get
+    def run_info(self, attempt: int) -> protocol.RunInfo:
+        """What a worker needs to know of this run (it travels with the bootstrap, or to warm
+        workers as the argument of ``ddptrain.worker.begin_run``)."""
+        return protocol.RunInfo(
+            run_id=self.run_id,
+            attempt=attempt,
+            name=self.name,
+            storage_path=self.storage_path,
+            run_dir=self.run_dir,
+            checkpoint=self.latest_path,
+            storage=cloudpickle.dumps((self.remote, self.latest_checkpoint._fs if self.latest_checkpoint else None)),
+            run_path=self.where.run_path,
+            # Numbered on from the checkpoint index too: metrics.jsonl may have lost lines.
+            report_index=len(self.metrics_history) + self._lost_reports,
+            argv=tuple(sys.argv),
+            log_level=self.run_config.logging_config.log_level if self.run_config.logging_config else "INFO",
+        )
+
+    def dataset_shards(self) -> dict[int, Any] | None:
+        """Each rank's shard specs for a new start (datasets given as functions are built again)."""
+        if self.datasets is None:
+            return None
+        return self.datasets.shards(remote_ranks=self.plan.remote_ranks())
+
+    def log_dir(self, attempt: int) -> Path:
+        return self.layout.attempt_logs(attempt)
+
+    def first_attempt(self) -> int:
+        """The number of this ``fit()``'s first attempt: attempts of a run continue across the
+        ``fit()`` calls that resume it, after the highest number in its logs or metrics (as
+        read by ``_load_previous``)."""
+        return max([self._last_attempt, *self.layout.attempts()]) + 1
+
+    # ----------------------------------------------------------------- what workers report
+    def record_metrics(self, metrics: dict[str, Any], attempt: int) -> None:
+        """Record rank 0's metrics of one report: one JSON line, written by :meth:`flush_metrics`."""
+        self.metrics_history.append(metrics)
+        line = {"time": time.time(), "attempt": attempt, "metrics": storage.to_jsonable(metrics)}
+        self._metrics_lines.append((line, json.dumps(line) + "\n"))  # ASCII: its length is its size in bytes
+
+    def flush_metrics(self) -> None:
+        """Append the lines recorded since the last call to ``metrics.jsonl`` in one write, and
+        flush it to the operating system (a crash of the driver loses none of them; there is no
+        fsync, as for every file of the run). The driver calls it after each batch of messages
+        and before anything acts on a report (its checkpoint's commit, the callbacks)."""
+        if not self._metrics_lines:
+            return
+        lines, self._metrics_lines = self._metrics_lines, []
+        with storage.naming_full_disk(self.layout.metrics):
+            self._metrics_file.write("".join(text for _, text in lines))
+            self._metrics_file.flush()
+        for line, text in lines:
+            self._summary.add(line, self._summary.offset + len(text))
+        if time.monotonic() >= self._summary_due:
+            self._write_summary()
+
+    def _write_summary(self) -> None:
+        """Rewrite the metrics summary. It only spares readers work: when it cannot be written
+        (a full disk stops the run at the next report anyway), they read the lines after it."""
+        self._summary_due = time.monotonic() + _SUMMARY_EVERY_S
+        try:
+            self._summary.write(self.run_dir)
+        except OSError as exc:
+            _logger.debug("ddptrain: could not write the metrics summary of %s: %s", self.run_dir, exc)
+
+    @property
+    def latest_checkpoint(self) -> Checkpoint | None:
+        """What ``get_checkpoint()`` returns to a (re)started group."""
+        return self.checkpoints.latest or self.start_checkpoint
+
+    @property
+    def latest_path(self) -> str | None:
+        """Where :attr:`latest_checkpoint` is (``None``: the run starts from scratch)."""
+        latest = self.latest_checkpoint
+        return latest.path if latest is not None else None
+
+    def name_problem(self, name: str) -> str | None:
+        """Why a checkpoint may not be committed as ``name``, or ``None`` when it may."""
+        try:
+            target = storage.safe_child(self.run_dir, name)
+        except ValueError as exc:
+            return str(exc)
+        if self.remote is None and target.exists() and not self.checkpoints.is_committed(name):
+            return (
+                f"`checkpoint_dir_name` {name!r} names a folder of the run directory that is not a "
+                "checkpoint of this run; choose another name."
+            )
+        return None
+
+    def commit_checkpoint(self, staged: list[str], name: str, metrics: dict[str, Any], index: int) -> Checkpoint:
+        """Commit staged files as checkpoint ``name``, record it, and apply retention."""
+        self.flush_metrics()  # a checkpoint's report is on disk before the checkpoint
+        checkpoint = self.checkpoints.commit(staged, name, metrics, index)
+        self.progress.committed(checkpoint.path)
+        return checkpoint
+
+    def after_report(self, metrics: list[dict[str, Any]], checkpoint: Checkpoint | None) -> None:
+        """Every rank made its report (and its checkpoint is committed and acknowledged)."""
+        if self.remote is not None or self.run_config.callbacks:
+            self.flush_metrics()  # what the upload and the callbacks may read
+        self.progress.reported(metrics[0], len(self.metrics_history) + self._lost_reports)
+        if self.remote is not None:  # with a checkpoint at once, so the store's metrics list its report
+            self.mirror.push_metrics(force=checkpoint is not None)
+        for callback in self.run_config.callbacks or []:
+            callback.after_report(self.context, metrics, checkpoint)
+
+    # ----------------------------------------------------------------- the fit loop
+    def _load_previous(self) -> None:
+        """Pick up an earlier run of the same name: its checkpoints and metrics. Loud on purpose."""
+        earlier = load_earlier(self.where, self.checkpoints, self.mirror if self.remote is not None else None)
+        self.metrics_history = earlier.metrics
+        self._last_attempt, self._lost_reports = earlier.last_attempt, earlier.lost_reports
+
+    def _prepare_dir(self) -> None:
+        """Write the run's own files (``_load_previous`` has already cleaned up after a crash)."""
+        # run.json (argv) and trainer.pkl (the pickled config) are the user's secrets: 0600.
+        self._run_json = {
+            "name": self.name,
+            "run_id": self.run_id,
+            "started": time.time(),
+            "host": self.plan.hostname,
+            "pid": os.getpid(),
+            "argv": sys.argv,
+            "num_workers": self.scaling_config.num_workers,
+            "use_gpu": self.scaling_config.use_gpu,
+            "hosts": self._host_names(),
+            "backend_config": repr(self.backend_config),
+            "status": "RUNNING",
+        }
+        self.save_status("RUNNING")
+        if self.trainer_bytes is not None:
+            storage.write_atomic(self.layout.trainer, self.trainer_bytes, private=True)
+            if self.remote is not None:
+                self.mirror.push_file(self.layout.TRAINER)
+        self._metrics_file = open(self.layout.metrics, "a+")  # noqa: SIM115
+        if self._metrics_file.tell() > 0:  # end a line a crash may have cut short
+            self._metrics_file.seek(self._metrics_file.tell() - 1)
+            if self._metrics_file.read(1) != "\n":
+                self._metrics_file.write("\n")
+                self._metrics_file.flush()
+        self._summary = run_metrics.read_metrics_summary(self.run_dir, full=True)
+        self._write_summary()
+
+    def save_status(self, status: str, **fields: Any) -> None:
+        """Record how the run stands in ``run.json`` (read by ``ddptrain runs`` and ``show``):
+        RUNNING, RESTARTING, FINISHED, ERRORED or ABORTED (Ray Train V2's words). On remote
+        storage it is uploaded (the final one with the run's last uploads, in ``opened``), or
+        a ``StorageError`` raised (``RunMirror.push_file``)."""
+        self._run_json.update(status=status, **fields)
+        ended = status in ("FINISHED", "ERRORED", "ABORTED")
+        if ended:
+            self._run_json["ended"] = time.time()
+        storage.write_json_atomic(self.layout.run_json, self._run_json, private=True)
+        if self.remote is not None and not ended:
+            self.mirror.push_file(self.layout.RUN_JSON)
+
+    @contextlib.contextmanager
+    def opened(self, *, workers: int, hosts: int) -> Iterator[int]:
+        """The run, open for one ``fit()``: locked, an earlier run of its name picked up, its
+        files written; yields the number of the first attempt.
+
+        On the way out the metrics file is closed and, on remote storage, everything uploaded
+        (``RunMirror.push_final``: after the training finished, a failure raises StorageError).
+        A ``fit()`` stopped from the driver's side (Ctrl-C, an error of the driver) leaves the
+        run ABORTED; one stopped by a ``StorageError``, ERRORED. A full disk where the driver
+        writes (logs, metrics, checkpoints, the index) raises ``ControllerError`` caused by a
+        ``DiskFullError`` naming the file.
+        """
+        try:
+            with RunLock(self.run_dir, self.name):
+                self._load_previous()
+                failed = True
+                try:
+                    self._prepare_dir()
+                    index = self.first_attempt()
+                    self.progress.started(workers=workers, hosts=hosts, attempt=index, resume_from=self.latest_path)
+                    yield index
+                    failed = False
+                except BaseException as exc:
+                    if self.remote is not None and not isinstance(exc, Exception):
+                        self.remote.stopping = True  # Ctrl-C: the uploads left get a bound of seconds
+                    if self._run_json.get("status") in ("RUNNING", "RESTARTING"):  # not ended by a failure
+                        if isinstance(exc, StorageError):  # the store failing is the run failing: ERRORED
+                            why = self.mirror.why(exc) if self.remote is not None else str(exc)
+                            self._ended_line = (False, self._best(), f"StorageError: {why}")
+                        with contextlib.suppress(OSError):  # a full disk: the error that got us here says so
+                            status = "ERRORED" if isinstance(exc, StorageError) else "ABORTED"
+                            self.save_status(status, error=f"{type(exc).__name__}: {exc}")
+                    raise
+                finally:
+                    if self._metrics_file is not None:
+                        with contextlib.suppress(OSError):  # as above
+                            self.flush_metrics()  # what a failure cut short between two batches
+                        self._write_summary()
+                        with contextlib.suppress(OSError):  # as above
+                            self._metrics_file.close()
+                    if self.remote is not None:  # the last uploads, then the console's last line
+                        uploaded = False
+                        try:
+                            uploaded = self.mirror.push_final(failed)
+                        finally:
+                            self._say_ended(None if uploaded else self.run_dir)
+        except OSError as exc:
+            full = disk_full_error(exc, exc.filename or self.run_dir)
+            if full is None:
+                raise
+            raise ControllerError(f"Training stopped: {full}") from full
+
+    def _say_ended(self, where: str | None = None) -> None:
+        """The console's last line (on remote storage after the last uploads; ``where``: if failed)."""
+        ending, self._ended_line = self._ended_line, None
+        if ending is not None:
+            self.progress.finished(*ending, where=where)
+
+    def new_plan(self) -> Plan:
+        """A placement plan for the next attempt (the host list is read again)."""
+        return Plan(self.scaling_config, self._env_vars, self.backend_config.shares_visible_gpus())
+
+    def use_plan(self, plan: Plan) -> None:
+        """Run the next attempts on ``plan``."""
+        self.plan = plan
+        self._run_json["hosts"] = self._host_names()
+
+    def _host_names(self) -> list[str]:
+        return [h.name for h in self.plan.placement.hosts] if self.plan.placement else [self.plan.hostname]
+
+    def ended(self, error: str | None = None) -> None:
+        """The run is over: FINISHED, or ERRORED with ``error`` (the console says so at once, or
+        on remote storage once the run's last uploads are done)."""
+        self._ended_line = (error is None, self._best(), error or "")
+        if self.remote is None:
+            self._say_ended()
+        if error is None:
+            self.save_status("FINISHED")
+        else:
+            self.save_status("ERRORED", error=error)
+
+    def attempt_failed(self, index: int, failure: WorkerFailure) -> None:
+        """Record the root cause of attempt ``index`` in ``run.json`` (``ddptrain show``)."""
+        errors = self._run_json.setdefault("attempt_errors", [])
+        errors.append({"attempt": index, "error": failure.headline(), "log": failure.log_path})
+
+    def result(self, return_values: list[Any]) -> Result:
+        return Result(
+            metrics=self.metrics_history[-1] if self.metrics_history else None,
+            checkpoint=self.latest_checkpoint,
+            path=self.location,
+            metrics_history=list(self.metrics_history),
+            best_checkpoints=self.checkpoints.best_checkpoints(),
+            return_value=return_values[0] if return_values else None,
+            return_values=return_values,
+            _storage_filesystem=self.remote.fs if self.remote else None,
+        )
+
+    def clean_after_failure(self, failures: list[WorkerFailure] | tuple[()] = ()) -> None:
+        """Remove what the failed attempt left half-done, upload its logs. On remote storage a
+        failure here is logged: the store may be what failed, and the next attempt (or the
+        next resume) cleans up again. When the store did not answer a worker (``failures``),
+        these calls get a bound of seconds: one that times out too stops the driver's calls to
+        the store until it answers (see ``remote_calls``), so the run ends at once."""
+        if self.remote is None:
+            self.checkpoints.clean_leftovers()
+            return
+        was_stopping = self.remote.stopping
+        self.remote.stopping = was_stopping or any(
+            isinstance(f.exception, StorageError) and f.exception.timed_out for f in failures
+        )
+        try:
+            self.checkpoints.clean_leftovers()
+            self.mirror.push_logs(retry=False)  # sent again later: the next attempt's end, the run's
+        except Exception as exc:  # each fsspec backend raises its own errors
+            _logger.warning(
+                "ddptrain: could not clean up after the failed attempt in %s: %s: %s",
+                self.location,
+                type(exc).__name__,
+                exc,
+            )
+        finally:
+            self.remote.stopping = was_stopping
+
+    def _best(self) -> tuple[str, dict[str, Any]] | None:
+        """The best checkpoint by the configured score (the latest without one), for the summary."""
+        ranked = self.checkpoints.best_checkpoints()
+        return (ranked[-1][0].path, ranked[-1][1]) if ranked else None
+
+    def after_exception(self, failures: list[WorkerFailure]) -> None:
+        """Tell the run's callbacks how an attempt failed (their own errors are logged)."""
+        exceptions = {f.rank: f.exception for f in failures}
+        for callback in self.run_config.callbacks or []:
+            try:
+                callback.after_exception(self.context, exceptions)  # type: ignore[arg-type]
+            except Exception as exc:
+                _logger.warning("ddptrain: callback %r failed in after_exception: %r", callback, exc)

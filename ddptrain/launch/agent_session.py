@@ -1,0 +1,247 @@
+"""One agent on one host, seen from the driver, whatever the connection to it.
+
+A :class:`HostConnection` is a byte pipe to an agent process: its stdin, stdout and stderr,
+its exit status, and how to stop it. Today there are two: a local subprocess
+(``launcher.LocalConnection``) and an SSH channel (``ssh.SSHConnection``); a new kind of host
+(``srun``, ``kubectl exec``) is one more small class. :class:`AgentSession` does the rest once
+for all of them: the bootstrap frame, reading framed worker output and agent events
+(``ddptrain.wire.protocol``, ``ddptrain.wire.agent_events``), the agent's stderr (prefixed, and its tail
+kept for errors), heartbeats, requests, and the events that say the agent stopped answering or
+is gone.
+
+A host that can be cut off (over SSH) is watched from the moment its connection is open, not
+only once its workers run: until its agent speaks, the host's own answers to
+:meth:`HostConnection.probe` (its SSH server's) say it is there, so a network that goes away
+while the agent starts, the host's storage is checked, or the training function loads, is
+noticed within the same bound as mid-run.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import IO, Protocol
+
+from ddptrain.driver.logs import LogSink
+from ddptrain.errors import LaunchError
+from ddptrain.wire.agent_events import AgentEvent, AgentFailed, AgentGone, AgentLost, decode_agent_event
+from ddptrain.wire.boot import versions
+from ddptrain.wire.protocol import AGENT_RANK, ALIVE_S, Bootstrap, Kind, Request, encode_bootstrap, read_frame
+
+__all__ = ["AgentEvent", "AgentSession", "HostConnection"]
+
+_logger = logging.getLogger(__name__)
+
+
+class HostConnection(Protocol):
+    """A byte pipe to one agent process."""
+
+    where: str  # "on this machine", "on host 'h0'": for messages
+    stdout: IO[bytes]  # framed output (see ``ddptrain.wire.protocol``)
+    stderr: IO[bytes]  # the agent's own messages, line by line
+
+    def open(self) -> None:
+        """Start the agent; from now on ``stdout`` and ``stderr`` can be read."""
+
+    def probe(self) -> bool:
+        """Block until the host answers a request that costs it nothing (an SSH server's reply);
+        ``False`` once the connection is gone."""
+
+    def write(self, data: bytes) -> None:
+        """Write to the agent's stdin. Raises OSError when the agent is gone."""
+
+    def wait_ready(self) -> None:
+        """Block until ``stdout`` carries frames (e.g. past a line the agent prints first)."""
+
+    def exit_code(self) -> int | None:
+        """The agent's exit status once its output ended (``None``: unknown, connection lost)."""
+
+    def close(self, grace_s: float) -> None:
+        """Stop the agent (it has been asked to) and release the connection."""
+
+    def abort(self) -> None:
+        """Drop the connection at once, without a word to the agent (it stopped answering):
+        every read and write on it ends."""
+
+
+class AgentSession:
+    """Drives one agent through ``connection``; :meth:`open` starts it.
+
+    Args:
+        connection: The pipe to the agent.
+        heartbeat_s: Send a heartbeat byte this often (``None``: none; a local agent sees its
+            driver die through its stdin).
+        label: Prefix of the agent's stderr lines on the driver's stderr.
+        lost_after_s: Declare the host lost (:attr:`lost`, :class:`AgentLost`) once nothing came
+            from it for this long, from the moment the session exists; its connection is then
+            dropped, which ends every wait on it. ``None``: never (a local agent).
+    """
+
+    def __init__(
+        self, connection: HostConnection, heartbeat_s: float | None, label: str, lost_after_s: float | None = None
+    ) -> None:
+        self.connection = connection
+        self._heartbeat_s = heartbeat_s
+        self._label = label
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._stderr_thread: threading.Thread | None = None
+        self._stderr_tail: list[str] = []
+        # When something last came from the agent; `None` until it speaks after the bootstrap
+        # (its first worker started). Until then, `_answered_at`: when the host last answered a
+        # probe. `_busy`: the driver is handling a frame.
+        self._heard_at: float | None = None
+        self._answered_at = time.monotonic()  # the connection was just made
+        self._busy = False
+        self._lock = threading.Lock()  # `lost` and `_on_event`: who tells the driver
+        self._on_event: Callable[[AgentEvent], None] | None = None
+        self.lost: AgentLost | None = None  # set when the host stopped answering
+        if lost_after_s is not None:
+            self._spawn(self._probe, "probe")
+            self._spawn(lambda: self._watch(lost_after_s), "watch")
+
+    def open(self) -> None:
+        """Start the agent (see :meth:`HostConnection.open`): watched already, so a host that
+        stops answering meanwhile ends it within ``lost_after_s`` (check :attr:`lost`)."""
+        self.connection.open()
+        # Read stderr from the start: a full pipe would stall the agent.
+        self._spawn(self._read_stderr, "stderr")
+        self._stderr_thread = self._threads[-1]
+
+    def _spawn(self, target: Callable[[], None], what: str) -> None:
+        thread = threading.Thread(target=target, name=f"ddptrain-agent-{what}", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def _read_stderr(self) -> None:
+        try:
+            for line in self.connection.stderr:
+                text = line.decode("utf-8", errors="replace").rstrip()
+                if self._heard_at is not None:
+                    self._heard_at = time.monotonic()
+                if text:
+                    self._stderr_tail = (self._stderr_tail + [text])[-20:]
+                    sys.stderr.write(f"[{self._label}] {text}\n")
+        except (OSError, ValueError):
+            pass  # closed under us at shutdown
+
+    def exit_detail(self) -> str:
+        """``exit status N`` and the agent's last stderr lines, for errors."""
+        code = self.connection.exit_code()
+        if self._stderr_thread is not None:
+            self._stderr_thread.join(1.0)  # let it take the last lines
+        tail = "\n".join(self._stderr_tail[-10:])
+        return f"exit status {code}" + (f":\n{tail}" if tail else "")
+
+    def start(self, bootstrap: Bootstrap, sink: LogSink, on_event: Callable[[AgentEvent], None]) -> None:
+        """Send the bootstrap; from now on worker output goes to ``sink`` and agent events to
+        ``on_event``, ending with :class:`AgentGone` (after an :class:`AgentFailed` if the agent
+        never ran), or with :class:`AgentLost` once the host stopped answering (``lost_after_s``).
+
+        Raises:
+            LaunchError: The agent is gone before it got its work, or the host stopped answering
+                (:attr:`lost` says so).
+        """
+        try:
+            self.connection.write(encode_bootstrap(bootstrap, versions()))
+        except OSError:
+            if self.lost is not None:
+                raise LaunchError(f"{self.connection.where} the host stopped answering") from None
+            raise LaunchError(f"{self.connection.where} the agent did not start ({self.exit_detail()})") from None
+        with self._lock:
+            if self.lost is not None:  # while the bootstrap went out
+                raise LaunchError(f"{self.connection.where} the host stopped answering")
+            self._on_event = on_event
+
+        def read_frames() -> None:
+            self.connection.wait_ready()
+            seen = False
+            while (frame := read_frame(self.connection.stdout)) is not None:
+                seen = True
+                self._busy = True  # a slow sink is the driver's delay, not the host's
+                kind, rank, data = frame
+                if kind == Kind.ALIVE:
+                    pass
+                elif kind in (Kind.STDOUT, Kind.STDERR):
+                    sink.write(rank, kind, data)
+                else:
+                    try:
+                        event = decode_agent_event(kind, rank, data)
+                    except Exception as exc:  # another version, or a damaged stream: say so, never hang
+                        where = self.connection.where
+                        event = AgentFailed(rank, f"{where} the agent sent an unreadable frame: {exc!r}")
+                    on_event(event)
+                self._heard_at = time.monotonic()
+                self._busy = False
+            self._busy = True  # the pipe ended: nothing more to watch
+            if not seen and not self._stop.is_set():  # the agent never ran: wrong python, missing ddptrain, ...
+                detail = self.exit_detail()
+                on_event(AgentFailed(AGENT_RANK, f"{self.connection.where} the agent did not start ({detail})"))
+            on_event(AgentGone(AGENT_RANK, self.connection.exit_code()))
+
+        self._spawn(read_frames, "frames")
+        if self._heartbeat_s is not None:
+            self._spawn(self._heartbeat, "heartbeat")
+
+    def _probe(self) -> None:
+        """Until the agent speaks, ask the host for an answer every ``ALIVE_S`` (the agent is
+        silent while it starts, imports and loads the training function, which may take long)."""
+        while self._heard_at is None and not self._stop.is_set():
+            if not self.connection.probe():
+                return
+            self._answered_at = time.monotonic()
+            self._stop.wait(ALIVE_S)
+
+    def _watch(self, timeout_s: float) -> None:
+        """Declare the host lost once nothing came from it for ``timeout_s``: from its agent once
+        it spoke, before that in answer to a probe. Then drop the connection, which ends every
+        wait on it (starting the agent, checking the storage, a copy of checkpoint files). The
+        agent's own heartbeat check stops its workers on the host."""
+        while not self._stop.wait(ALIVE_S / 2):
+            if self._busy:
+                continue
+            heard = self._heard_at if self._heard_at is not None else self._answered_at
+            silent_s = time.monotonic() - heard
+            if silent_s > timeout_s:
+                _logger.warning(
+                    "ddptrain: nothing came from %s for %.1f s (DDPTRAIN_SSH_HEARTBEAT_TIMEOUT_S=%g): "
+                    "the host stopped answering; dropping its connection",
+                    self.connection.where.removeprefix("on "),
+                    silent_s,
+                    timeout_s,
+                )
+                with self._lock:
+                    self.lost = AgentLost(AGENT_RANK, silent_s, timeout_s)
+                    on_event = self._on_event
+                if on_event is not None:
+                    on_event(self.lost)
+                self.connection.abort()
+                return
+
+    def _heartbeat(self) -> None:
+        assert self._heartbeat_s is not None
+        while not self._stop.wait(self._heartbeat_s):
+            try:
+                self.connection.write(Request.HEARTBEAT)
+            except OSError:
+                return
+
+    def ask(self, command: bytes) -> None:
+        """Send the agent a :class:`~ddptrain.protocol.Request`."""
+        try:
+            self.connection.write(command)
+        except Exception:
+            pass  # the agent is gone; that is reported elsewhere
+
+    def shutdown(self, grace_s: float) -> None:
+        """Ask the agent to stop its workers (``Request.KILL``), then close the connection. Safe twice."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self.ask(Request.KILL)
+        self.connection.close(grace_s)
+        for thread in self._threads:
+            thread.join(2.0)

@@ -1,0 +1,289 @@
+"""Starting worker processes on this machine, through one agent process (driver side).
+
+The agent (``python -m ddptrain.agent.main``) runs in its own session, imports torch once and
+forks the workers, so every worker starts in about the time of one torch import. Its stdout
+carries framed worker output and exit events back; closing its stdin, or a kill frame,
+tears the whole tree down. The driver then also kills the agent's process group, which
+catches anything the workers started (DataLoader workers included).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Collection
+from typing import IO, Protocol
+
+from ddptrain.driver.logs import LogSink
+from ddptrain.errors import HostLostError
+from ddptrain.launch.agent_session import AgentSession
+from ddptrain.wire.agent_events import AgentEvent
+from ddptrain.wire.boot import agent_command, import_pins
+from ddptrain.wire.protocol import AGENT_RANK, Bootstrap
+
+__all__ = ["GroupLauncher", "HostLauncher", "Launcher", "LocalLauncher", "AgentEvent"]
+
+_logger = logging.getLogger(__name__)
+
+
+class Launcher(Protocol):
+    """Starts a worker group and tears it down."""
+
+    @property
+    def unshared_ranks(self) -> Collection[int]:
+        """Ranks on hosts that cannot see the run directory: their checkpoint files are fetched."""
+
+    def start(self, bootstrap: Bootstrap, sink: LogSink, on_event: Callable[[AgentEvent], None]) -> None:
+        """Hand the bootstrap to the agents; worker output goes to ``sink``."""
+
+    def shutdown(self, grace_s: float) -> None:
+        """Stop every worker: SIGTERM, then SIGKILL after ``grace_s``. Safe to call twice."""
+
+    def bind_address(self) -> str:
+        """The address the driver's store listens on: the one these agents' workers use."""
+
+    def ask(self, command: bytes) -> None:
+        """Send the agents a :class:`~ddptrain.protocol.Request` (worker states, stacks)."""
+
+    def fetch_dir(self, rank: int, remote: str, local: str) -> None:
+        """Copy a folder from the host of ``rank`` (one of ``unshared_ranks``) to this machine,
+        and delete it there."""
+
+
+class HostLauncher(Protocol):
+    """The agent of one host, as a :class:`GroupLauncher` drives it."""
+
+    def start(self, bootstrap: Bootstrap, sink: LogSink, on_event: Callable[[AgentEvent], None]) -> None:
+        """Hand the host's share of the bootstrap to its agent."""
+
+    def shutdown(self, grace_s: float) -> None:
+        """Stop the host's workers and agent. Safe to call twice."""
+
+    def ask(self, command: bytes) -> None:
+        """Send the agent a :class:`~ddptrain.protocol.Request`."""
+
+    def fetch_dir(self, rank: int, remote: str, local: str) -> None:
+        """Copy a folder of this host (where ``rank`` runs) to this machine, and delete it there."""
+
+    def prepare_storage(self, run_dir: str, run_id: str) -> str | None:
+        """``None`` if this host sees ``run_dir``; else the folder on the host where its workers
+        keep checkpoint files until they are fetched."""
+
+    def push_dir(self, local: str, remote: str) -> None:
+        """Copy a folder of this machine to ``remote`` on the host."""
+
+
+class LocalConnection:
+    """The pipe to an agent process on this machine, in its own session.
+
+    Args:
+        env: Environment of the agent and its workers.
+    """
+
+    where = "on this machine"
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self._env = env
+
+    def open(self) -> None:
+        self._proc = subprocess.Popen(
+            agent_command(sys.executable, import_pins()),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=self._env,
+            start_new_session=True,
+        )
+        assert self._proc.stdout is not None and self._proc.stderr is not None
+        self.stdout: IO[bytes] = self._proc.stdout
+        self.stderr: IO[bytes] = self._proc.stderr
+
+    def probe(self) -> bool:
+        return self._proc.poll() is None  # this machine always answers; its agent may have exited
+
+    def write(self, data: bytes) -> None:
+        stdin = self._proc.stdin
+        if stdin is None or self._proc.poll() is not None:
+            raise BrokenPipeError("the agent has exited")
+        try:
+            stdin.write(data)
+            stdin.flush()
+        except ValueError:  # closed at shutdown
+            raise BrokenPipeError("the agent's stdin is closed") from None
+
+    def wait_ready(self) -> None:
+        pass  # frames from the first byte
+
+    def exit_code(self) -> int | None:
+        try:
+            return self._proc.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def abort(self) -> None:
+        try:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def close(self, grace_s: float) -> None:
+        proc = self._proc
+        try:
+            proc.wait(timeout=grace_s + 1.0)
+        except subprocess.TimeoutExpired:
+            _logger.warning("ddptrain agent %d did not stop in %.1f s; killing it", proc.pid, grace_s + 1)
+        # Whatever is left in the agent's session (its workers' own children too) goes now.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait()
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            if pipe is not None:
+                try:
+                    pipe.close()
+                except OSError:
+                    pass
+
+
+class LocalLauncher:
+    """Runs the workers of this machine under one agent process.
+
+    Args:
+        env: Environment of the agent and its workers.
+    """
+
+    unshared_ranks: Collection[int] = frozenset()  # this machine sees every run directory
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self._session = AgentSession(LocalConnection(env), heartbeat_s=None, label="ddptrain agent")
+        self._session.open()
+
+    def bind_address(self) -> str:
+        return "127.0.0.1"  # a local run's store is never reachable from elsewhere
+
+    def ask(self, command: bytes) -> None:
+        self._session.ask(command)
+
+    def start(self, bootstrap: Bootstrap, sink: LogSink, on_event: Callable[[AgentEvent], None]) -> None:
+        self._session.start(bootstrap, sink, on_event)
+
+    def shutdown(self, grace_s: float) -> None:
+        self._session.shutdown(grace_s)
+
+    def prepare_storage(self, run_dir: str, run_id: str) -> None:
+        return None
+
+    def push_dir(self, local: str, remote: str) -> None:
+        raise RuntimeError("a local agent sees the run directory; nothing is copied to it")
+
+    def fetch_dir(self, rank: int, remote: str, local: str) -> None:
+        raise RuntimeError("a local agent sees the run directory; nothing is fetched from it")
+
+
+def _is_loopback(address: str) -> bool:
+    return address.startswith("127.") or address in ("::1", "localhost")
+
+
+def _bind_address(addresses: list[str]) -> str:
+    """Where a multi-host run's store listens: the one address the hosts reach this machine
+    at (loopback when every host is this machine), or every interface when they use several."""
+    remote = sorted({a for a in addresses if not _is_loopback(a)})
+    if not remote:
+        return "127.0.0.1"
+    if len(remote) == 1:
+        return remote[0]
+    _logger.info(
+        "ddptrain: the hosts reach this machine at several addresses (%s); the store listens on all "
+        "interfaces (messages stay signed; see Security in the README)",
+        ", ".join(remote),
+    )
+    return "::" if any(":" in a for a in remote) else "0.0.0.0"
+
+
+class GroupLauncher:
+    """Launchers of several hosts driven as one: each gets its node's share of the bootstrap.
+
+    Args:
+        launchers: ``(launcher, store address as seen from that host)`` by node rank.
+    """
+
+    def __init__(self, launchers: list[tuple[HostLauncher, str]]) -> None:
+        self._launchers = launchers
+        self._bind = _bind_address([address for _, address in launchers])
+        if not _is_loopback(self._bind):  # local agents reach the store at that address too
+            self._launchers = [(launcher, self._bind if _is_loopback(a) else a) for launcher, a in launchers]
+        self._by_rank: dict[int, HostLauncher] = {}
+        self.unshared_ranks: set[int] = set()
+
+    def bind_address(self) -> str:
+        return self._bind
+
+    def ask(self, command: bytes) -> None:
+        for launcher, _ in self._launchers:
+            launcher.ask(command)
+
+    def fetch_dir(self, rank: int, remote: str, local: str) -> None:
+        self._by_rank[rank].fetch_dir(rank, remote, local)
+
+    def _host_share(self, launcher: HostLauncher, share: Bootstrap) -> Bootstrap:
+        """A host's share as it must see the run: for a host that cannot see the run directory,
+        marked so, with the checkpoint to resume from copied into its staging folder (which the
+        launcher removes when it shuts down, or the next run on that host if this driver is
+        killed first)."""
+        run = share.run
+        if not run.run_dir:
+            return share  # a group that runs functions has no run directory to share
+        cache = launcher.prepare_storage(run.run_dir, run.run_id)
+        if cache is None:
+            return share
+        self.unshared_ranks.update(spec.rank for spec in share.workers)
+        checkpoint = run.checkpoint
+        if checkpoint:
+            checkpoint = f"{cache}/resume/a{run.attempt}/{os.path.basename(checkpoint)}"
+            launcher.push_dir(run.checkpoint, checkpoint)  # type: ignore[arg-type]
+        run = dataclasses.replace(run, shared_storage=False, local_cache=cache, checkpoint=checkpoint)
+        return dataclasses.replace(share, run=run)
+
+    def start(self, bootstrap: Bootstrap, sink: LogSink, on_event: Callable[[AgentEvent], None]) -> None:
+        """Hand each host its share, one after the other.
+
+        Raises:
+            HostLostError: A host stopped answering before its agent got its work (its ranks named).
+            LaunchError: A host's agent or storage could not be started.
+        """
+        for node, (launcher, address) in enumerate(self._launchers):
+            workers = tuple(
+                dataclasses.replace(spec, env={**spec.env, "MASTER_ADDR": address})
+                for spec in bootstrap.workers
+                if spec.node_rank == node
+            )
+            share = dataclasses.replace(
+                bootstrap, workers=workers, store=dataclasses.replace(bootstrap.store, host=address)
+            )
+            self._by_rank.update((spec.rank, launcher) for spec in workers)
+            first = min(spec.rank for spec in workers)
+
+            def tagged(event: AgentEvent, first: int = first) -> None:
+                if event.rank == AGENT_RANK:  # name the agent by its first rank
+                    event = dataclasses.replace(event, rank=first)
+                on_event(event)
+
+            try:
+                launcher.start(self._host_share(launcher, share), sink, tagged)
+            except HostLostError as exc:  # with the ranks it was to run
+                raise HostLostError(exc.host, exc.silent_s, exc.timeout_s, [spec.rank for spec in workers]) from None
+
+    def shutdown(self, grace_s: float) -> None:
+        threads = [
+            threading.Thread(target=launcher.shutdown, args=(grace_s,), daemon=True) for launcher, _ in self._launchers
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(grace_s + 10.0)

@@ -1,0 +1,1 @@
+"""wire (docstring follows)."""
