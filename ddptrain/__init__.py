@@ -5,7 +5,9 @@ Change ``import ray.train`` to ``import ddptrain as train`` (and ``ray.train.tor
 """
 
 from ddptrain import collective, data
+from ddptrain._version import __version__
 from ddptrain.backend import Backend, BackendConfig
+from ddptrain.base_trainer import BaseTrainer
 from ddptrain.callbacks import TrainRunContext, UserCallback
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.config import (
@@ -45,8 +47,6 @@ from ddptrain.errors import (
 )
 from ddptrain.result import Result
 
-__version__ = "0.1.0"
-
 TRAIN_DATASET_KEY = "train"
 
 # No handler is added on purpose: without logging configured, Python still prints our
@@ -62,6 +62,7 @@ __all__ = [
     "ControllerError",
     "ConfigError",
     "DataConfig",
+    "BaseTrainer",
     "DataParallelTrainer",
     "DdpTrainError",
     "DiskFullError",

@@ -15,6 +15,7 @@ import cloudpickle
 
 from ddptrain import _env
 from ddptrain.backend import BackendConfig
+from ddptrain.base_trainer import BaseTrainer
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.config import DataConfig, RunConfig, ScalingConfig
 from ddptrain.data.ingest import DatasetIngest, check_datasets
@@ -49,7 +50,7 @@ def _takes_config(fn: Callable[..., Any]) -> bool:
     return bool(positional) or any(p.kind == p.VAR_POSITIONAL for p in params)
 
 
-class DataParallelTrainer:
+class DataParallelTrainer(BaseTrainer):
     """Runs ``train_loop_per_worker`` on every worker: SPMD data-parallel training.
 
     Args:

@@ -56,7 +56,10 @@ class FakeGroup:
         return 0
 
     def execute(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
-        return [None] * self.world_size  # begin_run and the backend's hooks
+        return [None] * self.world_size  # the backend's hooks
+
+    def begin_run(self, run: Any, payload: Any, datasets: Any, port: int) -> None:
+        pass
 
     def send(self, rank: int, message: Any) -> None:
         self.sent.append((rank, message))

@@ -36,7 +36,7 @@ from ddptrain import ray_compat
 from ddptrain.agent.process import kill_group_strays, other_threads, set_pdeathsig
 from ddptrain.agent.relay import Child, kill_all, relay
 from ddptrain.wire.agent_events import AgentFailed, WorkerStarted, encode_event
-from ddptrain.wire.boot import check_versions, worker_sys_path
+from ddptrain.wire.boot import check_versions, load_user, worker_sys_path, write_all
 from ddptrain.wire.protocol import (
     AGENT_RANK,
     Bootstrap,
@@ -46,17 +46,10 @@ from ddptrain.wire.protocol import (
     read_frame,
 )
 
-__all__ = ["entry", "load_user", "main", "write_all"]
+__all__ = ["entry", "main"]
 
 # Set by an agent that replaced itself with a clean one: the fd that holds its bootstrap.
 _BOOTSTRAP_FD_VAR = "DDPTRAIN_AGENT_BOOTSTRAP_FD"
-
-
-def write_all(fd: int, data: bytes) -> None:
-    """Write all of ``data`` to a file descriptor."""
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
 
 
 def _check_single_threaded(when: str) -> None:
@@ -105,15 +98,6 @@ def _fork_worker(spec: WorkerSpec, shared: dict[str, Any], close_fds: list[int])
     for fd in (out_w, err_w, status_w):
         os.close(fd)
     return Child(rank=spec.rank, pid=pid, fds={out_r: Kind.STDOUT, err_r: Kind.STDERR}, status_fd=status_r)
-
-
-def load_user(payload: bytes) -> Any:
-    """Unpickle the user's function and config (importing the modules they come from)."""
-    os.environ["DDPTRAIN_UNPICKLING"] = "1"
-    try:
-        return pickle.loads(payload)
-    finally:
-        del os.environ["DDPTRAIN_UNPICKLING"]
 
 
 def _fork_unsafe_after_loading() -> str | None:

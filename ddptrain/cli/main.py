@@ -17,7 +17,7 @@ import ddptrain
 from ddptrain import _env
 from ddptrain.cli import dashboard
 from ddptrain.cli import runs as inspect_runs
-from ddptrain.driver.watchdog import stack_command
+from ddptrain.cli.stack import stack_command
 from ddptrain.errors import DdpTrainError
 from ddptrain.launch.hosts import HostSpec, is_local, parse_hosts, with_ssh_config
 from ddptrain.launch.ssh_connect import connect, run_program

@@ -24,12 +24,12 @@ from typing import Any
 
 from ddptrain import _env
 from ddptrain.driver.progress import format_duration, format_metrics
-from ddptrain.driver.watchdog import RunNotFound, driver_is_alive, find_run
 from ddptrain.storage import layout as storage
 from ddptrain.storage import metrics as run_metrics
 from ddptrain.storage import run_files
 from ddptrain.storage.layout import RunLayout
-from ddptrain.storage.read import RunView, list_views, open_run
+from ddptrain.storage.lock import driver_is_alive
+from ddptrain.storage.read import RunNotFound, RunView, find_run, list_views, open_run
 from ddptrain.storage.remote import on_remote_storage
 
 __all__ = [

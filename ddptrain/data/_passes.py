@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ddptrain.data._batching import batch_plan, gather, prefetch
-from ddptrain.data.dataset import check_positive_int
+from ddptrain.data._rows import check_positive_int
 
 __all__ = ["PassOptions", "PassStats", "run_pass"]
 

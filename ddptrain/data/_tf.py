@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ddptrain.data.dataset import Schema
+from ddptrain.data._rows import Schema
 
 __all__ = ["tf_dataset"]
 

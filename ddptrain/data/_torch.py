@@ -13,7 +13,7 @@ import torch
 import torch.utils.data
 
 from ddptrain import context
-from ddptrain.torch import get_device
+from ddptrain.torch.train_loop_utils import get_device
 
 __all__ = [
     "resolve_device",

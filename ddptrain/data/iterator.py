@@ -10,10 +10,12 @@ import numpy as np
 from ddptrain.data import _tf
 from ddptrain.data._batching import BATCH_FORMATS, to_pandas
 from ddptrain.data._passes import PassOptions, PassStats, run_pass
-from ddptrain.data.dataset import Dataset, Schema, check_positive_int, row_dicts
+from ddptrain.data._rows import Schema, check_positive_int, row_dicts
 
 if TYPE_CHECKING:
     import torch
+
+    from ddptrain.data.dataset import Dataset
 
 __all__ = ["DataIterator"]
 

@@ -22,7 +22,6 @@ from ddptrain.driver.worker_group import GroupFailed, WorkerGroup
 from ddptrain.errors import LaunchError, WorkerFailure
 from ddptrain.storage import layout as storage
 from ddptrain.wire import protocol
-from ddptrain.worker.main import begin_run
 
 if TYPE_CHECKING:
     from ddptrain.driver.run import Run
@@ -84,7 +83,7 @@ class Attempt:
             if group.started:  # warm from an earlier fit(): the workers switch to this run
                 port = group.next_run(log_dir, console=progress)
                 run = self.run.run_info(self.index)
-                group.execute(begin_run, run, self.run.payload, datasets, port)
+                group.begin_run(run, self.run.payload, datasets, port)
             else:
                 group.start(
                     payload=self.run.payload,

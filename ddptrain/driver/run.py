@@ -119,7 +119,7 @@ class Run:
     # ----------------------------------------------------------------- what workers get
     def run_info(self, attempt: int) -> protocol.RunInfo:
         """What a worker needs to know of this run (it travels with the bootstrap, or to warm
-        workers as the argument of ``ddptrain.worker.begin_run``)."""
+        workers in a ``BeginRun`` message)."""
         return protocol.RunInfo(
             run_id=self.run_id,
             attempt=attempt,

@@ -7,30 +7,22 @@ a ``P`` frame). A worker stopped by a signal (state ``T``) is named in a warning
 ``DDPTRAIN_STALL_WARN_S``, the warning lists every rank's state and asks every worker for its
 Python stacks (``T``: the agent sends SIGUSR1, on which each worker's faulthandler prints all
 its threads to its output, prefixed and logged like any other line).
-
-``ddptrain stack RUN`` (:func:`stack_command`) asks a live run's driver for the same, through
-a request file in the run directory, and prints what the workers wrote.
+(``ddptrain stack RUN`` asks a live run's driver for the same: ``ddptrain.cli.stack``.)
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from ddptrain import _env
 from ddptrain.storage import layout as storage
 from ddptrain.storage.layout import RunLayout
-from ddptrain.storage.lock import try_lock_dir
-from ddptrain.storage.remote import on_remote_storage
 from ddptrain.wire.protocol import Request
 
-__all__ = ["RunNotFound", "Watch", "find_run", "stack_command"]
+__all__ = ["Watch"]
 
 _logger = logging.getLogger(__name__)
 
@@ -137,79 +129,3 @@ class Watch:
                 states or "not known yet",
             )
             self._ask(Request.STACKS)
-
-
-class RunNotFound(Exception):
-    """No run directory by that name or path."""
-
-
-def find_run(run: str) -> Path:
-    """A local run directory from a path, or a run name under the default storage path."""
-    if on_remote_storage(run):
-        raise RunNotFound(
-            f"{run} is on remote storage; this command needs a run folder of this machine. The driver that ran "
-            f"it keeps a working copy under {_env.cache_dir()}/runs/."
-        )
-    path = Path(run.removeprefix("file://")).expanduser()
-    if RunLayout(path).run_json.is_file():
-        return path.resolve()
-    candidate = Path(_env.default_storage_path(), run).expanduser()
-    if RunLayout(candidate).run_json.is_file():
-        return candidate.resolve()
-    raise RunNotFound(
-        f"no run {run!r}: neither {path} nor {candidate} is a ddptrain run directory (no {RunLayout.RUN_JSON})"
-    )
-
-
-def driver_is_alive(run_dir: Path) -> bool:
-    """Whether a live driver holds ``run_dir``'s lock (a folder that cannot be opened: no)."""
-    try:
-        fd = try_lock_dir(str(run_dir), shared=True)
-    except OSError:
-        return False
-    if fd is None:
-        return True
-    os.close(fd)
-    return False
-
-
-def stack_command(run: str, timeout_s: float = 10.0) -> int:
-    """``ddptrain stack RUN``: print every rank's Python stack and process state of a live run."""
-    try:
-        run_dir = find_run(run)
-    except RunNotFound as exc:
-        print(f"ddptrain stack: {exc}", file=sys.stderr)
-        return 2
-    if not driver_is_alive(run_dir):
-        print(f"ddptrain stack: no live driver holds {run_dir} (the run is not running)", file=sys.stderr)
-        return 1
-    layout = RunLayout(run_dir)
-    attempts = layout.attempts()
-    logs = layout.rank_logs(attempts[-1]) if attempts else {}
-    sizes = {log: log.stat().st_size for log in logs.values()}
-    states_file = layout.stack_states
-    states_file.unlink(missing_ok=True)
-    storage.write_json_atomic(layout.stack_request, {"pid": os.getpid()}, private=True)
-    deadline = time.monotonic() + timeout_s
-    while not states_file.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if not states_file.exists():
-        layout.stack_request.unlink(missing_ok=True)
-        print(f"ddptrain stack: the driver of {run_dir} did not answer within {timeout_s:.0f} s", file=sys.stderr)
-        return 1
-    # Stacks arrive through the workers' output: wait until the logs stop growing.
-    settled_at, last = time.monotonic(), dict(sizes)
-    while time.monotonic() - settled_at < 1.0 and time.monotonic() < deadline + 5:
-        time.sleep(0.2)
-        now = {log: log.stat().st_size for log in logs.values()}
-        if now != last:
-            last, settled_at = now, time.monotonic()
-    states = json.loads(states_file.read_text())
-    states_file.unlink(missing_ok=True)
-    for rank, log in logs.items():
-        state = states.get(str(rank))
-        print(f"=== {state['where'] if state else f'rank {rank}'}: {state['described'] if state else 'not running'}")
-        with open(log, "rb") as f:
-            f.seek(sizes[log])
-            print(f.read().decode("utf-8", errors="replace").rstrip() or "(no stack: the process cannot run)")
-    return 0

@@ -258,12 +258,21 @@ class WorkerGroup(GroupEvents):
         self, ranks: list[int], fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on ``ranks``; results in the order of ``ranks``."""
+        return self._call(ranks, lambda call_id: protocol.Execute(call_id, fn, args, kwargs))
+
+    def begin_run(
+        self, run: protocol.RunInfo, payload: bytes | None, datasets: dict[int, Any] | None, port: int
+    ) -> None:
+        """Switch every (warm) worker to the run ``run``, whose process group meets on ``port``."""
+        self._call(list(range(len(self))), lambda call_id: protocol.BeginRun(call_id, run, payload, datasets, port))
+
+    def _call(self, ranks: list[int], command: Callable[[int], Any]) -> list[Any]:
         if not self.alive:
             raise WorkerGroupError("The worker group is not running (it was shut down or one of its workers died).", {})
         call_id = self._next_call
         self._next_call += 1
         for rank in ranks:
-            self.send(rank, protocol.Execute(call_id, fn, args, kwargs))
+            self.send(rank, command(call_id))
 
         def answered() -> bool:  # by every rank, or by one that failed: no need to wait for the rest
             replies = self._results.get(call_id, {})

@@ -25,15 +25,21 @@ import time
 from collections.abc import Callable
 from typing import IO, Protocol
 
-from ddptrain.driver.logs import LogSink
 from ddptrain.errors import LaunchError
 from ddptrain.wire.agent_events import AgentEvent, AgentFailed, AgentGone, AgentLost, decode_agent_event
 from ddptrain.wire.boot import versions
 from ddptrain.wire.protocol import AGENT_RANK, ALIVE_S, Bootstrap, Kind, Request, encode_bootstrap, read_frame
 
-__all__ = ["AgentEvent", "AgentSession", "HostConnection"]
+__all__ = ["AgentEvent", "AgentSession", "HostConnection", "OutputSink"]
 
 _logger = logging.getLogger(__name__)
+
+
+class OutputSink(Protocol):
+    """Where a launcher puts its workers' output (the driver's ``LogSink``)."""
+
+    def write(self, rank: int, stream: bytes, data: bytes) -> None:
+        """Take a chunk of a rank's stdout (``b"O"``) or stderr (``b"E"``)."""
 
 
 class HostConnection(Protocol):
@@ -136,7 +142,7 @@ class AgentSession:
         tail = "\n".join(self._stderr_tail[-10:])
         return f"exit status {code}" + (f":\n{tail}" if tail else "")
 
-    def start(self, bootstrap: Bootstrap, sink: LogSink, on_event: Callable[[AgentEvent], None]) -> None:
+    def start(self, bootstrap: Bootstrap, sink: OutputSink, on_event: Callable[[AgentEvent], None]) -> None:
         """Send the bootstrap; from now on worker output goes to ``sink`` and agent events to
         ``on_event``, ending with :class:`AgentGone` (after an :class:`AgentFailed` if the agent
         never ran), or with :class:`AgentLost` once the host stopped answering (``lost_after_s``).

@@ -19,9 +19,8 @@ import threading
 from collections.abc import Callable, Collection
 from typing import IO, Protocol
 
-from ddptrain.driver.logs import LogSink
 from ddptrain.errors import HostLostError
-from ddptrain.launch.agent_session import AgentSession
+from ddptrain.launch.agent_session import AgentSession, OutputSink
 from ddptrain.wire.agent_events import AgentEvent
 from ddptrain.wire.boot import agent_command, import_pins
 from ddptrain.wire.protocol import AGENT_RANK, Bootstrap
@@ -38,7 +37,7 @@ class Launcher(Protocol):
     def unshared_ranks(self) -> Collection[int]:
         """Ranks on hosts that cannot see the run directory: their checkpoint files are fetched."""
 
-    def start(self, bootstrap: Bootstrap, sink: LogSink, on_event: Callable[[AgentEvent], None]) -> None:
+    def start(self, bootstrap: Bootstrap, sink: OutputSink, on_event: Callable[[AgentEvent], None]) -> None:
         """Hand the bootstrap to the agents; worker output goes to ``sink``."""
 
     def shutdown(self, grace_s: float) -> None:
@@ -58,7 +57,7 @@ class Launcher(Protocol):
 class HostLauncher(Protocol):
     """The agent of one host, as a :class:`GroupLauncher` drives it."""
 
-    def start(self, bootstrap: Bootstrap, sink: LogSink, on_event: Callable[[AgentEvent], None]) -> None:
+    def start(self, bootstrap: Bootstrap, sink: OutputSink, on_event: Callable[[AgentEvent], None]) -> None:
         """Hand the host's share of the bootstrap to its agent."""
 
     def shutdown(self, grace_s: float) -> None:
@@ -170,7 +169,7 @@ class LocalLauncher:
     def ask(self, command: bytes) -> None:
         self._session.ask(command)
 
-    def start(self, bootstrap: Bootstrap, sink: LogSink, on_event: Callable[[AgentEvent], None]) -> None:
+    def start(self, bootstrap: Bootstrap, sink: OutputSink, on_event: Callable[[AgentEvent], None]) -> None:
         self._session.start(bootstrap, sink, on_event)
 
     def shutdown(self, grace_s: float) -> None:
@@ -250,7 +249,7 @@ class GroupLauncher:
         run = dataclasses.replace(run, shared_storage=False, local_cache=cache, checkpoint=checkpoint)
         return dataclasses.replace(share, run=run)
 
-    def start(self, bootstrap: Bootstrap, sink: LogSink, on_event: Callable[[AgentEvent], None]) -> None:
+    def start(self, bootstrap: Bootstrap, sink: OutputSink, on_event: Callable[[AgentEvent], None]) -> None:
         """Hand each host its share, one after the other.
 
         Raises:

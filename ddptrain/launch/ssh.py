@@ -20,9 +20,8 @@ from collections.abc import Callable
 from typing import IO, Any
 
 from ddptrain import _env
-from ddptrain.driver.logs import LogSink
 from ddptrain.errors import ConfigError, HostLostError, LaunchError
-from ddptrain.launch.agent_session import AgentSession
+from ddptrain.launch.agent_session import AgentSession, OutputSink
 from ddptrain.launch.host_scripts import PID_LINE, env_frame
 from ddptrain.launch.hosts import HostSpec, gpus_needed, is_local, slots_for_gpus
 from ddptrain.launch.ssh_connect import connect, remote_command
@@ -218,7 +217,7 @@ class SSHLauncher:
     def agent_pid(self) -> int | None:
         return self._connection.agent_pid
 
-    def start(self, bootstrap: Bootstrap, sink: LogSink, on_event: Callable[[AgentEvent], None]) -> None:
+    def start(self, bootstrap: Bootstrap, sink: OutputSink, on_event: Callable[[AgentEvent], None]) -> None:
         """Hand the host's share of the bootstrap to its agent (see ``AgentSession.start``).
 
         Raises:

@@ -10,11 +10,12 @@ import fcntl
 import json
 import os
 import time
+from pathlib import Path
 
 from ddptrain.errors import DdpTrainError
 from ddptrain.storage.layout import RunLayout
 
-__all__ = ["RunInUseError", "RunLock", "try_lock_dir"]
+__all__ = ["RunInUseError", "RunLock", "driver_is_alive", "try_lock_dir"]
 
 
 class RunInUseError(DdpTrainError, RuntimeError):
@@ -76,3 +77,15 @@ class RunLock:
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)  # releases the lock
+
+
+def driver_is_alive(run_dir: Path) -> bool:
+    """Whether a live driver holds ``run_dir``'s lock (a folder that cannot be opened: no)."""
+    try:
+        fd = try_lock_dir(str(run_dir), shared=True)
+    except OSError:
+        return False
+    if fd is None:
+        return True
+    os.close(fd)
+    return False

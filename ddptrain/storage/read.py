@@ -15,15 +15,37 @@ from pathlib import Path
 from typing import IO, Any
 
 from ddptrain import _env
-from ddptrain.driver.watchdog import RunNotFound, driver_is_alive, find_run
 from ddptrain.storage import layout as storage
 from ddptrain.storage import run_files
 from ddptrain.storage.checkpoint_manager import CheckpointManager
 from ddptrain.storage.layout import RunLayout
+from ddptrain.storage.lock import driver_is_alive
 from ddptrain.storage.remote import RemoteRoot, on_remote_storage, resolve
 from ddptrain.storage.remote_checkpoints import RemoteCheckpointManager
 
-__all__ = ["RunView", "list_views", "open_run"]
+__all__ = ["RunNotFound", "RunView", "find_run", "list_views", "open_run"]
+
+
+class RunNotFound(Exception):
+    """No run directory by that name or path."""
+
+
+def find_run(run: str) -> Path:
+    """A local run directory from a path, or a run name under the default storage path."""
+    if on_remote_storage(run):
+        raise RunNotFound(
+            f"{run} is on remote storage; this command needs a run folder of this machine. The driver that ran "
+            f"it keeps a working copy under {_env.cache_dir()}/runs/."
+        )
+    path = Path(run.removeprefix("file://")).expanduser()
+    if RunLayout(path).run_json.is_file():
+        return path.resolve()
+    candidate = Path(_env.default_storage_path(), run).expanduser()
+    if RunLayout(candidate).run_json.is_file():
+        return candidate.resolve()
+    raise RunNotFound(
+        f"no run {run!r}: neither {path} nor {candidate} is a ddptrain run directory (no {RunLayout.RUN_JSON})"
+    )
 
 
 @dataclass(frozen=True)

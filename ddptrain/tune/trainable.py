@@ -1,6 +1,6 @@
 """What a trial runs: a ddptrain trainer with overridden arguments, or a function (driver side).
 
-* A trainer (any ``DataParallelTrainer``, or ``as_trainable(trainer)``): each trial fits a
+* A trainer (any ``BaseTrainer``, or ``as_trainable(trainer)``): each trial fits a
   shallow copy whose constructor arguments are overridden by the trial's config (Ray V1's
   pattern): ``train_loop_config`` is merged into the trainer's, ``scaling_config`` (a
   ``ScalingConfig`` or a dict of its fields) replaces or updates it, other constructor
@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddptrain import _env
+from ddptrain.base_trainer import BaseTrainer
 from ddptrain.config import RunConfig, ScalingConfig
-from ddptrain.data_parallel_trainer import DataParallelTrainer
 from ddptrain.errors import ConfigError
 from ddptrain.launch.hosts import HostSpec, parse_hosts
 from ddptrain.result import Result
@@ -39,7 +39,7 @@ class PreparedTrial:
 
     cpus: float
     gpus: float
-    trainer: DataParallelTrainer | None = None
+    trainer: BaseTrainer | None = None
     hosts: list[HostSpec] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -62,8 +62,8 @@ class TrainerTrainable:
         driver_resources: Resources the trial's driver reserves (``{"CPU": n}``); none by default.
     """
 
-    def __init__(self, trainer: DataParallelTrainer, driver_resources: dict[str, float] | None = None) -> None:
-        if not isinstance(trainer, DataParallelTrainer):
+    def __init__(self, trainer: BaseTrainer, driver_resources: dict[str, float] | None = None) -> None:
+        if not isinstance(trainer, BaseTrainer):
             raise ConfigError(f"`as_trainable` needs a ddptrain trainer, got {trainer!r}.")
         self.trainer = trainer
         self.driver_resources = dict(driver_resources or {})
@@ -159,7 +159,7 @@ class FunctionTrainable:
 Trainable = TrainerTrainable | FunctionTrainable
 
 
-def as_trainable(trainer: DataParallelTrainer) -> TrainerTrainable:
+def as_trainable(trainer: BaseTrainer) -> TrainerTrainable:
     """``trainer`` as a trainable for ``Tuner`` or ``tune.run`` (Ray's ``trainer.as_trainable()``).
 
     Example:
@@ -191,7 +191,7 @@ def wrap_trainable(trainable: Any) -> TrainerTrainable | FunctionTrainable:
     """Any accepted trainable as a ``TrainerTrainable`` or ``FunctionTrainable``."""
     if isinstance(trainable, (TrainerTrainable, FunctionTrainable)):
         return trainable
-    if isinstance(trainable, DataParallelTrainer):
+    if isinstance(trainable, BaseTrainer):
         return TrainerTrainable(trainable)
     if isinstance(trainable, type):
         raise ConfigError(

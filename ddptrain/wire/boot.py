@@ -10,13 +10,24 @@ dependencies from the driver's folders (``PIN``), the rest through the driver's 
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import sys
+from typing import Any
 
-import ddptrain
+from ddptrain._version import __version__
 from ddptrain.wire.protocol import VERSION
 
-__all__ = ["PIN", "agent_command", "check_versions", "import_pins", "versions", "worker_sys_path"]
+__all__ = [
+    "PIN",
+    "agent_command",
+    "check_versions",
+    "import_pins",
+    "load_user",
+    "versions",
+    "worker_sys_path",
+    "write_all",
+]
 
 # What the agent, and `ddptrain check`'s probe, run first: ``python -c`` puts the working
 # directory first on ``sys.path``; it is taken off before anything is imported. Each ``NAME=FOLDER``
@@ -92,7 +103,7 @@ def versions() -> dict[str, str]:
     major_minor = ".".join(sys.version.split()[0].split(".")[:2])
     return {
         "python": major_minor,
-        "ddptrain": ddptrain.__version__,
+        "ddptrain": __version__,
         "protocol": str(VERSION),
         "torch": torch.__version__.split("+")[0],
         "cloudpickle": cloudpickle.__version__,
@@ -110,3 +121,19 @@ def check_versions(expected: dict[str, str]) -> None:
             + "; ".join(wrong)
             + ". Install the same versions on every host (pickled functions only load reliably then)."
         )
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data`` to a file descriptor."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def load_user(payload: bytes) -> Any:
+    """Unpickle the user's function and config (importing the modules they come from)."""
+    os.environ["DDPTRAIN_UNPICKLING"] = "1"
+    try:
+        return pickle.loads(payload)
+    finally:
+        del os.environ["DDPTRAIN_UNPICKLING"]

@@ -15,11 +15,11 @@ Two transports carry them:
   may carry functions (``Execute``) and go with cloudpickle. Worker to driver: :class:`Hello`,
   :class:`CallResult`, :class:`Report`, :class:`Collective`, :class:`CheckpointsQuery`,
   :class:`Done`, :class:`Beat` (heartbeat connection). Driver to worker: :class:`Execute`,
-  :class:`Train`, :class:`Exit`, :class:`Ack`, :class:`CollectiveResult`,
+  :class:`BeginRun`, :class:`Train`, :class:`Exit`, :class:`Ack`, :class:`CollectiveResult`,
   :class:`CheckpointsReply`.
 
 ``VERSION`` changes whenever a message changes shape; an agent refuses a driver of another
-version (``_agent_start.versions``) before it unpickles anything but the version table. Only
+version (``ddptrain.wire.boot.versions``) before it unpickles anything but the version table. Only
 the standard library is imported here: the agent reads this module before it forks.
 """
 
@@ -47,6 +47,7 @@ __all__ = [
     "encode_frame",
     "read_frame",
     "Beat",
+    "BeginRun",
     "CallResult",
     "CheckpointsQuery",
     "CheckpointsReply",
@@ -62,7 +63,7 @@ __all__ = [
     "VERSION",
 ]
 
-VERSION = 5
+VERSION = 6  # 6: BeginRun
 
 
 # ----------------------------------------------------------------- worker -> driver
@@ -154,6 +155,19 @@ class Execute:
     fn: Callable[..., Any]
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class BeginRun:
+    """Switch a warm worker to a new run: its :class:`RunInfo`, the training function's
+    payload, its dataset shards and the new process group's port; answered with a
+    :class:`CallResult` (the worker's ``begin_run`` does it)."""
+
+    call_id: int
+    run: RunInfo
+    payload: bytes | None
+    datasets: dict[int, Any] | None
+    master_port: int
 
 
 @dataclass(frozen=True)
@@ -269,7 +283,7 @@ class WorkerSpec:
 class RunInfo:
     """What a worker needs to know of the training run it takes part in (empty for a group
     that only runs functions). Travels in the :class:`Bootstrap`, or to warm workers as the
-    argument of ``ddptrain.worker.begin_run``."""
+    a :class:`BeginRun`."""
 
     run_id: str = ""
     attempt: int = 0

@@ -23,11 +23,11 @@ from typing import Any
 import cloudpickle
 
 from ddptrain import _env, context
-from ddptrain.agent.main import load_user, write_all
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.data.ingest import open_shards
 from ddptrain.errors import ConfigError, exception_to_bytes
 from ddptrain.wire import channel, protocol
+from ddptrain.wire.boot import load_user, write_all
 
 __all__ = ["reopen_std_streams", "restore_blas_threads", "run"]
 
@@ -307,6 +307,9 @@ def run(spec: protocol.WorkerSpec, shared: dict[str, Any], status_fd: int) -> in
         command = ch.recv()
         if isinstance(command, protocol.Execute):
             _execute(ch, command)
+        elif isinstance(command, protocol.BeginRun):
+            args = (command.run, command.payload, command.datasets, command.master_port)
+            _execute(ch, protocol.Execute(command.call_id, begin_run, args))
         elif isinstance(command, protocol.Train):
             try:
                 value = _train(_state["user"])
