@@ -897,7 +897,7 @@ def test_the_runs_uploads_are_tried_again_for_the_bound(tmp_path: Path, monkeypa
     from fsspec.implementations.dirfs import DirFileSystem
     from fsspec.implementations.local import LocalFileSystem
 
-    from ddptrain import remote
+    from ddptrain.storage import remote
     from ddptrain.storage.mirror import RunMirror
 
     class Refusing(DirFileSystem):
@@ -999,7 +999,7 @@ def _steps(metrics: bytes) -> list[int]:
 
 def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> str:
     """What `ddptrain ARGS` prints (in this process)."""
-    from ddptrain.cli import main
+    from ddptrain.cli.main import main
 
     capsys.readouterr()
     assert main(list(args)) == 0
