@@ -12,7 +12,7 @@ worker's shard with ``ddptrain.get_dataset_shard("train")``, a :class:`DataItera
                 loss = loss_fn(model(batch["x"]), batch["y"])
 
 Numeric columns live in shared memory: the driver and its local workers hold one copy of the
-data, whatever the number of workers. See the README's "Datasets" section for splitting,
+data, whatever the number of workers. See docs/datasets.md for splitting,
 shuffling and what is released when.
 """
 

@@ -199,7 +199,7 @@ def _bind_address(addresses: list[str]) -> str:
         return remote[0]
     _logger.info(
         "ddptrain: the hosts reach this machine at several addresses (%s); the store listens on all "
-        "interfaces (messages stay signed; see Security in the README)",
+        "interfaces (messages stay signed; see docs/security.md)",
         ", ".join(remote),
     )
     return "::" if any(":" in a for a in remote) else "0.0.0.0"
