@@ -22,29 +22,34 @@ from ddptrain.errors import DdpTrainError
 from ddptrain.launch.hosts import HostSpec, is_local, parse_hosts, with_ssh_config
 from ddptrain.launch.ssh_connect import connect, run_program
 from ddptrain.ray_compat import install as install_ray_compat
-from ddptrain.wire.boot import PIN, import_pins
+from ddptrain.wire.boot import PIN, import_pins, versions
 
 __all__ = ["main", "check_hosts"]
 
 # Runs on each host the way its agent would (same python, working directory and environment, see
 # `_probe`): versions, GPUs, disk, and whether the driver's port can be reached. Arguments: the
-# driver's address and port, then the agent's pins (``NAME=FOLDER``, see ``ddptrain._agent_start.PIN``).
+# driver's address and port, then the agent's pins (``NAME=FOLDER``, see ``ddptrain.wire.boot.PIN``).
 _PROBE = (
     r"""
 import json, os, shutil, socket, sys
 address, port = sys.argv[1:3]
 del sys.argv[1:3]
-# Import as the agent does (ddptrain._agent_start.PIN): never from the working directory.
+# Import as the agent does (ddptrain.wire.boot.PIN): never from the working directory.
 """
     + PIN
     + r"""
-out = {"python": sys.executable, "python_version": sys.version.split()[0]}
-for name in ("ddptrain", "torch", "cloudpickle"):
-    try:
-        module = __import__(name)
-        out[name] = getattr(module, "__version__", "?").split("+")[0]
-    except Exception as exc:
-        out[name] = "missing: " + type(exc).__name__
+out = {"python": sys.executable, "python_full": sys.version.split()[0]}
+try:  # the table the agent checks against the driver's (ddptrain.wire.boot.versions)
+    from ddptrain.wire.boot import versions
+    out["versions"] = versions()
+except Exception:  # no ddptrain, an older one, or a missing dependency: each one's own
+    found = {"python": ".".join(sys.version.split()[0].split(".")[:2])}
+    for name in ("ddptrain", "torch", "cloudpickle"):
+        try:
+            found[name] = getattr(__import__(name), "__version__", "?").split("+")[0]
+        except Exception as exc:
+            found[name] = "missing: " + type(exc).__name__
+    out["versions"] = found
 try:
     import torch
     out["gpus"] = torch.cuda.device_count()
@@ -64,18 +69,6 @@ print("DDPTRAIN_CHECK " + json.dumps(out))
 )
 
 _COLUMNS = ("host", "ssh", "python", "ddptrain", "torch", "cloudpickle", "gpus", "free disk", "driver port")
-
-
-def _driver_versions() -> dict[str, str]:
-    import cloudpickle
-    import torch
-
-    return {
-        "python_version": ".".join(sys.version.split()[0].split(".")[:2]),
-        "ddptrain": ddptrain.__version__,
-        "torch": torch.__version__.split("+")[0],
-        "cloudpickle": cloudpickle.__version__,
-    }
 
 
 def _probe(host: HostSpec, port: int) -> dict[str, Any]:
@@ -110,7 +103,7 @@ def _parse(stdout: str, stderr: str, ssh: str) -> dict[str, Any]:
 
 def check_hosts(hosts: list[HostSpec]) -> tuple[list[list[str]], bool]:
     """Probe every host in parallel; returns the table rows and whether all is well."""
-    expected = _driver_versions()
+    expected = versions()  # what every agent checks: the same table, the same keys
     listener = socket.create_server(("", 0))
     port = listener.getsockname()[1]
     accepting = threading.Thread(target=_accept_all, args=(listener,), daemon=True)
@@ -140,10 +133,12 @@ def check_hosts(hosts: list[HostSpec]) -> tuple[list[list[str]], bool]:
             rows.append(row)
             healthy = False
             continue
-        version = ".".join(got["python_version"].split(".")[:2])
-        cells = [f"{got['python']} ({got['python_version']})" + _mark(version, expected["python_version"])]
+        found = got["versions"]
+        cells = [f"{got['python']} ({got['python_full']})" + _mark(found["python"], expected["python"])]
         for name in ("ddptrain", "torch", "cloudpickle"):
-            cells.append(str(got[name]) + _mark(got[name], expected[name]))
+            cells.append(str(found[name]) + _mark(found[name], expected[name]))
+        if found.get("protocol", expected["protocol"]) != expected["protocol"]:
+            cells[1] += f" (protocol {found['protocol']} != {expected['protocol']})"
         reaches = got["reaches_driver"]
         cells += [str(got["gpus"]), f"{got['free_gb']} GB", "yes" if reaches is True else f"NO: {reaches}"]
         healthy &= all("!=" not in c for c in cells) and reaches is True
