@@ -19,6 +19,7 @@ from ddptrain.cli import dashboard
 from ddptrain.cli import runs as inspect_runs
 from ddptrain.cli.stack import stack_command
 from ddptrain.errors import DdpTrainError
+from ddptrain.launch.fanout import each_host
 from ddptrain.launch.hosts import HostSpec, is_local, parse_hosts, with_ssh_config
 from ddptrain.launch.ssh_connect import connect, run_program
 from ddptrain.ray_compat import install as install_ray_compat
@@ -108,25 +109,22 @@ def check_hosts(hosts: list[HostSpec]) -> tuple[list[list[str]], bool]:
     port = listener.getsockname()[1]
     accepting = threading.Thread(target=_accept_all, args=(listener,), daemon=True)
     accepting.start()
-    results: dict[int, dict[str, Any]] = {}
 
-    def run(i: int, host: HostSpec) -> None:
+    def run(host: HostSpec) -> dict[str, Any]:
         try:
-            results[i] = _probe(host, port)
+            return _probe(host, port)
         except DdpTrainError as exc:
-            results[i] = {"ssh": f"FAILED: {exc}"}
+            return {"ssh": f"FAILED: {exc}"}
         except Exception as exc:
-            results[i] = {"ssh": "ok", "error": repr(exc)}
+            return {"ssh": "ok", "error": repr(exc)}
 
-    threads = [threading.Thread(target=run, args=(i, h), daemon=True) for i, h in enumerate(hosts)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    results = each_host(run, hosts, name="ddptrain-check")
     listener.close()
     rows, healthy = [], True
     for i, host in enumerate(hosts):
         got = results[i]
+        if isinstance(got, BaseException):  # run() catches what a probe raises: only an interrupt
+            raise got
         row = [host.name, str(got.get("ssh"))]
         if "python" not in got:
             row += [got.get("error", "-")] + ["-"] * (len(_COLUMNS) - 3)

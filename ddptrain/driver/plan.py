@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 import socket
 import sys
-import threading
 from typing import Any
 
 from ddptrain import _env, ray_compat
 from ddptrain.config import ScalingConfig
 from ddptrain.errors import ConfigError, LaunchError
+from ddptrain.launch.fanout import each_host
 from ddptrain.launch.hosts import HostSpec, Placement, is_local, parse_hosts, place_workers, with_ssh_config
 from ddptrain.launch.launcher import GroupLauncher, HostLauncher, Launcher, LocalLauncher
 from ddptrain.launch.ssh import SSHLauncher, gpu_slots
@@ -144,30 +144,17 @@ class Plan:
             launcher = SSHLauncher(host, self.agent_env(remote=True, host=host), python, host.workdir or os.getcwd())
             return launcher, _env.driver_address() or launcher.local_address
 
-        results: dict[int, tuple[HostLauncher, str] | BaseException] = {}
-
-        def start_into(node: int, host: HostSpec) -> None:
-            try:
-                results[node] = start(host)
-            except BaseException as exc:  # reported below, with every other host's outcome
-                results[node] = exc
-
-        threads = [
-            threading.Thread(target=start_into, args=(node, host), daemon=True)
-            for node, host in enumerate(self.placement.hosts)
-        ]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        errors = [r for r in results.values() if isinstance(r, BaseException)]
-        started = [r for r in results.values() if not isinstance(r, BaseException)]
+        results = each_host(start, self.placement.hosts, name="ddptrain-start")
+        errors = [r for r in results if isinstance(r, BaseException)]
+        started = [r for r in results if not isinstance(r, BaseException)]
         if errors:
             for launcher, _ in started:
                 launcher.shutdown(0)
-            failed = [self.placement.hosts[n].name for n, r in sorted(results.items()) if isinstance(r, BaseException)]
+            failed = [
+                host.name for host, r in zip(self.placement.hosts, results, strict=True) if isinstance(r, BaseException)
+            ]
             raise LaunchError("\n".join(str(e) for e in errors), hosts=failed) from errors[0]
-        return GroupLauncher([results[node] for node in range(len(self.placement.hosts))])  # type: ignore[misc]
+        return GroupLauncher(started)
 
     # ----------------------------------------------------------------- ranks and hosts
     def bootstrap(

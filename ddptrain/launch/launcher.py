@@ -15,12 +15,12 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Callable, Collection
 from typing import IO, Protocol
 
 from ddptrain.errors import HostLostError
 from ddptrain.launch.agent_session import AgentSession, OutputSink
+from ddptrain.launch.fanout import each_host
 from ddptrain.wire.agent_events import AgentEvent
 from ddptrain.wire.boot import agent_command, import_pins
 from ddptrain.wire.protocol import AGENT_RANK, Bootstrap
@@ -279,10 +279,6 @@ class GroupLauncher:
                 raise HostLostError(exc.host, exc.silent_s, exc.timeout_s, [spec.rank for spec in workers]) from None
 
     def shutdown(self, grace_s: float) -> None:
-        threads = [
-            threading.Thread(target=launcher.shutdown, args=(grace_s,), daemon=True) for launcher, _ in self._launchers
-        ]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(grace_s + 10.0)
+        each_host(
+            lambda launcher: launcher.shutdown(grace_s), [launcher for launcher, _ in self._launchers], grace_s + 10.0
+        )
