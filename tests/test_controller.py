@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -70,3 +72,34 @@ def test_a_next_attempt_that_cannot_start_ends_the_run_saying_why(tmp_path: Path
     run = json.loads((Path(storage) / "replan" / "run.json").read_text())
     assert run["status"] == "ERRORED" and [e["attempt"] for e in run["attempt_errors"]] == [0]
     assert not (tmp_path / "records" / "a1_r0.json").exists()
+
+
+def test_no_host_is_reached_before_the_runs_lock_is_taken(storage: str) -> None:
+    """A fit whose run another driver holds fails on the lock, before its plan probes any host
+    (with use_gpu, a host list without slots is asked for its GPUs over SSH)."""
+    run_dir = os.path.join(storage, "busy")
+    os.makedirs(run_dir)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\nfrom ddptrain.storage.lock import RunLock\n"
+            f"with RunLock({run_dir!r}, 'busy'):\n    print('held', flush=True)\n    time.sleep(60)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        with pytest.raises(train.DdpTrainError, match=r"'busy' .* in use by a live driver") as info:
+            train.DataParallelTrainer(
+                lambda: None,
+                scaling_config=train.ScalingConfig(num_workers=1, use_gpu=True, hosts=["ghost.invalid"]),
+                run_config=train.RunConfig(name="busy", storage_path=storage),
+            ).fit()
+        assert "ghost" not in str(info.value)
+    finally:
+        holder.kill()
+        holder.wait()
+        assert holder.stdout is not None
+        holder.stdout.close()

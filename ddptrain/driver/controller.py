@@ -61,9 +61,7 @@ class Controller:
             ControllerError: The driver could not write the run (a full disk).
         """
         run = self.run
-        run.plan.check_gpus()
-        hosts = len(run.plan.placement.hosts) if run.plan.placement is not None else 1
-        with run.opened(workers=run.scaling_config.num_workers, hosts=hosts) as index:
+        with run.opened(workers=run.scaling_config.num_workers) as index:  # makes run.plan, locked
             _logger.info(
                 "ddptrain: run %r in %s with %d workers", run.name, run.location, run.scaling_config.num_workers
             )

@@ -48,11 +48,27 @@ class Plan:
     def world_size(self) -> int:
         return self.scaling_config.num_workers
 
-    def _placement(self) -> Placement | None:
-        raw = self.scaling_config.hosts if self.scaling_config.hosts is not None else _env.hostfile()
+    @staticmethod
+    def read_hosts(scaling_config: ScalingConfig) -> list[HostSpec] | None:
+        """The run's host list (``ScalingConfig.hosts`` or ``$DDPTRAIN_HOSTFILE``, with
+        ``~/.ssh/config`` applied), or ``None`` for this machine alone. Reaches no host.
+
+        Raises:
+            ConfigError: The host list is malformed, or cannot hold the workers (counted from
+                ``slots`` where no GPU probe is needed).
+        """
+        raw = scaling_config.hosts if scaling_config.hosts is not None else _env.hostfile()
         if raw is None:
             return None
         hosts = [h if is_local(h) else with_ssh_config(h, _env.ssh_config_path()) for h in parse_hosts(raw)]
+        if not scaling_config.use_gpu:  # placing needs no host's GPU count: check it now
+            place_workers(hosts, scaling_config.num_workers, scaling_config.placement_strategy)
+        return hosts
+
+    def _placement(self) -> Placement | None:
+        hosts = self.read_hosts(self.scaling_config)
+        if hosts is None:
+            return None
         if self.scaling_config.use_gpu:  # a host without `slots` runs one worker per GPU
             hosts = gpu_slots(hosts, self.scaling_config.num_gpus_per_worker)
         return place_workers(hosts, self.scaling_config.num_workers, self.scaling_config.placement_strategy)

@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import os
+import socket
 import sys
 import time
 import uuid
@@ -106,7 +107,8 @@ class Run:
         self._metrics_lines: list[tuple[dict[str, Any], str]] = []  # recorded, not written yet (flush_metrics)
         # Workers on other hosts get the storage's credentials and endpoint from the driver.
         self._env_vars = {**(self.remote.credential_env() if self.remote else {}), **run_config._env_vars()}
-        self.plan = self.new_plan()  # a bad host list fails here
+        Plan.read_hosts(scaling_config)  # a bad host list fails here, before any host is reached
+        self._plan: Plan | None = None  # made under the run's lock (``opened``): it may probe hosts
         self._lost_reports = 0  # reports the checkpoint index knows of but metrics.jsonl lost
         self._last_attempt = -1  # the highest attempt number in an earlier run's metrics
         self.progress = Progress(self.name, self.location)
@@ -237,7 +239,7 @@ class Run:
             "name": self.name,
             "run_id": self.run_id,
             "started": time.time(),
-            "host": self.plan.hostname,
+            "host": socket.gethostname(),
             "pid": os.getpid(),
             "argv": sys.argv,
             "num_workers": self.scaling_config.num_workers,
@@ -274,9 +276,12 @@ class Run:
             self.mirror.push_file(self.layout.RUN_JSON)
 
     @contextlib.contextmanager
-    def opened(self, *, workers: int, hosts: int) -> Iterator[int]:
+    def opened(self, *, workers: int, hosts: int | None = None) -> Iterator[int]:
         """The run, open for one ``fit()``: locked, an earlier run of its name picked up, its
         files written; yields the number of the first attempt.
+
+        ``hosts=None``: the run's placement plan is made here, once the lock is held (hosts
+        are reached only then, to count their GPUs), and the hosts are counted from it.
 
         On the way out the metrics file is closed and, on remote storage, everything uploaded
         (``RunMirror.push_final``: after the training finished, a failure raises StorageError).
@@ -288,6 +293,10 @@ class Run:
         try:
             with RunLock(self.run_dir, self.name):
                 self._load_previous()
+                if hosts is None:
+                    self._plan = self.new_plan()
+                    self._plan.check_gpus()
+                    hosts = len(self._plan.placement.hosts) if self._plan.placement is not None else 1
                 failed = True
                 try:
                     self._prepare_dir()
@@ -335,13 +344,22 @@ class Run:
         """A placement plan for the next attempt (the host list is read again)."""
         return Plan(self.scaling_config, self._env_vars, self.backend_config.shares_visible_gpus())
 
+    @property
+    def plan(self) -> Plan:
+        """The placement plan of the current attempt (made by ``opened``, under the run's lock)."""
+        if self._plan is None:
+            raise RuntimeError("the run's plan is made when the run is opened (Run.opened)")
+        return self._plan
+
     def use_plan(self, plan: Plan) -> None:
         """Run the next attempts on ``plan``."""
-        self.plan = plan
+        self._plan = plan
         self._run_json["hosts"] = self._host_names()
 
     def _host_names(self) -> list[str]:
-        return [h.name for h in self.plan.placement.hosts] if self.plan.placement else [self.plan.hostname]
+        if self._plan is None or self._plan.placement is None:
+            return [socket.gethostname()]
+        return [h.name for h in self._plan.placement.hosts]
 
     def ended(self, error: str | None = None) -> None:
         """The run is over: FINISHED, or ERRORED with ``error`` (the console says so at once, or
