@@ -30,7 +30,7 @@ import signal
 import socket
 import sys
 import traceback
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from ddptrain import ray_compat
 from ddptrain.agent.process import kill_group_strays, other_threads, set_pdeathsig
@@ -45,6 +45,9 @@ from ddptrain.wire.protocol import (
     decode_bootstrap,
     read_frame,
 )
+
+if TYPE_CHECKING:
+    from ddptrain.worker.main import WorkerBoot
 
 __all__ = ["entry", "main"]
 
@@ -62,7 +65,7 @@ def _check_single_threaded(when: str) -> None:
         )
 
 
-def _fork_worker(spec: WorkerSpec, shared: dict[str, Any], close_fds: list[int]) -> Child:
+def _fork_worker(spec: WorkerSpec, boot: WorkerBoot, close_fds: list[int]) -> Child:
     _check_single_threaded(f"before starting rank {spec.rank}")
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
@@ -86,7 +89,7 @@ def _fork_worker(spec: WorkerSpec, shared: dict[str, Any], close_fds: list[int])
             from ddptrain.worker import main as worker  # loaded by main() already: a lookup
 
             worker.reopen_std_streams()
-            code = worker.run(spec, shared, status_w)
+            code = worker.run(spec, boot, status_w)
         except BaseException:
             traceback.print_exc()
         finally:
@@ -192,9 +195,11 @@ def main() -> int:
                 os.chdir(bootstrap.cwd)
             except OSError as exc:
                 print(f"ddptrain agent: cannot enter {bootstrap.cwd!r}: {exc}", file=sys.stderr)
-        shared: dict[str, Any] = {"run": bootstrap.run, "store": bootstrap.store, "payload": bootstrap.payload}
+        from ddptrain.worker.main import WorkerBoot  # loaded by main() already: a lookup
+
+        boot = WorkerBoot(bootstrap.run, bootstrap.store, bootstrap.payload)
         if bootstrap.start == "shared" and bootstrap.payload is not None:
-            shared["user"] = load_user(bootstrap.payload)
+            boot = dataclasses.replace(boot, user=load_user(bootstrap.payload))
             reason = _fork_unsafe_after_loading()
             if reason is not None:
                 _exec_clean(bootstrap, out_fd, reason)
@@ -206,7 +211,7 @@ def main() -> int:
     try:
         for spec in bootstrap.workers:
             close = [out_fd, 0] + [fd for c in children for fd in (*c.fds, c.status_fd)]
-            child = _fork_worker(spec, shared, close)
+            child = _fork_worker(spec, boot, close)
             children.append(child)
             write_all(out_fd, encode_event(WorkerStarted(child.rank, child.pid, host)))
         relay(out_fd, 0, children, bootstrap.grace_s, bootstrap.heartbeat_s)

@@ -18,6 +18,7 @@ import socket
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Any
 
 import cloudpickle
@@ -265,15 +266,27 @@ def _leave_process_group() -> None:
         dist.destroy_process_group()
 
 
-def run(spec: protocol.WorkerSpec, shared: dict[str, Any], status_fd: int) -> int:
-    """Run one worker to completion; returns its exit code.
+@dataclass(frozen=True)
+class WorkerBoot:
+    """What the agent hands every worker it forks.
 
-    ``shared`` holds the run (``"run"``, a :class:`~ddptrain.protocol.RunInfo`), the store's
-    address (``"store"``), and either the user's function already loaded by the agent
-    (``"user"``) or its pickled form (``"payload"``), which the worker loads itself.
+    Attributes:
+        run: The run the worker takes part in (empty for a group that only runs functions).
+        store: Where the driver's store is, and the run's secret.
+        payload: The pickled training function and its config (``None``: no run yet).
+        user: The same, already loaded by the agent before it forked (the shared start), or
+            ``None``: the worker loads ``payload`` itself (the clean start).
     """
-    run_info: protocol.RunInfo = shared["run"]
-    address: protocol.StoreAddress = shared["store"]
+
+    run: protocol.RunInfo
+    store: protocol.StoreAddress
+    payload: bytes | None
+    user: dict[str, Any] | None = None
+
+
+def run(spec: protocol.WorkerSpec, boot: WorkerBoot, status_fd: int) -> int:
+    """Run one worker to completion; returns its exit code."""
+    run_info, address = boot.run, boot.store
     # `ddptrain stack` and the driver's stall warnings ask for every thread's stack this way.
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     os.environ.update(spec.env)
@@ -284,10 +297,10 @@ def run(spec: protocol.WorkerSpec, shared: dict[str, Any], status_fd: int) -> in
     try:
         _see_own_gpus()
         _check_cuda_usable(spec)
-        if "user" in shared:
-            user = shared["user"]
-        elif shared["payload"] is not None:
-            user = load_user(shared["payload"])
+        if boot.user is not None:
+            user = boot.user
+        elif boot.payload is not None:
+            user = load_user(boot.payload)
         else:
             user = None  # a group that runs functions until it is given a run
         _state.update(spec=spec, user=user)
