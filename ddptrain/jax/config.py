@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ddptrain import _env
+from ddptrain._net import own_address
 from ddptrain.backend import Backend, BackendConfig
 from ddptrain.errors import ConfigError, LaunchError
 
@@ -82,17 +83,6 @@ def _missing_jax() -> bool:
         return importlib.util.find_spec("jax") is None
     except (ImportError, ValueError):
         return True
-
-
-def _own_address() -> str:
-    """The address this host reaches the driver's store from: where the other workers reach
-    this one (``127.0.0.1`` when every worker runs on the driver's machine)."""
-    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    family = socket.AF_INET6 if ":" in master else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        probe.connect((master, int(os.environ.get("MASTER_PORT", "1"))))  # UDP: nothing is sent
-        address: str = probe.getsockname()[0]
-    return address
 
 
 def _free_port() -> int:
@@ -192,7 +182,7 @@ def _prepare(use_gpu: bool) -> dict[str, Any]:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     except AttributeError:  # older JAX had a switch instead
         jax.config.update("jax_cpu_enable_gloo_collectives", True)
-    address = _own_address()
+    address = own_address()
     if _uses_cpu() and _gloo_address() is None:  # else the first JAX call fails with "rv == 0. -3 vs 0"
         raise LaunchError(
             f"JaxTrainer: the name of host {host} (rank {rank}) does not resolve to an address, and {_GLOO} "
@@ -220,11 +210,11 @@ def _initialize(coordinator: str, world_size: int, timeout_s: float, spans_hosts
     config: Any = jax.config  # its flags are attributes mypy does not know
     platforms = (config.jax_platforms or "").split(",")
     gloo = _gloo_address() or "?"
-    if spans_hosts and _uses_cpu() and _is_loopback(gloo) and not _is_loopback(_own_address()):
+    if spans_hosts and _uses_cpu() and _is_loopback(gloo) and not _is_loopback(own_address()):
         raise LaunchError(
             f"JaxTrainer: {_GLOO} (JAX has no setting for it), and {host!r} resolves to {gloo}, which the other "
             f"hosts cannot reach. Make {host!r} resolve to the address the other hosts reach this host at "
-            f"({_own_address()}), e.g. in /etc/hosts or DNS.",
+            f"({own_address()}), e.g. in /etc/hosts or DNS.",
             hosts=[host],
         )
     kwargs: dict[str, Any] = {}

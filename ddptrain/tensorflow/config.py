@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ddptrain._net import own_address
 from ddptrain.backend import Backend, BackendConfig
 from ddptrain.errors import ConfigError, LaunchError
 
@@ -89,17 +90,6 @@ def _missing_packages() -> list[str]:
     return missing
 
 
-def _own_address() -> str:
-    """The address of this host that reaches the driver's store: the other workers reach this
-    worker's TensorFlow server there too (``127.0.0.1`` when everything runs locally)."""
-    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    family = socket.AF_INET6 if ":" in master else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        probe.connect((master, int(os.environ.get("MASTER_PORT", "1"))))  # UDP: nothing is sent
-        address: str = probe.getsockname()[0]
-    return address
-
-
 def _free_port(address: str, port: int) -> int:
     """Bind ``port`` (``0``: any) as TensorFlow's server will, and return it; it is released
     again at once, so another process could still take it before TensorFlow binds it."""
@@ -121,7 +111,7 @@ def _reserve_address(port: int | None) -> str:
             f"(Python {sys.executable}). Install them there: `pip install ddptrain[tensorflow]`."
         )
     os.environ.setdefault(LEGACY_KERAS_VAR, "1")
-    address = _own_address()
+    address = own_address()
     wanted = 0 if port is None else port + int(os.environ.get("LOCAL_RANK", "0"))
     try:
         chosen = _free_port(address, wanted)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ddptrain import _env
+from ddptrain._net import own_address
 from ddptrain.backend import Backend, BackendConfig
 from ddptrain.context import get_context
 from ddptrain.errors import ConfigError
@@ -137,11 +138,8 @@ def _check_can_run(world_size: int) -> None:
 
 def _rendezvous_address() -> tuple[str, int]:
     """Runs on rank 0: the address the others reach it at, and a port free there."""
-    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    family = socket.AF_INET6 if ":" in master else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        probe.connect((master, 1))  # UDP: nothing is sent
-        address = str(probe.getsockname()[0])
+    address = own_address()
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind(("", 0) if family == socket.AF_INET else ("::", 0))
         port = int(s.getsockname()[1])
