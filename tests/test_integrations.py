@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import struct
 import subprocess
@@ -69,29 +68,6 @@ def _fit(func: Any, storage: str, config: dict[str, Any], name: str, max_failure
     ).fit()
 
 
-@pytest.fixture
-def mlflow_uri(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> str:
-    """A fresh sqlite tracking store of this test's own. MLflow creates its tables in seconds:
-    that is done once per session (shared by the xdist workers) and the empty store copied."""
-    pytest.importorskip("mlflow")
-    from filelock import FileLock
-    from mlflow.tracking import MlflowClient
-
-    # This session's folder: under xdist, the parent of every worker's (never one of another session).
-    shared = tmp_path_factory.getbasetemp()
-    if worker_id != "master":
-        shared = shared.parent
-    template = shared / "mlflow-empty.db"
-    with FileLock(str(shared / "mlflow-empty.db.lock")):
-        if not template.exists():
-            building = shared / "mlflow-empty.db.building"
-            building.unlink(missing_ok=True)
-            MlflowClient(tracking_uri=f"sqlite:///{building}").search_experiments()
-            building.rename(template)
-    shutil.copyfile(template, tmp_path / "mlflow.db")
-    return f"sqlite:///{tmp_path / 'mlflow.db'}"
-
-
 def _mlflow_runs(uri: str, experiment: str) -> list[Any]:
     from mlflow.tracking import MlflowClient
 
@@ -101,11 +77,11 @@ def _mlflow_runs(uri: str, experiment: str) -> list[Any]:
     return client.search_runs([found.experiment_id])
 
 
-def test_mlflow_one_run_from_rank_zero_with_params_and_metrics(storage: str, tmp_path: Path, mlflow_uri: str) -> None:
+def test_mlflow_one_run_from_rank_zero_with_params_and_metrics(storage: str, tmp_path: Path) -> None:
     pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
 
-    uri = mlflow_uri
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     # No end_run() in the function: ddptrain ends the run when the function returns.
     config = {"uri": uri, "lr": 0.05, "model": {"width": 4}, "end_run": False}
     result = _fit(_mlflow_func, storage, config, "mlrun")
@@ -124,11 +100,11 @@ def test_mlflow_one_run_from_rank_zero_with_params_and_metrics(storage: str, tmp
     assert [m.value for m in history] == pytest.approx(reported)
 
 
-def test_mlflow_restart_logs_on_into_the_same_run(storage: str, tmp_path: Path, mlflow_uri: str) -> None:
+def test_mlflow_restart_logs_on_into_the_same_run(storage: str, tmp_path: Path) -> None:
     pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
 
-    uri = mlflow_uri
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     config = {"uri": uri, "lr": 0.05, "crash_file": str(tmp_path / "crashed")}
     _fit(_mlflow_func, storage, config, "restarted", max_failures=1)
 
@@ -140,22 +116,22 @@ def test_mlflow_restart_logs_on_into_the_same_run(storage: str, tmp_path: Path, 
     assert runs[0].info.status == "FINISHED"
 
 
-def test_mlflow_run_of_a_failed_function_ends_failed(storage: str, tmp_path: Path, mlflow_uri: str) -> None:
+def test_mlflow_run_of_a_failed_function_ends_failed(storage: str, tmp_path: Path) -> None:
     pytest.importorskip("mlflow")
-    uri = mlflow_uri
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     with pytest.raises(train.TrainingFailedError, match="the function failed after logging"):
         _fit(_mlflow_func, storage, {"uri": uri, "lr": 0.05, "raise_at_end": True}, "failing")
     runs = _mlflow_runs(uri, "failing")
     assert [r.info.status for r in runs] == ["FAILED"]
 
 
-def test_mlflow_named_experiment_must_exist_unless_created(tmp_path: Path, mlflow_uri: str) -> None:
+def test_mlflow_named_experiment_must_exist_unless_created(tmp_path: Path) -> None:
     pytest.importorskip("mlflow")
     import mlflow
 
     from ddptrain.integrations.mlflow import setup_mlflow
 
-    uri = mlflow_uri
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     try:
         with pytest.raises(ValueError, match="create_experiment_if_not_exists"):
             setup_mlflow(tracking_uri=uri, experiment_name="nowhere")
