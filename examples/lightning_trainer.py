@@ -26,7 +26,7 @@ from ddptrain.lightning import LightningConfigBuilder, LightningTrainer
 
 class MNISTClassifier(pl.LightningModule):
     def __init__(self, lr, feature_dim):
-        super(MNISTClassifier, self).__init__()
+        super().__init__()
         self.save_hyperparameters()
         self.fc1 = torch.nn.Linear(28 * 28, feature_dim)
         self.fc2 = torch.nn.Linear(feature_dim, 10)
@@ -108,8 +108,10 @@ def main():
     result = trainer.fit()
 
     print("epochs reported:", [m["epoch"] for m in result.metrics_history])
-    print(f"val accuracy: first {result.metrics_history[0]['ptl/val_accuracy']:.2f}, "
-          f"last {result.metrics['ptl/val_accuracy']:.2f}")
+    print(
+        f"val accuracy: first {result.metrics_history[0]['ptl/val_accuracy']:.2f}, "
+        f"last {result.metrics['ptl/val_accuracy']:.2f}"
+    )
     print("best checkpoints kept:", len(result.best_checkpoints))
     with result.checkpoint.as_directory() as folder:
         model = MNISTClassifier.load_from_checkpoint(os.path.join(folder, "model"))

@@ -264,6 +264,11 @@ def test_import_ddptrain_imports_no_framework_and_a_missing_framework_names_the_
             import ddptrain.huggingface.transformers
         except ImportError as e:
             print("error:", e)
+        from ddptrain.huggingface import TransformersTrainer  # importable; constructing it is not
+        try:
+            TransformersTrainer(lambda train_dataset, eval_dataset, **config: None)
+        except ImportError as e:
+            print("construction:", e)
         """
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -271,6 +276,7 @@ def test_import_ddptrain_imports_no_framework_and_a_missing_framework_names_the_
     assert "loaded: []" in out.stdout
     assert "pip install ddptrain[lightning]" in out.stdout
     assert "pip install ddptrain[transformers]" in out.stdout
+    assert "construction: TransformersTrainer needs Hugging Face Transformers" in out.stdout
 
 
 @pytest.mark.slow
@@ -417,3 +423,52 @@ def test_lightning_trainer_shards_datasets_checkpoints_like_model_checkpoint_and
         resume_from_checkpoint=result.checkpoint,
     ).fit()
     assert [(m["epoch"], m["step"]) for m in resumed.metrics_history] == [(3, 20)]  # 8 steps: one worker, 64 rows
+
+
+def test_lightning_config_builder_misuse_fails_at_construction_with_what_to_do() -> None:
+    from ddptrain.lightning import LightningConfigBuilder, LightningTrainer
+
+    module = _lightning_trainer_module("lightning")
+    with pytest.raises(train.errors.ConfigError, match=r"call `.module\(cls=MyModule"):
+        LightningTrainer(lightning_config=LightningConfigBuilder().trainer(max_epochs=1).build())
+    with pytest.raises(train.errors.ConfigError, match="not an instance"):
+        LightningConfigBuilder().module(cls=module()).build()
+    with pytest.raises(train.errors.ConfigError, match="subclass of `LightningModule`"):
+        LightningConfigBuilder().module(cls=torch.nn.Linear).build()
+    with pytest.raises(train.errors.ConfigError, match="must be one of 'ddp', 'fsdp', 'deepspeed'"):
+        LightningConfigBuilder().strategy("horovod")
+    with pytest.raises(train.errors.ConfigError, match="not the LightningConfigBuilder itself"):
+        LightningTrainer(lightning_config=LightningConfigBuilder().module(cls=module))
+    config = LightningConfigBuilder().module(cls=module).checkpointing(save_top_k=-1).build()
+    with pytest.raises(train.errors.ConfigError, match="needs `datasets_iter_config`"):
+        LightningTrainer(lightning_config=config, datasets={"train": train.data.from_items([{"x": 1}])})
+    trainer = LightningTrainer(lightning_config=config)
+    assert trainer.run_config.checkpoint_config == train.CheckpointConfig(
+        num_to_keep=None, checkpoint_score_order="min"
+    )
+
+
+def _ray_imports(source: str) -> str:
+    """The example as Ray 2.6's docs wrote it: Ray's import paths."""
+    ray = source.replace("from ddptrain.lightning import", "from ray.train.lightning import").replace(
+        "from ddptrain import RunConfig, ScalingConfig", "from ray.air.config import RunConfig, ScalingConfig"
+    )
+    assert "import ddptrain" not in ray and "from ddptrain" not in ray
+    return ray
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_lightning_trainer_example_under_ddptrain_run(storage: str, tmp_path: Path) -> None:
+    script = tmp_path / "lightning_trainer.py"
+    script.write_text(_ray_imports((EXAMPLES / "lightning_trainer.py").read_text()))
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddptrain", "run", str(script), "--epochs", "2", "--storage-path", storage],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "epochs reported: [0, 1]" in proc.stdout
+    assert "best checkpoints kept: 2" in proc.stdout
+    assert "loaded MNISTClassifier (lr=0.001) from" in proc.stdout
