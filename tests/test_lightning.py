@@ -443,6 +443,15 @@ def test_lightning_config_builder_misuse_fails_at_construction_with_what_to_do()
     with pytest.raises(train.errors.ConfigError, match="needs `datasets_iter_config`"):
         LightningTrainer(lightning_config=config, datasets={"train": train.data.from_items([{"x": 1}])})
     trainer = LightningTrainer(lightning_config=config)
+    # A sweep overrides the module's arguments with a partial config, as in Ray's docs.
+    from ddptrain.tune.trainable import TrainerTrainable
+
+    space = {"lightning_config": LightningConfigBuilder().module(lr=0.5).trainer(max_epochs=2).build()}
+    prepared = TrainerTrainable(trainer).prepare(space).trainer
+    assert prepared is not None and prepared.train_loop_config is not None
+    tried = prepared.train_loop_config["lightning_config"]
+    assert tried["_module_class"] is module and tried["_module_init_config"] == {"lr": 0.5}
+    assert tried["_trainer_init_config"] == {"max_epochs": 2}
     assert trainer.run_config.checkpoint_config == train.CheckpointConfig(
         num_to_keep=None, checkpoint_score_order="min"
     )

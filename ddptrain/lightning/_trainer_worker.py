@@ -3,7 +3,6 @@ that reports each save, the datamodule over dataset shards, and the per-worker l
 
 from __future__ import annotations
 
-import copy
 import importlib
 import logging
 import os
@@ -146,7 +145,7 @@ def _shard(name: str) -> Any:
 
 def lightning_train_loop_per_worker(config: dict[str, Any]) -> None:
     """Each worker: build the module and the Trainer from the config, then ``fit``."""
-    lightning_config = copy.deepcopy(config["lightning_config"])
+    lightning_config = config["lightning_config"]  # read only: every part used is copied below
     iter_config = dict(config.get("datasets_iter_config") or {})
     module_class = lightning_config["_module_class"]
     package = check_module_class(module_class)
