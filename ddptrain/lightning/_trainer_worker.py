@@ -161,15 +161,16 @@ def lightning_train_loop_per_worker(config: dict[str, Any]) -> None:
     checkpoint_config = dict(lightning_config["_model_checkpoint_config"])
 
     train_shard, val_shard = _shard("train"), _shard("val")
+    own_loaders = getattr(module_class, "train_dataloader", None) is not pl.LightningModule.train_dataloader
     if train_shard is not None:
-        if fit_params.pop("datamodule", None) is not None:
+        ignored = [key for key in ("datamodule", "train_dataloaders", "val_dataloaders") if fit_params.pop(key, None)]
+        if ignored:
             _logger.warning(
-                "LightningTrainer: `datasets['train']` is given, so the `datamodule` of fit_params is ignored."
+                "LightningTrainer: `datasets['train']` is given, so `%s` of fit_params is ignored.",
+                "`, `".join(ignored),
             )
-        for key in ("train_dataloaders", "val_dataloaders"):
-            fit_params.pop(key, None)
         fit_params["datamodule"] = worker_classes["RayDataModule"](iter_config, train_shard, val_shard)
-    elif not (fit_params.get("train_dataloaders") or fit_params.get("datamodule")):
+    elif not (fit_params.get("train_dataloaders") or fit_params.get("datamodule") or own_loaders):
         raise ConfigError(
             "LightningTrainer has no training data: pass `datasets={'train': ...}` to the trainer, or "
             "`train_dataloaders=` or `datamodule=` to `LightningConfigBuilder.fit_params()`."
