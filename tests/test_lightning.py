@@ -264,6 +264,11 @@ def test_import_ddptrain_imports_no_framework_and_a_missing_framework_names_the_
             import ddptrain.huggingface.transformers
         except ImportError as e:
             print("error:", e)
+        from ddptrain.huggingface import TransformersTrainer  # importable; constructing it is not
+        try:
+            TransformersTrainer(lambda train_dataset, eval_dataset, **config: None)
+        except ImportError as e:
+            print("construction:", e)
         """
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -271,6 +276,7 @@ def test_import_ddptrain_imports_no_framework_and_a_missing_framework_names_the_
     assert "loaded: []" in out.stdout
     assert "pip install ddptrain[lightning]" in out.stdout
     assert "pip install ddptrain[transformers]" in out.stdout
+    assert "construction: TransformersTrainer needs Hugging Face Transformers" in out.stdout
 
 
 @pytest.mark.slow
@@ -323,3 +329,155 @@ def test_sharded_strategies_on_gpus(storage: str, strategy: str) -> None:
 )
 def test_fsdp_on_cpu() -> None:
     pass
+
+
+def _lightning_trainer_module(package: str) -> Any:
+    """TinyModel with a validation loss, for LightningTrainer's ModelCheckpoint to monitor."""
+    base = _model_class(package)
+
+    class ValidatedModel(base):  # type: ignore[misc, valid-type]
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            x, y = batch
+            self.log("val_loss", torch.nn.functional.cross_entropy(self.layer(x), y), sync_dist=True)
+
+    return ValidatedModel
+
+
+def _crash_callback(package: str, crash_at: int) -> Any:
+    pl = importlib.import_module(_MODULES[package])
+
+    class CrashOnce(pl.Callback):
+        """Says where each attempt starts; kills rank 1 at epoch ``crash_at`` of the first attempt."""
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            self.first_attempt = train.get_checkpoint() is None
+            if trainer.global_rank == 0:
+                print(f"attempt starts at epoch {trainer.current_epoch} step {trainer.global_step}", flush=True)
+
+        def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+            if self.first_attempt and trainer.current_epoch == crash_at and trainer.global_rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    return CrashOnce()
+
+
+def _xy(batch: dict[str, Any]) -> tuple[Any, Any]:
+    return torch.as_tensor(batch["x"]), torch.as_tensor(batch["y"])
+
+
+@pytest.mark.slow
+def test_lightning_trainer_shards_datasets_checkpoints_like_model_checkpoint_and_restarts(storage: str) -> None:
+    from ddptrain.lightning import MODEL_KEY, LightningConfigBuilder, LightningTrainer
+
+    x = torch.randn(96, 4, generator=torch.Generator().manual_seed(0)).numpy()
+    rows = {"x": x, "y": (x[:, 0] > 0).astype("int64")}
+    datasets = {
+        "train": train.data.from_numpy({k: v[:64] for k, v in rows.items()}),
+        "val": train.data.from_numpy({k: v[64:] for k, v in rows.items()}),
+    }
+    config = (
+        LightningConfigBuilder()
+        .module(cls=_lightning_trainer_module("lightning"), lr=0.2)
+        .trainer(
+            max_epochs=3,
+            accelerator="cpu",
+            callbacks=[_crash_callback("lightning", crash_at=2)],
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+        )
+        .checkpointing(monitor="val_loss", mode="min", save_top_k=2)
+        .build()
+    )
+    trainer = LightningTrainer(
+        lightning_config=config,
+        scaling_config=train.ScalingConfig(num_workers=2),
+        run_config=train.RunConfig(storage_path=storage, failure_config=train.FailureConfig(max_failures=1)),
+        datasets=datasets,
+        datasets_iter_config={"batch_size": 8, "collate_fn": _xy},
+    )
+    assert isinstance(trainer, train.BaseTrainer) and isinstance(trainer, TorchTrainer)
+    result = trainer.fit()
+    # Each worker read its 32 rows in batches of 8 (4 steps an epoch); ModelCheckpoint saved after
+    # each validation, and each save was reported; rank 1 died as epoch 2 began, and the restarted
+    # group resumed from the epoch-1 checkpoint.
+    assert [(m["epoch"], m["step"]) for m in result.metrics_history] == [(0, 4), (1, 8), (2, 12)]
+    assert {m["_report_on"] for m in result.metrics_history} <= {"train_epoch_end", "validation_end"}
+    # The run kept Lightning's top 2 by val_loss (CheckpointConfig made from .checkpointing()).
+    losses = sorted(m["val_loss"] for m in result.metrics_history)
+    assert sorted(m["val_loss"] for _, m in result.best_checkpoints) == losses[:2]
+    assert os.listdir(result.checkpoint.path) == [MODEL_KEY]
+    model = _lightning_trainer_module("lightning").load_from_checkpoint(os.path.join(result.checkpoint.path, MODEL_KEY))
+    assert model.hparams.lr == 0.2
+    assert torch.load(os.path.join(result.checkpoint.path, MODEL_KEY), weights_only=False)["global_step"] == 12
+
+    # resume_from_checkpoint: a new run (here in this process) continues at epoch 3.
+    config["_trainer_init_config"]["max_epochs"] = 4
+    resumed = LightningTrainer(
+        lightning_config=config,
+        scaling_config=train.ScalingConfig(num_workers=0),
+        run_config=train.RunConfig(storage_path=storage),
+        datasets=datasets,
+        datasets_iter_config={"batch_size": 8, "collate_fn": _xy},
+        resume_from_checkpoint=result.checkpoint,
+    ).fit()
+    assert [(m["epoch"], m["step"]) for m in resumed.metrics_history] == [(3, 20)]  # 8 steps: one worker, 64 rows
+
+
+def test_lightning_config_builder_misuse_fails_at_construction_with_what_to_do() -> None:
+    from ddptrain.lightning import LightningConfigBuilder, LightningTrainer
+
+    module = _lightning_trainer_module("lightning")
+    with pytest.raises(train.errors.ConfigError, match=r"call `.module\(cls=MyModule"):
+        LightningTrainer(lightning_config=LightningConfigBuilder().trainer(max_epochs=1).build())
+    with pytest.raises(train.errors.ConfigError, match="not an instance"):
+        LightningConfigBuilder().module(cls=module()).build()
+    with pytest.raises(train.errors.ConfigError, match="subclass of `LightningModule`"):
+        LightningConfigBuilder().module(cls=torch.nn.Linear).build()
+    with pytest.raises(train.errors.ConfigError, match="must be one of 'ddp', 'fsdp', 'deepspeed'"):
+        LightningConfigBuilder().strategy("horovod")
+    with pytest.raises(train.errors.ConfigError, match="not the LightningConfigBuilder itself"):
+        LightningTrainer(lightning_config=LightningConfigBuilder().module(cls=module))
+    config = LightningConfigBuilder().module(cls=module).checkpointing(save_top_k=-1).build()
+    with pytest.raises(train.errors.ConfigError, match="needs `datasets_iter_config`"):
+        LightningTrainer(lightning_config=config, datasets={"train": train.data.from_items([{"x": 1}])})
+    trainer = LightningTrainer(lightning_config=config)
+    # A sweep overrides the module's arguments with a partial config, as in Ray's docs.
+    from ddptrain.tune.trainable import TrainerTrainable
+
+    space = {"lightning_config": LightningConfigBuilder().module(lr=0.5).trainer(max_epochs=2).build()}
+    prepared = TrainerTrainable(trainer).prepare(space).trainer
+    assert prepared is not None and prepared.train_loop_config is not None
+    tried = prepared.train_loop_config["lightning_config"]
+    assert tried["_module_class"] is module and tried["_module_init_config"] == {"lr": 0.5}
+    assert tried["_trainer_init_config"] == {"max_epochs": 2}
+    assert trainer.run_config.checkpoint_config == train.CheckpointConfig(
+        num_to_keep=None, checkpoint_score_order="min"
+    )
+
+
+def _ray_imports(source: str) -> str:
+    """The example as Ray 2.6's docs wrote it: Ray's import paths."""
+    ray = source.replace("from ddptrain.lightning import", "from ray.train.lightning import").replace(
+        "from ddptrain import RunConfig, ScalingConfig", "from ray.air.config import RunConfig, ScalingConfig"
+    )
+    assert "import ddptrain" not in ray and "from ddptrain" not in ray
+    return ray
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_lightning_trainer_example_under_ddptrain_run(storage: str, tmp_path: Path) -> None:
+    script = tmp_path / "lightning_trainer.py"
+    script.write_text(_ray_imports((EXAMPLES / "lightning_trainer.py").read_text()))
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddptrain", "run", str(script), "--epochs", "2", "--storage-path", storage],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "epochs reported: [0, 1]" in proc.stdout
+    assert "best checkpoints kept: 2" in proc.stdout
+    assert "loaded MNISTClassifier (lr=0.001) from" in proc.stdout

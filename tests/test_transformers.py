@@ -199,3 +199,76 @@ def test_example_accelerate_merges_every_rank_state(storage: str) -> None:
     assert "[rank0] 2 processes (DistributedType.MULTI_CPU)" in proc.stdout
     assert "'random_states_0.pkl', 'random_states_1.pkl'" in proc.stdout  # both ranks' files, one checkpoint
     assert "'model.safetensors'" in proc.stdout
+
+
+def _ray_imports(source: str) -> str:
+    """The example as Ray 2.6's docs wrote it: Ray's import paths."""
+    ray = (
+        source.replace("from ddptrain.huggingface import", "from ray.train.huggingface import")
+        .replace("from ddptrain import RunConfig, ScalingConfig", "from ray.air.config import RunConfig, ScalingConfig")
+        .replace("ddptrain.data", "ray.data")
+    )
+    assert "import ddptrain" not in ray and "from ddptrain" not in ray
+    return ray
+
+
+def _load_example(name: str) -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_transformers_trainer_example_under_ddptrain_run_and_resume(storage: str, tmp_path: Path) -> None:
+    from ddptrain.huggingface import TransformersTrainer
+
+    script = tmp_path / "transformers_trainer.py"
+    script.write_text(_ray_imports((EXAMPLES / "transformers_trainer.py").read_text()))
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddptrain", "run", str(script), "--epochs", "2", "--storage-path", storage],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # 128 rows, 2 workers, batch 8: each worker read its 64 rows, 8 steps an epoch; a report per save.
+    assert "steps reported: [8, 16]" in proc.stdout
+    assert "loaded GPT2LMHeadModel from" in proc.stdout
+    first, last = (float(v) for v in proc.stdout.split("eval_loss: first ")[1].split("\n")[0].split(", last "))
+    assert last < first
+    # resume_from_checkpoint: the step-16 state goes on with epoch 3, here in this process on 64
+    # rows (8 steps an epoch, as each worker had).
+    (run,) = Path(storage).iterdir()
+    checkpoint = sorted(run.glob("checkpoint_*"))[-1]
+    example = _load_example("transformers_trainer")
+    blocks, held_out = example.synthetic_blocks(64, seed=0), example.synthetic_blocks(16, seed=1)
+    resumed = TransformersTrainer(
+        example.trainer_init_per_worker,
+        trainer_init_config={"output_dir": str(tmp_path / "out"), "epochs": 3},
+        scaling_config=train.ScalingConfig(num_workers=0),
+        run_config=train.RunConfig(storage_path=storage, name="resumed"),
+        datasets={
+            "train": train.data.from_numpy({"input_ids": blocks, "labels": blocks}),
+            "evaluation": train.data.from_numpy({"input_ids": held_out, "labels": held_out}),
+        },
+        resume_from_checkpoint=train.Checkpoint(checkpoint),
+    ).fit()
+    assert [(m["step"], m["epoch"]) for m in resumed.metrics_history] == [(24, 3.0)]
+
+
+def test_transformers_trainer_argument_errors() -> None:
+    from ddptrain.huggingface import TransformersTrainer
+    from ddptrain.huggingface import transformers as hf
+
+    assert hf.TransformersTrainer is TransformersTrainer  # Ray had it under both paths
+    with pytest.raises(train.errors.ConfigError, match=r"must take \(train_dataset, eval_dataset, \*\*config\)"):
+        TransformersTrainer(lambda train_dataset, eval_dataset: None)
+    with pytest.raises(train.errors.ConfigError, match="reserved key"):
+        TransformersTrainer(lambda a, b, **c: None, trainer_init_config={"_trainer_init_per_worker": 1})
+    trainer = TransformersTrainer(lambda a, b, **c: None, trainer_init_config={"lr": 1})
+    assert isinstance(trainer, train.BaseTrainer) and isinstance(trainer, TorchTrainer)

@@ -31,6 +31,9 @@ from typing import Any
 from ddptrain.errors import ConfigError
 
 __all__ = [
+    "MODEL_KEY",
+    "LightningConfigBuilder",
+    "LightningTrainer",
     "PackageMismatchError",
     "RayDDPStrategy",
     "RayDeepSpeedStrategy",
@@ -296,3 +299,6 @@ def prepare_trainer(trainer: Any) -> Any:
     if not any(isinstance(cb, classes._ResumeCheck) for cb in trainer.callbacks):
         trainer.callbacks.append(classes._ResumeCheck())
     return trainer
+
+
+from ddptrain.lightning.lightning_trainer import MODEL_KEY, LightningConfigBuilder, LightningTrainer  # noqa: E402

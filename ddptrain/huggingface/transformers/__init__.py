@@ -40,7 +40,7 @@ from ddptrain import context
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.data.iterator import DataIterator, _Iterable
 
-__all__ = ["RayTrainReportCallback", "prepare_trainer"]
+__all__ = ["RayTrainReportCallback", "ShardDataset", "TransformersTrainer", "prepare_trainer"]
 
 CHECKPOINT_NAME = "checkpoint"
 
@@ -111,8 +111,31 @@ class _ShardBatches(IterableDataset):
         return self._length
 
 
+class ShardDataset(IterableDataset):
+    """One worker's shard of a trainer dataset as a torch ``IterableDataset`` with a length:
+    what ``TransformersTrainer`` passes to ``trainer_init_per_worker``.
+
+    Iterating gives the rows as dicts of tensors; ``len()`` is the shard's row count (so
+    ``num_train_epochs`` works). A ``Trainer`` prepared by :func:`prepare_trainer` reads it in
+    batches of ``per_device_*_batch_size`` without splitting it again.
+    """
+
+    def __init__(self, shard: DataIterator) -> None:
+        super().__init__()
+        self.shard = shard
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for batch in self.shard.iter_torch_batches(batch_size=1, device="cpu"):
+            yield {key: value[0] for key, value in batch.items()}
+
+    def __len__(self) -> int:
+        return self.shard.count()
+
+
 def _shard_loader(dataset: Any, batch_size: int, drop_last: bool) -> DataLoader[Any] | None:
     """A DataLoader over a ``get_dataset_shard`` iterator or its ``iter_*batches`` iterable."""
+    if isinstance(dataset, ShardDataset):
+        dataset = dataset.shard
     if isinstance(dataset, DataIterator):
         rows = dataset.count()
         length = rows // batch_size if drop_last else math.ceil(rows / batch_size)
@@ -177,3 +200,6 @@ def prepare_trainer(trainer: Any) -> Any:
     RayTransformersTrainer.__name__ = RayTransformersTrainer.__qualname__ = f"Ray{base.__name__}"
     trainer.__class__ = RayTransformersTrainer
     return trainer
+
+
+from ddptrain.huggingface.transformers_trainer import TransformersTrainer  # noqa: E402  (Ray's second path)
