@@ -134,6 +134,7 @@ def test_the_raysgd_guide_runs_with_its_example_helpers(storage: str) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "guide operator batches: [16]" in proc.stdout  # LinearDataset(2, 5): 1000 points, batches of 64
     assert "creators: Linear 0.5 4 8" in proc.stdout and "scheduler: StepLR" in proc.stdout
+    assert proc.stdout.endswith("epoch: 1\nprofile:\n  mean_fwd_s: 0.5\n")  # ray.tune.logger.pretty_print
 
 
 def test_ray_core_apis_fail_with_a_clear_error(storage: str) -> None:

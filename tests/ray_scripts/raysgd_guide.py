@@ -4,6 +4,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader
 
 import ray
+from ray.tune.logger import pretty_print
 from ray.util.sgd import TorchTrainer
 from ray.util.sgd.torch import TrainingOperator
 from ray.util.sgd.torch.examples.train_example import (
@@ -45,3 +46,4 @@ optimizer = optimizer_creator(model, config)
 train_loader, val_loader = data_creator(config)
 print("creators:", type(model).__name__, optimizer.param_groups[0]["lr"], len(train_loader), len(val_loader))
 print("scheduler:", type(scheduler_creator(optimizer, config)).__name__)
+print(pretty_print({"epoch": 1, "profile": {"mean_fwd_s": 0.5}, "config": {"lr": 0.1}}), end="")
