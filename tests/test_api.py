@@ -325,3 +325,14 @@ def test_fit_at_import_time_asks_for_a_main_guard(tmp_path: Path, storage: str) 
     )
     assert proc.returncode != 0
     assert 'if __name__ == "__main__":' in proc.stderr
+
+
+def test_the_preprocessor_argument_raises_rays_deprecation_text() -> None:
+    from ddptrain import DataParallelTrainer
+    from ddptrain.torch import TorchTrainer
+
+    for trainer_cls in (DataParallelTrainer, TorchTrainer):
+        with pytest.raises(DeprecationWarning) as info:
+            trainer_cls(lambda: None, preprocessor=object())
+        assert str(info.value).startswith("The `preprocessor` argument to Trainers is deprecated as of Ray 2.7. ")
+        assert "use the Preprocessor `fit` and `transform` APIs directly on the Ray Dataset." in str(info.value)
