@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import signal
+import time
 import sys
 from pathlib import Path
 from typing import Any
@@ -387,3 +388,24 @@ def test_as_trainable_runs_a_sweep_with_ddptrain_tune(tmp_path: Path) -> None:
     assert analysis.get_best_config(metric="train_loss", mode="min") == {"lr": 0.1}
     results = [trial.last_result for trial in analysis.trials]
     assert sorted(r["epoch"] for r in results) == [2, 2] and all(r["training_iteration"] == 2 for r in results)
+
+
+class SerializedSetupOperator(TrainingOperator):
+    """Times its data creation (before ``register``), then meets the other worker in a collective."""
+
+    def setup(self, config: dict[str, Any]) -> None:
+        start = time.time()
+        time.sleep(0.5)  # "downloading the data set"
+        self.window = (start, time.time())
+        model = nn.Linear(1, 1)
+        self.register(models=model, optimizers=torch.optim.SGD(model.parameters(), lr=0.1))
+        torch.distributed.barrier()  # register let the next worker in: no deadlock
+
+
+@pytest.mark.slow
+def test_serialize_data_creation_runs_setup_one_worker_at_a_time_until_register() -> None:
+    with TorchTrainer(
+        training_operator_cls=SerializedSetupOperator, num_workers=2, wrap_ddp=False, serialize_data_creation=True
+    ) as trainer:
+        first, second = sorted(trainer.apply_all_operators(lambda op: op.window))
+    assert first[1] <= second[0], (first, second)

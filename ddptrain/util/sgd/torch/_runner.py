@@ -17,6 +17,7 @@ import torch
 
 from ddptrain.context import get_context
 from ddptrain.torch.train_loop_utils import get_device
+from ddptrain.util.sgd.torch._creators import serialized_setup
 from ddptrain.util.sgd.torch.constants import NUM_STEPS
 from ddptrain.util.sgd.torch.training_operator import TrainingOperator
 
@@ -37,7 +38,21 @@ class Runner:
         device: torch.device,
     ) -> None:
         self.epochs = 0
-        self.operator = operator_cls(
+        # setup() creates the data: one worker of this machine at a time, up to register().
+        with serialized_setup(bool(options.get("serialize_data_creation"))):
+            self.operator = self._build(operator_cls, config, options, rank, local_rank, world_size, device)
+
+    @staticmethod
+    def _build(
+        operator_cls: type[TrainingOperator],
+        config: dict[str, Any],
+        options: dict[str, Any],
+        rank: int,
+        local_rank: int,
+        world_size: int,
+        device: torch.device,
+    ) -> TrainingOperator:
+        return operator_cls(
             config,
             world_rank=rank,
             local_rank=local_rank,

@@ -67,6 +67,11 @@ class TorchTrainer:
             or ``None`` (no schedulers may be registered).
         use_local: Accepted for compatibility: all ``num_workers`` ranks run in worker
             processes, and :meth:`get_local_operator` works with or without it.
+        serialize_data_creation: ``True``: each worker's ``setup``, up to its ``register`` call
+            (where models are wrapped in DDP, which needs every worker), runs under a
+            machine-wide file lock, one worker of a host at a time: create your data before
+            ``register``. ``TrainingOperator.from_creators(serialize_data_creation=True)`` locks
+            its ``data_creator`` the same way. ``None`` (default) or ``False``: all at once.
         hosts: ddptrain's own: an SSH host list (as ``ScalingConfig(hosts=...)`` takes it).
         log_dir: ddptrain's own: a folder for one log file per rank.
 
@@ -96,6 +101,7 @@ class TorchTrainer:
         add_dist_sampler: bool = True,
         scheduler_step_freq: str | None = None,
         use_local: bool = False,
+        serialize_data_creation: bool | None = None,
         hosts: str | os.PathLike[str] | list[Any] | None = None,
         log_dir: str | os.PathLike[str] | None = None,
     ) -> None:
@@ -122,6 +128,7 @@ class TorchTrainer:
             "wrap_ddp": wrap_ddp,
             "add_dist_sampler": add_dist_sampler,
             "scheduler_step_freq": scheduler_step_freq,
+            "serialize_data_creation": bool(serialize_data_creation),
         }
         self._hosts: list[HostSpec] | None = parse_hosts(hosts) if hosts is not None else None
         self._log_dir = log_dir
