@@ -409,3 +409,26 @@ def test_serialize_data_creation_runs_setup_one_worker_at_a_time_until_register(
     ) as trainer:
         first, second = sorted(trainer.apply_all_operators(lambda op: op.window))
     assert first[1] <= second[0], (first, second)
+
+
+def test_nccl_timeout_s_sets_the_nccl_process_group_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The GPU path cannot run here: this checks the value TorchTrainer gives TorchConfig(timeout_s=...),
+    # which the workers pass to init_process_group.
+    import importlib
+
+    from ddptrain.util.sgd.torch import constants
+    from ddptrain.util.sgd.torch.torch_trainer import process_group_timeout_s
+
+    monkeypatch.delenv("NCCL_TIMEOUT_S", raising=False)
+    assert process_group_timeout_s("nccl", True, 60) == 60
+    monkeypatch.setenv("NCCL_TIMEOUT_S", "1000")
+    assert process_group_timeout_s("nccl", True, 60) == 1000
+    assert process_group_timeout_s("auto", True, 60) == 1000  # auto with GPUs is nccl
+    assert process_group_timeout_s("auto", False, 60) == 60  # gloo: timeout_s
+    assert process_group_timeout_s("gloo", True, 60) == 60
+    assert importlib.reload(constants).NCCL_TIMEOUT_S == 1000
+    monkeypatch.setenv("NCCL_TIMEOUT_S", "soon")
+    with pytest.raises(ValueError, match="`NCCL_TIMEOUT_S` must be a number of seconds, got 'soon'"):
+        process_group_timeout_s("nccl", True, 60)
+    monkeypatch.delenv("NCCL_TIMEOUT_S")
+    assert importlib.reload(constants).NCCL_TIMEOUT_S == 1800

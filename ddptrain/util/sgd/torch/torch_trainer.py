@@ -19,6 +19,7 @@ from typing import Any
 import cloudpickle
 import torch
 
+from ddptrain import _env
 from ddptrain.config import ScalingConfig
 from ddptrain.errors import ConfigError, LaunchError, WorkerGroupError
 from ddptrain.launch.hosts import HostSpec, parse_hosts
@@ -31,10 +32,18 @@ from ddptrain.util.sgd.torch.training_operator import TrainingOperator
 from ddptrain.util.sgd.utils import BATCH_SIZE, reduce_worker_stats
 from ddptrain.worker_group import WorkerGroup
 
-__all__ = ["TorchTrainer"]
+__all__ = ["TorchTrainer", "process_group_timeout_s"]
 
 _logger = logging.getLogger(__name__)
 _GROW_INTERVAL_S = 60.0  # a shrunken group tries to get back to num_workers at most this often
+
+
+def process_group_timeout_s(backend: str, use_gpu: bool, timeout_s: float) -> float:
+    """The process group's timeout: ``NCCL_TIMEOUT_S`` (RaySGD's variable) when it is set and
+    the group is nccl's (``backend="nccl"``, or ``"auto"`` with GPUs), else ``timeout_s``."""
+    nccl = backend == "nccl" or (backend == "auto" and use_gpu)
+    from_env = _env.nccl_timeout_s() if nccl else None
+    return from_env if from_env is not None else timeout_s
 
 
 class TorchTrainer:
@@ -57,7 +66,8 @@ class TorchTrainer:
         use_gpu: One CUDA device per worker; ``"auto"``: if this machine has CUDA.
         backend: ``"gloo"``, ``"nccl"``, or ``"auto"`` (nccl with GPUs, else gloo).
         wrap_ddp: Wrap registered models in ``DistributedDataParallel`` (2+ workers).
-        timeout_s: Timeout of the process group's collectives.
+        timeout_s: Timeout of the process group's collectives. On nccl the environment variable
+            ``NCCL_TIMEOUT_S`` (RaySGD's), when set, replaces it.
         use_fp16: Mixed precision with ``torch.amp`` (autocast and a ``GradScaler``; bfloat16
             autocast on CPU). ``"apex"`` is accepted and means the same (Apex is not used).
         use_tqdm: A progress bar on rank 0 (plain status lines without tqdm).
@@ -121,7 +131,10 @@ class TorchTrainer:
         self.use_gpu = use_gpu
         self.use_local = use_local
         self._num_cpus_per_worker = num_cpus_per_worker
-        self._backend_config = TorchConfig(backend=None if backend == "auto" else backend, timeout_s=timeout_s)
+        self._backend_config = TorchConfig(
+            backend=None if backend == "auto" else backend,
+            timeout_s=process_group_timeout_s(backend, use_gpu, timeout_s),
+        )
         self._options = {
             "use_fp16": bool(use_fp16),
             "use_tqdm": use_tqdm,
