@@ -432,3 +432,43 @@ def test_nccl_timeout_s_sets_the_nccl_process_group_timeout(monkeypatch: pytest.
         process_group_timeout_s("nccl", True, 60)
     monkeypatch.delenv("NCCL_TIMEOUT_S")
     assert importlib.reload(constants).NCCL_TIMEOUT_S == 1800
+
+
+@pytest.mark.slow
+def test_as_trainable_is_a_base_torch_trainable_class_that_tune_runs_saves_and_restores(tmp_path: Path) -> None:
+    from ddptrain import tune
+    from ddptrain.util.sgd.torch import BaseTorchTrainable
+
+    TorchTrainable = TorchTrainer.as_trainable(
+        training_operator_cls=SchedulerOperator,
+        num_workers=1,
+        config={BATCH_SIZE: 8},
+        scheduler_step_freq="epoch",
+        checkpoint_freq=1,
+    )
+    assert isinstance(TorchTrainable, type) and issubclass(TorchTrainable, BaseTorchTrainable)
+
+    trainable = TorchTrainable({"lr": 0.1})  # Ray's Trainable(config): setup builds the trainer
+    try:
+        assert trainable.step()["epoch"] == 1 and "profile" in trainable.step()  # epoch 2
+        path = trainable.save_checkpoint(str(tmp_path))
+        trainable.step()
+        trainable.load_checkpoint(path)
+        assert trainable.step()["epoch"] == 3
+    finally:
+        trainable.cleanup()
+
+    class TwoEpochsPerStep(TorchTrainable):  # Ray 1.x's way of customising an iteration
+        def step(self) -> dict[str, Any]:
+            self.trainer.train()
+            return {**super().step(), "iterations_before": self.training_iteration}
+
+    analysis = tune.run(
+        TwoEpochsPerStep, config={"lr": 0.1}, stop={"training_iteration": 2}, storage_path=str(tmp_path), verbose=0
+    )
+    [trial] = analysis.trials
+    result = trial.last_result
+    assert result["epoch"] == 4 and result["training_iteration"] == 2 and result["iterations_before"] == 1
+    assert trial.checkpoint is not None
+    with trial.checkpoint.as_directory() as folder:
+        assert sorted(os.listdir(folder)) == ["ddptrain_trainable.json", "trainer.checkpoint"]

@@ -25,6 +25,7 @@ from ddptrain.errors import ConfigError, LaunchError, WorkerGroupError
 from ddptrain.launch.hosts import HostSpec, parse_hosts
 from ddptrain.torch.config import TorchConfig
 from ddptrain.util.sgd.torch import _runner, _tune
+from ddptrain.util.sgd.torch._tune import BaseTorchTrainable
 from ddptrain.util.sgd.torch._arguments import check_arguments
 from ddptrain.util.sgd.torch._recovery import discard, first_line, lost_worker
 from ddptrain.util.sgd.torch._workers import State, Workers
@@ -32,7 +33,7 @@ from ddptrain.util.sgd.torch.training_operator import TrainingOperator
 from ddptrain.util.sgd.utils import BATCH_SIZE, reduce_worker_stats
 from ddptrain.worker_group import WorkerGroup
 
-__all__ = ["TorchTrainer", "process_group_timeout_s"]
+__all__ = ["BaseTorchTrainable", "TorchTrainer", "process_group_timeout_s"]
 
 _logger = logging.getLogger(__name__)
 _GROW_INTERVAL_S = 60.0  # a shrunken group tries to get back to num_workers at most this often
@@ -362,7 +363,9 @@ class TorchTrainer:
         self.shutdown()
 
     @classmethod
-    def as_trainable(cls, *args: Any, **kwargs: Any) -> Any:
-        """A function trainable for ``ddptrain.tune`` that builds this trainer from the given
-        arguments, with the trial's config merged into ``config``; see ``_tune``."""
+    def as_trainable(cls, *args: Any, **kwargs: Any) -> type[BaseTorchTrainable]:
+        """A Tune Trainable class (a :class:`BaseTorchTrainable` subclass) for ``ddptrain.tune``
+        whose trials build this trainer from the given arguments, the trial's config merged
+        into ``config``. ``override_tune_step=fn(trainer, info)`` replaces ``step()`` (Ray 1.x);
+        ``checkpoint_freq=N`` (ours) reports a checkpoint every N iterations."""
         return _tune.as_trainable(cls, *args, **kwargs)
