@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import signal
+import subprocess
 import time
 import sys
 from pathlib import Path
@@ -472,3 +473,33 @@ def test_as_trainable_is_a_base_torch_trainable_class_that_tune_runs_saves_and_r
     assert trial.checkpoint is not None
     with trial.checkpoint.as_directory() as folder:
         assert sorted(os.listdir(folder)) == ["ddptrain_trainable.json", "trainer.checkpoint"]
+
+
+@pytest.mark.slow
+def test_use_local_runs_rank_0_in_the_driver_where_pdb_reads_the_terminal() -> None:
+    script = Path(__file__).resolve().parent / "data" / "raysgd_use_local.py"
+    root = str(Path(__file__).resolve().parent.parent)
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        input="hello from the terminal\np answer\nc\n",  # a line for rank 0, then two pdb commands
+        capture_output=True,
+        text=True,
+        timeout=120,  # before use_local worked, pdb waited in a worker for input that never came
+        env={**os.environ, "PYTHONPATH": root},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    driver = int(out.split("driver pid ")[1].split()[0])
+    rank0, rank1 = (int(p) for p in out.split("pids [")[1].split("]")[0].split(", "))
+    assert rank0 == driver and rank1 != driver  # rank 0 in the driver, rank 1 in a worker
+    assert "lines ['hello from the terminal', None]" in out  # rank 0 read the driver's stdin
+    assert "(Pdb) 42" in out  # pdb in rank 0 got its commands from the driver's stdin
+    assert "trained 8 ranks agree True" in out  # one gloo group: DDP kept the two ranks equal
+    # rank 1 raised while rank 0 waited for it in DDP's all-reduce: the call fails at once
+    seconds = int(out.split("failed after ")[1].split()[0])
+    assert seconds < 30 and "s: True" in out, out
+
+
+def test_use_local_refuses_gpus_and_hosts() -> None:
+    with pytest.raises(ConfigError, match="cannot be combined with use_gpu=True or hosts"):
+        TorchTrainer(training_operator_cls=SchedulerOperator, use_local=True, use_gpu=True)

@@ -163,6 +163,29 @@ def _iterate(loader: Iterable[Any], num_steps: int | None) -> Iterator[Any]:
 
 
 _runner: Runner | None = None
+# With TorchTrainer(use_local=True): (rank, world size) in the trainer's process group, which
+# differs from the worker context's (rank 0 is the driver); None: the context's.
+_placement: tuple[int, int] | None = None
+
+
+def set_placement(rank: int, world_size: int) -> None:
+    global _placement
+    _placement = (rank, world_size)
+
+
+def join_local_group(port: int, timeout_s: float) -> None:
+    """A worker of a ``use_local=True`` trainer joins the gloo group of the driver (rank 0)
+    and the other workers, as rank ``its own + 1``, through the driver's store on loopback."""
+    import datetime
+
+    import torch.distributed as dist
+
+    context = get_context()
+    rank, world_size = context.get_world_rank() + 1, context.get_world_size() + 1
+    join = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=join)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=join)
+    set_placement(rank, world_size)
 
 
 def _current() -> Runner:
@@ -185,19 +208,23 @@ def setup(
     _runner = None
     if initialization_hook is not None:
         initialization_hook()
-    context = get_context()
-    device = get_device()
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    runner = Runner(
-        operator_cls,
-        config,
-        options,
-        context.get_world_rank(),
-        context.get_local_rank(),
-        context.get_world_size(),
-        device,
-    )
+    if _placement is not None:  # use_local=True: one machine, CPU only
+        rank, world_size = _placement
+        runner = Runner(operator_cls, config, options, rank, rank, world_size, torch.device("cpu"))
+    else:
+        context = get_context()
+        device = get_device()
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        runner = Runner(
+            operator_cls,
+            config,
+            options,
+            context.get_world_rank(),
+            context.get_local_rank(),
+            context.get_world_size(),
+            device,
+        )
     if state is not None:
         runner.load_state_dict(cloudpickle.loads(state) if isinstance(state, bytes) else state)
     _runner = runner
@@ -244,5 +271,6 @@ def update_scheduler(metric: Any) -> None:
 
 
 def teardown() -> None:
-    global _runner
+    global _runner, _placement
     _runner = None
+    _placement = None

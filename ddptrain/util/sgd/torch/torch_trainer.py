@@ -14,17 +14,18 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import cloudpickle
 import torch
 
 from ddptrain import _env
+from ddptrain.backend import BackendConfig
 from ddptrain.config import ScalingConfig
 from ddptrain.errors import ConfigError, LaunchError, WorkerGroupError
 from ddptrain.launch.hosts import HostSpec, parse_hosts
 from ddptrain.torch.config import TorchConfig
-from ddptrain.util.sgd.torch import _runner, _tune
+from ddptrain.util.sgd.torch import _local, _runner, _tune
 from ddptrain.util.sgd.torch._tune import BaseTorchTrainable
 from ddptrain.util.sgd.torch._arguments import check_arguments
 from ddptrain.util.sgd.torch._recovery import discard, first_line, lost_worker
@@ -76,8 +77,11 @@ class TorchTrainer:
         add_dist_sampler: Give registered ``DataLoader``s a ``DistributedSampler``.
         scheduler_step_freq: ``"batch"``, ``"epoch"``, ``"manual"`` (:meth:`update_scheduler`),
             or ``None`` (no schedulers may be registered).
-        use_local: Accepted for compatibility: all ``num_workers`` ranks run in worker
-            processes, and :meth:`get_local_operator` works with or without it.
+        use_local: Rank 0 runs in this (the driver's) process, in the thread that calls
+            ``train()``/``validate()``..., so that ``pdb``/``ipdb`` in your operator reads this
+            terminal; the other ranks in worker processes, all in one gloo group. CPU only, on
+            this machine (``use_gpu="auto"`` means no GPU; not with ``use_gpu=True`` or ``hosts``); one
+            such trainer per process at a time.
         serialize_data_creation: ``True``: each worker's ``setup``, up to its ``register`` call
             (where models are wrapped in DDP, which needs every worker), runs under a
             machine-wide file lock, one worker of a host at a time: create your data before
@@ -116,6 +120,8 @@ class TorchTrainer:
         hosts: str | os.PathLike[str] | list[Any] | None = None,
         log_dir: str | os.PathLike[str] | None = None,
     ) -> None:
+        if use_local and use_gpu == "auto":
+            use_gpu = False  # rank 0 in this process runs on the CPU
         use_gpu = check_arguments(
             training_operator_cls=training_operator_cls,
             num_workers=num_workers,
@@ -130,6 +136,11 @@ class TorchTrainer:
         self.config: dict[str, Any] = dict(config or {})
         self.num_workers = num_workers
         self.use_gpu = use_gpu
+        if use_local and (use_gpu or hosts is not None):
+            raise ConfigError(
+                "`use_local=True` runs rank 0 in this process on the CPU, with the other ranks on this machine: "
+                f"it cannot be combined with use_gpu=True or hosts (got use_gpu={use_gpu!r}, hosts={hosts!r})."
+            )
         self.use_local = use_local
         self._num_cpus_per_worker = num_cpus_per_worker
         self._backend_config = TorchConfig(
@@ -171,6 +182,8 @@ class TorchTrainer:
         return config
 
     def _start(self, workers: int, hosts: list[HostSpec] | None, state: State) -> WorkerGroup:
+        if self.use_local:
+            return self._start_local(workers, state)
         scaling = ScalingConfig(
             num_workers=workers,
             use_gpu=self.use_gpu,
@@ -191,6 +204,36 @@ class TorchTrainer:
             discard(group)
             raise
         return group
+
+    def _start_local(self, workers: int, state: State) -> WorkerGroup:
+        """``use_local=True``: rank 0 in this process, the others in ``workers - 1`` worker
+        processes (which set up no process group of their own: they join rank 0's)."""
+        remote = None
+        if workers > 1:
+            scaling = ScalingConfig(
+                num_workers=workers - 1, use_gpu=False, resources_per_worker={"CPU": self._num_cpus_per_worker}
+            )
+            remote = WorkerGroup.launch(scaling, backend_config=BackendConfig(), log_dir=self._log_dir)
+        group = None
+        try:
+            group = _local.LocalRankGroup(remote, workers)
+            group.join(self._backend_config.timeout_s)
+            group.execute(
+                _runner.setup,
+                self.training_operator_cls,
+                self._worker_config(workers),
+                self._options,
+                self.initialization_hook,
+                state,
+            )
+        except BaseException:
+            if group is not None:
+                discard(group)  # type: ignore[arg-type]
+            elif remote is not None:
+                discard(remote)
+            raise
+        # It has the interface of a WorkerGroup that this trainer uses (see _local).
+        return cast(WorkerGroup, group)
 
     def _maybe_grow(self) -> None:
         """Back to ``num_workers`` when they can start again (tried at most every ``_GROW_INTERVAL_S``:
