@@ -8,8 +8,8 @@ import math
 import os
 import signal
 import subprocess
-import time
 import sys
+import time
 from pathlib import Path
 from typing import Any
 

@@ -348,16 +348,18 @@ def main_plot(runs: list[str], metrics: list[str], output: str, x_axis: str) -> 
     for run in runs:
         try:
             view = open_run(run)
-        except RunNotFound as exc:  # maybe a metric: `ddptrain plot RUN METRIC ...`
-            not_runs.append((run, exc))
+        except RunNotFound as missing:  # maybe a metric: `ddptrain plot RUN METRIC ...`
+            not_runs.append((run, missing))
             continue
         series[view.name] = export_rows(view.folder)
     if not series:
         raise not_runs[0][1]
     known = {k for rows in series.values() for row in rows for k in row if k not in ("report", "time", "attempt")}
-    for word, exc in not_runs:
+    for word, why in not_runs:
         if word not in known:
-            raise RunNotFound(f"{exc}; nor is {word!r} a metric of the runs given (they have: {', '.join(sorted(known))})")
+            raise RunNotFound(
+                f"{why}; nor is {word!r} a metric of the runs given (they have: {', '.join(sorted(known))})"
+            )
     metrics = list(dict.fromkeys([*(word for word, _ in not_runs), *metrics]))
     names = metrics or sorted(
         {

@@ -49,6 +49,7 @@ if __name__ == "__main__":
         try:
             trainer.train()
         except WorkerGroupError as exc:
-            print(f"failed after {time.monotonic() - started:.0f} s:", "rank 1 failed on purpose" in str(exc), flush=True)
+            seconds = time.monotonic() - started
+            print(f"failed after {seconds:.0f} s:", "rank 1 failed on purpose" in str(exc), flush=True)
     finally:
         trainer.shutdown()

@@ -16,11 +16,13 @@ import os
 import signal
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch.distributed as dist
 
 from ddptrain import _env
+from ddptrain.backend import BackendConfig
+from ddptrain.config import ScalingConfig
 from ddptrain.errors import ConfigError, LaunchError, WorkerGroupError
 from ddptrain.util.sgd.torch import _runner
 from ddptrain.worker_group import WorkerGroup
@@ -89,7 +91,9 @@ class LocalRankGroup:
         )
         port = store.port
         try:
-            self._both(lambda: _join_as(store, 0, self.world_size, timeout_s), _runner.join_local_group, port, timeout_s)
+            self._both(
+                lambda: _join_as(store, 0, self.world_size, timeout_s), _runner.join_local_group, port, timeout_s
+            )
         except BaseException:
             self._failed = True
             raise
@@ -175,9 +179,38 @@ class LocalRankGroup:
                 pass
 
 
+def launch(
+    workers: int, cpus_per_worker: float, log_dir: str | os.PathLike[str] | None, timeout_s: float
+) -> WorkerGroup:
+    """Rank 0 here and ``workers - 1`` worker processes (which set up no process group of their
+    own), joined in one gloo group. It has the interface of a ``WorkerGroup`` that
+    ``TorchTrainer`` uses, hence its type."""
+    remote = None
+    if workers > 1:
+        scaling = ScalingConfig(num_workers=workers - 1, use_gpu=False, resources_per_worker={"CPU": cpus_per_worker})
+        remote = WorkerGroup.launch(scaling, backend_config=BackendConfig(), log_dir=log_dir)
+    group = None
+    try:
+        group = LocalRankGroup(remote, workers)
+        group.join(timeout_s)
+    except BaseException:
+        if group is not None:
+            group._failed = True
+            group.shutdown(grace_s=0)
+        elif remote is not None:
+            remote.backend = None
+            remote.shutdown(grace_s=0)
+        raise
+    return cast(WorkerGroup, group)
+
+
 def _join_as(store: dist.TCPStore, rank: int, world_size: int, timeout_s: float) -> None:
     try:
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
+        )
     except RuntimeError as exc:
-        raise LaunchError(f"The driver (rank 0, use_local=True) could not join the workers' process group: {exc}") from exc
+        raise LaunchError(
+            f"The driver (rank 0, use_local=True) could not join the workers' process group: {exc}"
+        ) from exc
     _runner.set_placement(rank, world_size)

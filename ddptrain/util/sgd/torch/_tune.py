@@ -84,7 +84,9 @@ class BaseTorchTrainable:
     def trainer(self) -> TorchTrainer:
         """The trial's ``TorchTrainer``."""
         if self._trainer is None:
-            raise RuntimeError("the TorchTrainer is built in setup(); a subclass overriding setup must call super().setup(config)")
+            raise RuntimeError(
+                "the TorchTrainer is built in setup(); a subclass overriding setup must call super().setup(config)"
+            )
         return self._trainer
 
     def setup(self, config: dict[str, Any]) -> None:
@@ -127,7 +129,7 @@ class BaseTorchTrainable:
         """This class as a ``ddptrain.tune`` function trainable: one instance per trial, a
         ``step()`` per reported iteration, ``cleanup()`` when the trial ends or is stopped; a
         trial restarted from a checkpoint loads it and goes on from its iteration."""
-        from ddptrain import tune
+        from ddptrain import tune  # here: `import ddptrain.util.sgd` must not import ddptrain.tune
 
         freq = cls._checkpoint_freq
 

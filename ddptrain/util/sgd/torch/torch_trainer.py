@@ -14,21 +14,20 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import cloudpickle
 import torch
 
 from ddptrain import _env
-from ddptrain.backend import BackendConfig
 from ddptrain.config import ScalingConfig
 from ddptrain.errors import ConfigError, LaunchError, WorkerGroupError
 from ddptrain.launch.hosts import HostSpec, parse_hosts
 from ddptrain.torch.config import TorchConfig
 from ddptrain.util.sgd.torch import _local, _runner, _tune
-from ddptrain.util.sgd.torch._tune import BaseTorchTrainable
 from ddptrain.util.sgd.torch._arguments import check_arguments
 from ddptrain.util.sgd.torch._recovery import discard, first_line, lost_worker
+from ddptrain.util.sgd.torch._tune import BaseTorchTrainable
 from ddptrain.util.sgd.torch._workers import State, Workers
 from ddptrain.util.sgd.torch.training_operator import TrainingOperator
 from ddptrain.util.sgd.utils import BATCH_SIZE, reduce_worker_stats
@@ -40,12 +39,12 @@ _logger = logging.getLogger(__name__)
 _GROW_INTERVAL_S = 60.0  # a shrunken group tries to get back to num_workers at most this often
 
 
-def process_group_timeout_s(backend: str, use_gpu: bool, timeout_s: float) -> float:
+def process_group_timeout_s(backend: str, use_gpu: bool, timeout_s: int) -> int:
     """The process group's timeout: ``NCCL_TIMEOUT_S`` (RaySGD's variable) when it is set and
     the group is nccl's (``backend="nccl"``, or ``"auto"`` with GPUs), else ``timeout_s``."""
     nccl = backend == "nccl" or (backend == "auto" and use_gpu)
     from_env = _env.nccl_timeout_s() if nccl else None
-    return from_env if from_env is not None else timeout_s
+    return int(from_env) if from_env is not None else timeout_s
 
 
 class TorchTrainer:
@@ -182,15 +181,16 @@ class TorchTrainer:
         return config
 
     def _start(self, workers: int, hosts: list[HostSpec] | None, state: State) -> WorkerGroup:
-        if self.use_local:
-            return self._start_local(workers, state)
-        scaling = ScalingConfig(
-            num_workers=workers,
-            use_gpu=self.use_gpu,
-            resources_per_worker={"CPU": self._num_cpus_per_worker},
-            hosts=list(hosts) if hosts is not None else None,
-        )
-        group = WorkerGroup.launch(scaling, backend_config=self._backend_config, log_dir=self._log_dir)
+        if self.use_local:  # rank 0 here, joined to the others' process group
+            group = _local.launch(workers, self._num_cpus_per_worker, self._log_dir, self._backend_config.timeout_s)
+        else:
+            scaling = ScalingConfig(
+                num_workers=workers,
+                use_gpu=self.use_gpu,
+                resources_per_worker={"CPU": self._num_cpus_per_worker},
+                hosts=list(hosts) if hosts is not None else None,
+            )
+            group = WorkerGroup.launch(scaling, backend_config=self._backend_config, log_dir=self._log_dir)
         try:
             group.execute(
                 _runner.setup,
@@ -204,36 +204,6 @@ class TorchTrainer:
             discard(group)
             raise
         return group
-
-    def _start_local(self, workers: int, state: State) -> WorkerGroup:
-        """``use_local=True``: rank 0 in this process, the others in ``workers - 1`` worker
-        processes (which set up no process group of their own: they join rank 0's)."""
-        remote = None
-        if workers > 1:
-            scaling = ScalingConfig(
-                num_workers=workers - 1, use_gpu=False, resources_per_worker={"CPU": self._num_cpus_per_worker}
-            )
-            remote = WorkerGroup.launch(scaling, backend_config=BackendConfig(), log_dir=self._log_dir)
-        group = None
-        try:
-            group = _local.LocalRankGroup(remote, workers)
-            group.join(self._backend_config.timeout_s)
-            group.execute(
-                _runner.setup,
-                self.training_operator_cls,
-                self._worker_config(workers),
-                self._options,
-                self.initialization_hook,
-                state,
-            )
-        except BaseException:
-            if group is not None:
-                discard(group)  # type: ignore[arg-type]
-            elif remote is not None:
-                discard(remote)
-            raise
-        # It has the interface of a WorkerGroup that this trainer uses (see _local).
-        return cast(WorkerGroup, group)
 
     def _maybe_grow(self) -> None:
         """Back to ``num_workers`` when they can start again (tried at most every ``_GROW_INTERVAL_S``:

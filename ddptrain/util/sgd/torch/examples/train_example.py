@@ -17,6 +17,8 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset
 
+from ddptrain.util.sgd import TorchTrainer, TrainingOperator
+
 __all__ = ["LinearDataset", "data_creator", "model_creator", "optimizer_creator", "scheduler_creator", "train_example"]
 
 
@@ -62,8 +64,6 @@ def data_creator(config: dict[str, Any]) -> tuple[DataLoader, DataLoader]:
 
 def train_example(num_workers: int = 1, use_gpu: bool = False) -> None:
     """Ray's example: five epochs of the creators above with an MSE loss, then a validation."""
-    from ddptrain.util.sgd import TorchTrainer, TrainingOperator
-
     operator = TrainingOperator.from_creators(
         model_creator=model_creator,
         optimizer_creator=optimizer_creator,
