@@ -1,4 +1,5 @@
-"""The one place that reads ``DDPTRAIN_*`` environment variables (driver and workers)."""
+"""The one place that reads ``DDPTRAIN_*`` environment variables (driver and workers), and the
+other libraries' variables ddptrain honours (RaySGD's ``NCCL_TIMEOUT_S``)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 
 __all__ = [
     "default_storage_path",
+    "nccl_timeout_s",
     "report_warn_interval_s",
     "stall_warn_s",
     "shutdown_grace_s",
@@ -39,6 +41,18 @@ def _float(name: str, default: float) -> float:
         raise ValueError(f"`{name}` must be a number of seconds, got {raw!r}.") from None
     if value < 0:
         raise ValueError(f"`{name}` must be >= 0, got {raw!r}.")
+    return value
+
+
+def nccl_timeout_s() -> float | None:
+    """RaySGD's ``NCCL_TIMEOUT_S``: the process group's timeout of a ``TorchTrainer`` (RaySGD's)
+    on nccl; ``None`` when unset. Not a ``DDPTRAIN_*`` name: it is Ray's."""
+    raw = os.environ.get("NCCL_TIMEOUT_S")
+    if raw is None or raw.strip() == "":
+        return None
+    value = _float("NCCL_TIMEOUT_S", 0.0)
+    if value <= 0:
+        raise ValueError(f"`NCCL_TIMEOUT_S` must be a number of seconds > 0, got {raw!r}.")
     return value
 
 

@@ -13,7 +13,17 @@ if TYPE_CHECKING:
     from ddptrain.config import RunConfig, ScalingConfig
     from ddptrain.result import Result
 
-__all__ = ["BaseTrainer"]
+__all__ = ["BaseTrainer", "PREPROCESSOR_DEPRECATION_MESSAGE"]
+
+# Ray 2.x's text, word for word (ray.train.base_trainer), raised for `preprocessor=`.
+PREPROCESSOR_DEPRECATION_MESSAGE = (
+    "The `preprocessor` argument to Trainers is deprecated as of Ray 2.7. "
+    "Instead, use the Preprocessor `fit` and `transform` APIs directly on the Ray "
+    "Dataset. For any state that needs to be saved to the trained checkpoint, pass it "
+    "in using the `metadata` argument of the `Trainer`. "
+    "For a full example, see "
+    "https://docs.ray.io/en/master/train/user-guides/data-loading-preprocessing.html#preprocessing-structured-data "
+)
 
 
 class BaseTrainer:

@@ -15,7 +15,7 @@ import cloudpickle
 
 from ddptrain import _env
 from ddptrain.backend import BackendConfig
-from ddptrain.base_trainer import BaseTrainer
+from ddptrain.base_trainer import PREPROCESSOR_DEPRECATION_MESSAGE, BaseTrainer
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.config import DataConfig, RunConfig, ScalingConfig
 from ddptrain.data.ingest import DatasetIngest, check_datasets
@@ -65,6 +65,8 @@ class DataParallelTrainer(BaseTrainer):
             reads its shard with ``get_dataset_shard(name)``.
         dataset_config: Which datasets are split across workers (default: all).
         resume_from_checkpoint: A checkpoint the run starts from (``get_checkpoint()``).
+        preprocessor: Deprecated in Ray 2.7: raises ``DeprecationWarning`` with Ray's text
+            (preprocess the dataset before passing it).
 
     Example:
         >>> def train_loop():
@@ -85,7 +87,10 @@ class DataParallelTrainer(BaseTrainer):
         resume_from_checkpoint: Checkpoint | None = None,
         metadata: dict[str, Any] | None = None,
         validation_config: Any = None,
+        preprocessor: Any = None,
     ) -> None:
+        if preprocessor is not None:
+            raise DeprecationWarning(PREPROCESSOR_DEPRECATION_MESSAGE)
         if not callable(train_loop_per_worker):
             raise ConfigError(
                 f"`train_loop_per_worker` must be a function, got {train_loop_per_worker!r}. "

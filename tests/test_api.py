@@ -325,3 +325,39 @@ def test_fit_at_import_time_asks_for_a_main_guard(tmp_path: Path, storage: str) 
     )
     assert proc.returncode != 0
     assert 'if __name__ == "__main__":' in proc.stderr
+
+
+def test_the_preprocessor_argument_raises_rays_deprecation_text() -> None:
+    from ddptrain import DataParallelTrainer
+    from ddptrain.torch import TorchTrainer
+
+    for trainer_cls in (DataParallelTrainer, TorchTrainer):
+        with pytest.raises(DeprecationWarning) as info:
+            trainer_cls(lambda: None, preprocessor=object())
+        assert str(info.value).startswith("The `preprocessor` argument to Trainers is deprecated as of Ray 2.7. ")
+        assert "use the Preprocessor `fit` and `transform` APIs directly on the Ray Dataset." in str(info.value)
+
+
+def test_tensorflow_trainer_without_tensorflow_fails_at_construction(tmp_path: Path) -> None:
+    # ddptrain.tensorflow imported while a (stub) TensorFlow was there, which is then gone: the
+    # trainer must refuse to start instead of running a function that never imports TensorFlow.
+    for name in ("tensorflow", "tf_keras"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text("")
+    code = textwrap.dedent(
+        f"""
+        import importlib, shutil, sys
+        sys.path.insert(0, {str(tmp_path)!r})
+        from ddptrain.tensorflow import TensorflowTrainer
+        shutil.rmtree({str(tmp_path / "tensorflow")!r})
+        importlib.invalidate_caches()
+        try:
+            TensorflowTrainer(lambda: None)
+        except ImportError as exc:
+            print("error:", exc)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "error: TensorflowTrainer needs tensorflow, which this Python cannot import" in out.stdout
+    assert "`pip install ddptrain[tensorflow]`" in out.stdout

@@ -122,6 +122,20 @@ def test_plot_draws_one_panel_per_metric_for_several_runs(runs: str, capfd, tmp_
         assert target.read_bytes().startswith(magic) and "(loss, step)" in err
 
 
+def test_plot_takes_metrics_as_positionals_beside_dash_m(runs: str, capfd, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    target = str(tmp_path / "plot.png")
+    good, bad = os.path.join(runs, "good"), os.path.join(runs, "bad")
+    code, _, err = cli(capfd, "plot", good, bad, "loss", "-o", target)
+    assert code == 0, err
+    assert f"wrote {target} (loss)" in err
+    code, _, err = cli(capfd, "plot", good, "step", "-m", "loss", "-o", target)
+    assert code == 0 and f"wrote {target} (step, loss)" in err, err
+    code, _, err = cli(capfd, "plot", good, "accuracy", "-o", target)
+    assert code == 2
+    assert "no run 'accuracy'" in err and "nor is 'accuracy' a metric of the runs given (they have: loss, step)" in err
+
+
 LIVE = textwrap.dedent(
     """
     import time

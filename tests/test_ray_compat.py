@@ -128,6 +128,15 @@ def test_a_ray_tune_sweep_of_a_trainer_runs_unmodified(storage: str) -> None:
     assert "best lr: 0.01 loss: 0.01" in proc.stdout
 
 
+@pytest.mark.timeout(300)
+def test_the_raysgd_guide_runs_with_its_example_helpers(storage: str) -> None:
+    proc = ddptrain_run("raysgd_guide.py", storage)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "guide operator batches: [16]" in proc.stdout  # LinearDataset(2, 5): 1000 points, batches of 64
+    assert "creators: Linear 0.5 4 8" in proc.stdout and "scheduler: StepLR" in proc.stdout
+    assert proc.stdout.endswith("epoch: 1\nprofile:\n  mean_fwd_s: 0.5\n")  # ray.tune.logger.pretty_print
+
+
 def test_ray_core_apis_fail_with_a_clear_error(storage: str) -> None:
     proc = ddptrain_run("uses_ray_core.py", storage)
     assert proc.returncode == 1

@@ -7,7 +7,9 @@ import logging
 import math
 import os
 import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -387,3 +389,117 @@ def test_as_trainable_runs_a_sweep_with_ddptrain_tune(tmp_path: Path) -> None:
     assert analysis.get_best_config(metric="train_loss", mode="min") == {"lr": 0.1}
     results = [trial.last_result for trial in analysis.trials]
     assert sorted(r["epoch"] for r in results) == [2, 2] and all(r["training_iteration"] == 2 for r in results)
+
+
+class SerializedSetupOperator(TrainingOperator):
+    """Times its data creation (before ``register``), then meets the other worker in a collective."""
+
+    def setup(self, config: dict[str, Any]) -> None:
+        start = time.time()
+        time.sleep(0.5)  # "downloading the data set"
+        self.window = (start, time.time())
+        model = nn.Linear(1, 1)
+        self.register(models=model, optimizers=torch.optim.SGD(model.parameters(), lr=0.1))
+        torch.distributed.barrier()  # register let the next worker in: no deadlock
+
+
+@pytest.mark.slow
+def test_serialize_data_creation_runs_setup_one_worker_at_a_time_until_register() -> None:
+    with TorchTrainer(
+        training_operator_cls=SerializedSetupOperator, num_workers=2, wrap_ddp=False, serialize_data_creation=True
+    ) as trainer:
+        first, second = sorted(trainer.apply_all_operators(lambda op: op.window))
+    assert first[1] <= second[0], (first, second)
+
+
+def test_nccl_timeout_s_sets_the_nccl_process_group_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The GPU path cannot run here: this checks the value TorchTrainer gives TorchConfig(timeout_s=...),
+    # which the workers pass to init_process_group.
+    import importlib
+
+    from ddptrain.util.sgd.torch import constants
+    from ddptrain.util.sgd.torch.torch_trainer import process_group_timeout_s
+
+    monkeypatch.delenv("NCCL_TIMEOUT_S", raising=False)
+    assert process_group_timeout_s("nccl", True, 60) == 60
+    monkeypatch.setenv("NCCL_TIMEOUT_S", "1000")
+    assert process_group_timeout_s("nccl", True, 60) == 1000
+    assert process_group_timeout_s("auto", True, 60) == 1000  # auto with GPUs is nccl
+    assert process_group_timeout_s("auto", False, 60) == 60  # gloo: timeout_s
+    assert process_group_timeout_s("gloo", True, 60) == 60
+    assert importlib.reload(constants).NCCL_TIMEOUT_S == 1000
+    monkeypatch.setenv("NCCL_TIMEOUT_S", "soon")
+    with pytest.raises(ValueError, match="`NCCL_TIMEOUT_S` must be a number of seconds, got 'soon'"):
+        process_group_timeout_s("nccl", True, 60)
+    monkeypatch.delenv("NCCL_TIMEOUT_S")
+    assert importlib.reload(constants).NCCL_TIMEOUT_S == 1800
+
+
+@pytest.mark.slow
+def test_as_trainable_is_a_base_torch_trainable_class_that_tune_runs_saves_and_restores(tmp_path: Path) -> None:
+    from ddptrain import tune
+    from ddptrain.util.sgd.torch import BaseTorchTrainable
+
+    TorchTrainable = TorchTrainer.as_trainable(
+        training_operator_cls=SchedulerOperator,
+        num_workers=1,
+        config={BATCH_SIZE: 8},
+        scheduler_step_freq="epoch",
+        checkpoint_freq=1,
+    )
+    assert isinstance(TorchTrainable, type) and issubclass(TorchTrainable, BaseTorchTrainable)
+
+    trainable = TorchTrainable({"lr": 0.1})  # Ray's Trainable(config): setup builds the trainer
+    try:
+        assert trainable.step()["epoch"] == 1 and "profile" in trainable.step()  # epoch 2
+        path = trainable.save_checkpoint(str(tmp_path))
+        trainable.step()
+        trainable.load_checkpoint(path)
+        assert trainable.step()["epoch"] == 3
+    finally:
+        trainable.cleanup()
+
+    class TwoEpochsPerStep(TorchTrainable):  # Ray 1.x's way of customising an iteration
+        def step(self) -> dict[str, Any]:
+            self.trainer.train()
+            return {**super().step(), "iterations_before": self.training_iteration}
+
+    analysis = tune.run(
+        TwoEpochsPerStep, config={"lr": 0.1}, stop={"training_iteration": 2}, storage_path=str(tmp_path), verbose=0
+    )
+    [trial] = analysis.trials
+    result = trial.last_result
+    assert result["epoch"] == 4 and result["training_iteration"] == 2 and result["iterations_before"] == 1
+    assert trial.checkpoint is not None
+    with trial.checkpoint.as_directory() as folder:
+        assert sorted(os.listdir(folder)) == ["ddptrain_trainable.json", "trainer.checkpoint"]
+
+
+@pytest.mark.slow
+def test_use_local_runs_rank_0_in_the_driver_where_pdb_reads_the_terminal() -> None:
+    script = Path(__file__).resolve().parent / "data" / "raysgd_use_local.py"
+    root = str(Path(__file__).resolve().parent.parent)
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        input="hello from the terminal\np answer\nc\n",  # a line for rank 0, then two pdb commands
+        capture_output=True,
+        text=True,
+        timeout=120,  # before use_local worked, pdb waited in a worker for input that never came
+        env={**os.environ, "PYTHONPATH": root},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    driver = int(out.split("driver pid ")[1].split()[0])
+    rank0, rank1 = (int(p) for p in out.split("pids [")[1].split("]")[0].split(", "))
+    assert rank0 == driver and rank1 != driver  # rank 0 in the driver, rank 1 in a worker
+    assert "lines ['hello from the terminal', None]" in out  # rank 0 read the driver's stdin
+    assert "(Pdb) 42" in out  # pdb in rank 0 got its commands from the driver's stdin
+    assert "trained 8 ranks agree True" in out  # one gloo group: DDP kept the two ranks equal
+    # rank 1 raised while rank 0 waited for it in DDP's all-reduce: the call fails at once
+    seconds = int(out.split("failed after ")[1].split()[0])
+    assert seconds < 30 and "s: True" in out, out
+
+
+def test_use_local_refuses_gpus_and_hosts() -> None:
+    with pytest.raises(ConfigError, match="cannot be combined with use_gpu=True or hosts"):
+        TorchTrainer(training_operator_cls=SchedulerOperator, use_local=True, use_gpu=True)

@@ -471,3 +471,45 @@ def test_restore_an_optuna_sweep_of_functions(storage: str, tmp_path: Path, monk
     # The same configs as a sweep that was never interrupted (the sampler's sequence kept).
     fresh = module.tuner(storage, "fresh", str(tmp_path / "fresh.txt"), 0.0).fit()
     assert [r.config["x"] for r in results] == [r.config["x"] for r in fresh]
+
+
+def test_pretty_print_writes_rays_yaml_of_a_result() -> None:
+    from ddptrain.tune.logger import pretty_print
+
+    result = {
+        "batch_count": 16,
+        "epoch": 1,
+        "last_train_loss": 0.15574650466442108,
+        "num_samples": 1000,
+        "profile": {"mean_apply_s": 2.639293670654297e-05, "train_epoch_s": 0.023712158203125},
+        "config": {"lr": 0.1},  # dropped, as are None values
+        "trial_id": None,
+    }
+    # RaySGD's guide: print(pretty_print(trainer.train(profile=True)))
+    assert pretty_print(result) == textwrap.dedent(
+        """\
+        batch_count: 16
+        epoch: 1
+        last_train_loss: 0.15574650466442108
+        num_samples: 1000
+        profile:
+          mean_apply_s: 2.639293670654297e-05
+          train_epoch_s: 0.023712158203125
+        """
+    )
+    yaml = pytest.importorskip("yaml")  # Ray's own implementation is yaml.safe_dump of the JSON-clean dict
+    odd = {
+        "np": np.float32(0.5),
+        "npi": np.int64(3),
+        "arr": np.arange(2),
+        "nan": float("nan"),
+        "inf": float("-inf"),
+        "big": 1e20,
+        "list": [1, "a", {"x": 1, "y": [1, 2]}, [3, 4], {}, []],
+        "strings": ["hello world", "true", "1.5", "", "a: b", "-x", "- x", "it's", "2024-01-01", "a #b", "012", "y"],
+        "nested": {"a": {"b": {"c": None}}, "d": {}},
+        "obj": Path("/tmp/x"),
+    }
+    expected = {**odd, "np": 0.5, "npi": 3, "arr": [0, 1], "obj": "/tmp/x"}
+    assert pretty_print(odd) == yaml.safe_dump(json.loads(json.dumps(expected)), default_flow_style=False)
+    assert pretty_print({"a": 1, "b": 2}, exclude={"b"}) == "a: 1\n"

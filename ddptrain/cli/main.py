@@ -234,7 +234,12 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("--format", choices=("csv", "json"), default="csv")
     export.add_argument("-o", "--output", help="write to this file instead of stdout")
     plot = sub.add_parser("plot", help="plot metrics of one or more runs (needs matplotlib)")
-    plot.add_argument("runs", nargs="+", metavar="RUN", help=run_help)
+    plot.add_argument(
+        "runs",
+        nargs="+",
+        metavar="RUN|METRIC",
+        help=run_help + "; then metrics to plot, as with -m (a word that is not a run but a metric of the runs)",
+    )
     plot.add_argument("--metric", "-m", action="append", default=[], help="a metric to plot (repeatable; default: all)")
     plot.add_argument("--x", choices=("report", "time"), default="report", help="x axis")
     plot.add_argument("-o", "--output", default="ddptrain_plot.png", help="output file (.png, .svg, .pdf)")

@@ -333,6 +333,8 @@ def main_export(run: str, fmt: str, output: str | None) -> int:
 
 
 def main_plot(runs: list[str], metrics: list[str], output: str, x_axis: str) -> int:
+    """Plot ``metrics`` (default: every numeric one) of ``runs``. A word of ``runs`` that is not
+    a run but a metric of the runs found is a metric (``ddptrain plot RUN loss acc``)."""
     try:
         import matplotlib
 
@@ -342,9 +344,23 @@ def main_plot(runs: list[str], metrics: list[str], output: str, x_axis: str) -> 
         print('ddptrain plot needs matplotlib: pip install "ddptrain[plot]" (or matplotlib)', file=sys.stderr)
         return 2
     series: dict[str, list[dict[str, Any]]] = {}
+    not_runs: list[tuple[str, RunNotFound]] = []
     for run in runs:
-        view = open_run(run)
+        try:
+            view = open_run(run)
+        except RunNotFound as missing:  # maybe a metric: `ddptrain plot RUN METRIC ...`
+            not_runs.append((run, missing))
+            continue
         series[view.name] = export_rows(view.folder)
+    if not series:
+        raise not_runs[0][1]
+    known = {k for rows in series.values() for row in rows for k in row if k not in ("report", "time", "attempt")}
+    for word, why in not_runs:
+        if word not in known:
+            raise RunNotFound(
+                f"{why}; nor is {word!r} a metric of the runs given (they have: {', '.join(sorted(known))})"
+            )
+    metrics = list(dict.fromkeys([*(word for word, _ in not_runs), *metrics]))
     names = metrics or sorted(
         {
             k

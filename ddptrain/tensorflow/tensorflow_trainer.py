@@ -10,7 +10,7 @@ from ddptrain.checkpoint import Checkpoint
 from ddptrain.config import DataConfig, RunConfig, ScalingConfig
 from ddptrain.data_parallel_trainer import DataParallelTrainer
 from ddptrain.errors import ConfigError
-from ddptrain.tensorflow.config import LEGACY_KERAS_VAR, TensorflowConfig
+from ddptrain.tensorflow.config import LEGACY_KERAS_VAR, TensorflowConfig, _missing_packages
 
 __all__ = ["TensorflowTrainer"]
 
@@ -50,6 +50,10 @@ class TensorflowTrainer(DataParallelTrainer):
         resume_from_checkpoint: A checkpoint the run starts from.
         metadata: Not supported (as in Ray Train V2).
 
+    Raises:
+        ImportError: TensorFlow or tf-keras cannot be imported here (naming ``ddptrain[tensorflow]``),
+            even when the training function would not import them.
+
     Example:
         >>> def train_func(config):
         ...     import tensorflow as tf
@@ -78,6 +82,12 @@ class TensorflowTrainer(DataParallelTrainer):
         resume_from_checkpoint: Checkpoint | None = None,
         metadata: dict[str, Any] | None = None,
     ) -> None:
+        missing = _missing_packages()  # checked here too: the function may never import TensorFlow
+        if missing:
+            raise ImportError(
+                f"TensorflowTrainer needs {' and '.join(missing)}, which this Python cannot import: "
+                "`pip install ddptrain[tensorflow]` (TensorFlow with tf-keras)."
+            )
         tensorflow_config = tensorflow_config if tensorflow_config is not None else TensorflowConfig()
         if not isinstance(tensorflow_config, TensorflowConfig):
             raise ConfigError(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ddptrain.base_trainer import PREPROCESSOR_DEPRECATION_MESSAGE
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.config import DataConfig, RunConfig, ScalingConfig
 from ddptrain.data_parallel_trainer import DataParallelTrainer
@@ -46,7 +47,10 @@ class TorchTrainer(DataParallelTrainer):
         metadata: dict[str, Any] | None = None,
         resume_from_checkpoint: Checkpoint | None = None,
         validation_config: Any = None,
+        preprocessor: Any = None,
     ) -> None:
+        if preprocessor is not None:
+            raise DeprecationWarning(PREPROCESSOR_DEPRECATION_MESSAGE)
         torch_config = torch_config if torch_config is not None else TorchConfig()
         if not isinstance(torch_config, TorchConfig):
             raise ConfigError(f"`torch_config` must be a ddptrain.torch.TorchConfig, got {torch_config!r}.")

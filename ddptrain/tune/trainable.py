@@ -194,9 +194,14 @@ def wrap_trainable(trainable: Any) -> TrainerTrainable | FunctionTrainable:
     if isinstance(trainable, BaseTrainer):
         return TrainerTrainable(trainable)
     if isinstance(trainable, type):
+        # A class that knows how to run as a function trial (RaySGD's BaseTorchTrainable).
+        as_function = getattr(trainable, "_ddptrain_function_trainable", None)
+        if callable(as_function):
+            return wrap_trainable(as_function())
         raise ConfigError(
             f"Trainable classes ({trainable.__name__}) are not supported by ddptrain.tune: pass a ddptrain "
-            "trainer, `as_trainable(trainer)`, or a function `f(config)` that calls `tune.report`."
+            "trainer, `as_trainable(trainer)`, a function `f(config)` that calls `tune.report`, or RaySGD's "
+            "`TorchTrainer.as_trainable(...)` (a BaseTorchTrainable)."
         )
     if callable(trainable):
         return FunctionTrainable(trainable)

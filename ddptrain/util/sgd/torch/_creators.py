@@ -7,10 +7,11 @@ of one machine do not download a data set to the same path at once.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -67,8 +68,50 @@ def _make_loss(loss_creator: Any, config: dict[str, Any]) -> Any:
     return loss_creator(config)
 
 
+_lock: FileLock | None = None
+
+
+def data_creation_lock() -> FileLock:
+    """The machine-wide lock (one per user) under which data is created, one worker at a time.
+    One object per process, so that taking it again inside (``TorchTrainer(serialize_data_creation=True)``
+    around a ``from_creators`` operator) does not wait on itself."""
+    global _lock
+    if _lock is None:
+        _lock = FileLock(os.path.join(tempfile.gettempdir(), f".ddptrain_sgd_data_creator_{os.getuid()}.lock"))
+    return _lock
+
+
+_held_for_setup = False
+
+
+@contextlib.contextmanager
+def serialized_setup(enabled: bool) -> Iterator[None]:
+    """With ``enabled``: hold :func:`data_creation_lock` while an operator's ``setup`` runs, up
+    to its ``register`` (see :func:`release_before_collectives`)."""
+    global _held_for_setup
+    if not enabled:
+        yield
+        return
+    lock = data_creation_lock()
+    lock.acquire()
+    _held_for_setup = True
+    try:
+        yield
+    finally:
+        release_before_collectives()
+
+
+def release_before_collectives() -> None:
+    """Let the next worker of this machine in: ``register`` wraps models in DDP, a collective
+    that needs every worker in, and would wait forever on a worker waiting for the lock."""
+    global _held_for_setup
+    if _held_for_setup:
+        _held_for_setup = False
+        data_creation_lock().release()
+
+
 def _create_data(data_creator: Callable[[dict[str, Any]], Any], config: dict[str, Any], serialize: bool) -> Any:
     if not serialize:
         return data_creator(config)
-    with FileLock(os.path.join(tempfile.gettempdir(), f".ddptrain_sgd_data_creator_{os.getuid()}.lock")):
+    with data_creation_lock():
         return data_creator(config)

@@ -17,6 +17,7 @@ import torch
 
 from ddptrain.context import get_context
 from ddptrain.torch.train_loop_utils import get_device
+from ddptrain.util.sgd.torch._creators import serialized_setup
 from ddptrain.util.sgd.torch.constants import NUM_STEPS
 from ddptrain.util.sgd.torch.training_operator import TrainingOperator
 
@@ -37,7 +38,21 @@ class Runner:
         device: torch.device,
     ) -> None:
         self.epochs = 0
-        self.operator = operator_cls(
+        # setup() creates the data: one worker of this machine at a time, up to register().
+        with serialized_setup(bool(options.get("serialize_data_creation"))):
+            self.operator = self._build(operator_cls, config, options, rank, local_rank, world_size, device)
+
+    @staticmethod
+    def _build(
+        operator_cls: type[TrainingOperator],
+        config: dict[str, Any],
+        options: dict[str, Any],
+        rank: int,
+        local_rank: int,
+        world_size: int,
+        device: torch.device,
+    ) -> TrainingOperator:
+        return operator_cls(
             config,
             world_rank=rank,
             local_rank=local_rank,
@@ -148,6 +163,29 @@ def _iterate(loader: Iterable[Any], num_steps: int | None) -> Iterator[Any]:
 
 
 _runner: Runner | None = None
+# With TorchTrainer(use_local=True): (rank, world size) in the trainer's process group, which
+# differs from the worker context's (rank 0 is the driver); None: the context's.
+_placement: tuple[int, int] | None = None
+
+
+def set_placement(rank: int, world_size: int) -> None:
+    global _placement
+    _placement = (rank, world_size)
+
+
+def join_local_group(port: int, timeout_s: float) -> None:
+    """A worker of a ``use_local=True`` trainer joins the gloo group of the driver (rank 0)
+    and the other workers, as rank ``its own + 1``, through the driver's store on loopback."""
+    import datetime
+
+    import torch.distributed as dist
+
+    context = get_context()
+    rank, world_size = context.get_world_rank() + 1, context.get_world_size() + 1
+    join = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=join)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=join)
+    set_placement(rank, world_size)
 
 
 def _current() -> Runner:
@@ -170,19 +208,23 @@ def setup(
     _runner = None
     if initialization_hook is not None:
         initialization_hook()
-    context = get_context()
-    device = get_device()
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    runner = Runner(
-        operator_cls,
-        config,
-        options,
-        context.get_world_rank(),
-        context.get_local_rank(),
-        context.get_world_size(),
-        device,
-    )
+    if _placement is not None:  # use_local=True: one machine, CPU only
+        rank, world_size = _placement
+        runner = Runner(operator_cls, config, options, rank, rank, world_size, torch.device("cpu"))
+    else:
+        context = get_context()
+        device = get_device()
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        runner = Runner(
+            operator_cls,
+            config,
+            options,
+            context.get_world_rank(),
+            context.get_local_rank(),
+            context.get_world_size(),
+            device,
+        )
     if state is not None:
         runner.load_state_dict(cloudpickle.loads(state) if isinstance(state, bytes) else state)
     _runner = runner
@@ -229,5 +271,6 @@ def update_scheduler(metric: Any) -> None:
 
 
 def teardown() -> None:
-    global _runner
+    global _runner, _placement
     _runner = None
+    _placement = None

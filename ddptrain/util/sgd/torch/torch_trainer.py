@@ -19,22 +19,32 @@ from typing import Any
 import cloudpickle
 import torch
 
+from ddptrain import _env
 from ddptrain.config import ScalingConfig
 from ddptrain.errors import ConfigError, LaunchError, WorkerGroupError
 from ddptrain.launch.hosts import HostSpec, parse_hosts
 from ddptrain.torch.config import TorchConfig
-from ddptrain.util.sgd.torch import _runner, _tune
+from ddptrain.util.sgd.torch import _local, _runner, _tune
 from ddptrain.util.sgd.torch._arguments import check_arguments
 from ddptrain.util.sgd.torch._recovery import discard, first_line, lost_worker
+from ddptrain.util.sgd.torch._tune import BaseTorchTrainable
 from ddptrain.util.sgd.torch._workers import State, Workers
 from ddptrain.util.sgd.torch.training_operator import TrainingOperator
 from ddptrain.util.sgd.utils import BATCH_SIZE, reduce_worker_stats
 from ddptrain.worker_group import WorkerGroup
 
-__all__ = ["TorchTrainer"]
+__all__ = ["BaseTorchTrainable", "TorchTrainer", "process_group_timeout_s"]
 
 _logger = logging.getLogger(__name__)
 _GROW_INTERVAL_S = 60.0  # a shrunken group tries to get back to num_workers at most this often
+
+
+def process_group_timeout_s(backend: str, use_gpu: bool, timeout_s: int) -> int:
+    """The process group's timeout: ``NCCL_TIMEOUT_S`` (RaySGD's variable) when it is set and
+    the group is nccl's (``backend="nccl"``, or ``"auto"`` with GPUs), else ``timeout_s``."""
+    nccl = backend == "nccl" or (backend == "auto" and use_gpu)
+    from_env = _env.nccl_timeout_s() if nccl else None
+    return int(from_env) if from_env is not None else timeout_s
 
 
 class TorchTrainer:
@@ -57,7 +67,8 @@ class TorchTrainer:
         use_gpu: One CUDA device per worker; ``"auto"``: if this machine has CUDA.
         backend: ``"gloo"``, ``"nccl"``, or ``"auto"`` (nccl with GPUs, else gloo).
         wrap_ddp: Wrap registered models in ``DistributedDataParallel`` (2+ workers).
-        timeout_s: Timeout of the process group's collectives.
+        timeout_s: Timeout of the process group's collectives. On nccl the environment variable
+            ``NCCL_TIMEOUT_S`` (RaySGD's), when set, replaces it.
         use_fp16: Mixed precision with ``torch.amp`` (autocast and a ``GradScaler``; bfloat16
             autocast on CPU). ``"apex"`` is accepted and means the same (Apex is not used).
         use_tqdm: A progress bar on rank 0 (plain status lines without tqdm).
@@ -65,8 +76,16 @@ class TorchTrainer:
         add_dist_sampler: Give registered ``DataLoader``s a ``DistributedSampler``.
         scheduler_step_freq: ``"batch"``, ``"epoch"``, ``"manual"`` (:meth:`update_scheduler`),
             or ``None`` (no schedulers may be registered).
-        use_local: Accepted for compatibility: all ``num_workers`` ranks run in worker
-            processes, and :meth:`get_local_operator` works with or without it.
+        use_local: Rank 0 runs in this (the driver's) process, in the thread that calls
+            ``train()``/``validate()``..., so that ``pdb``/``ipdb`` in your operator reads this
+            terminal; the other ranks in worker processes, all in one gloo group. CPU only, on
+            this machine (``use_gpu="auto"`` means no GPU; not with ``use_gpu=True`` or ``hosts``); one
+            such trainer per process at a time.
+        serialize_data_creation: ``True``: each worker's ``setup``, up to its ``register`` call
+            (where models are wrapped in DDP, which needs every worker), runs under a
+            machine-wide file lock, one worker of a host at a time: create your data before
+            ``register``. ``TrainingOperator.from_creators(serialize_data_creation=True)`` locks
+            its ``data_creator`` the same way. ``None`` (default) or ``False``: all at once.
         hosts: ddptrain's own: an SSH host list (as ``ScalingConfig(hosts=...)`` takes it).
         log_dir: ddptrain's own: a folder for one log file per rank.
 
@@ -96,9 +115,12 @@ class TorchTrainer:
         add_dist_sampler: bool = True,
         scheduler_step_freq: str | None = None,
         use_local: bool = False,
+        serialize_data_creation: bool | None = None,
         hosts: str | os.PathLike[str] | list[Any] | None = None,
         log_dir: str | os.PathLike[str] | None = None,
     ) -> None:
+        if use_local and use_gpu == "auto":
+            use_gpu = False  # rank 0 in this process runs on the CPU
         use_gpu = check_arguments(
             training_operator_cls=training_operator_cls,
             num_workers=num_workers,
@@ -113,15 +135,24 @@ class TorchTrainer:
         self.config: dict[str, Any] = dict(config or {})
         self.num_workers = num_workers
         self.use_gpu = use_gpu
+        if use_local and (use_gpu or hosts is not None):
+            raise ConfigError(
+                "`use_local=True` runs rank 0 in this process on the CPU, with the other ranks on this machine: "
+                f"it cannot be combined with use_gpu=True or hosts (got use_gpu={use_gpu!r}, hosts={hosts!r})."
+            )
         self.use_local = use_local
         self._num_cpus_per_worker = num_cpus_per_worker
-        self._backend_config = TorchConfig(backend=None if backend == "auto" else backend, timeout_s=timeout_s)
+        self._backend_config = TorchConfig(
+            backend=None if backend == "auto" else backend,
+            timeout_s=process_group_timeout_s(backend, use_gpu, timeout_s),
+        )
         self._options = {
             "use_fp16": bool(use_fp16),
             "use_tqdm": use_tqdm,
             "wrap_ddp": wrap_ddp,
             "add_dist_sampler": add_dist_sampler,
             "scheduler_step_freq": scheduler_step_freq,
+            "serialize_data_creation": bool(serialize_data_creation),
         }
         self._hosts: list[HostSpec] | None = parse_hosts(hosts) if hosts is not None else None
         self._log_dir = log_dir
@@ -150,13 +181,16 @@ class TorchTrainer:
         return config
 
     def _start(self, workers: int, hosts: list[HostSpec] | None, state: State) -> WorkerGroup:
-        scaling = ScalingConfig(
-            num_workers=workers,
-            use_gpu=self.use_gpu,
-            resources_per_worker={"CPU": self._num_cpus_per_worker},
-            hosts=list(hosts) if hosts is not None else None,
-        )
-        group = WorkerGroup.launch(scaling, backend_config=self._backend_config, log_dir=self._log_dir)
+        if self.use_local:  # rank 0 here, joined to the others' process group
+            group = _local.launch(workers, self._num_cpus_per_worker, self._log_dir, self._backend_config.timeout_s)
+        else:
+            scaling = ScalingConfig(
+                num_workers=workers,
+                use_gpu=self.use_gpu,
+                resources_per_worker={"CPU": self._num_cpus_per_worker},
+                hosts=list(hosts) if hosts is not None else None,
+            )
+            group = WorkerGroup.launch(scaling, backend_config=self._backend_config, log_dir=self._log_dir)
         try:
             group.execute(
                 _runner.setup,
@@ -342,7 +376,9 @@ class TorchTrainer:
         self.shutdown()
 
     @classmethod
-    def as_trainable(cls, *args: Any, **kwargs: Any) -> Any:
-        """A function trainable for ``ddptrain.tune`` that builds this trainer from the given
-        arguments, with the trial's config merged into ``config``; see ``_tune``."""
+    def as_trainable(cls, *args: Any, **kwargs: Any) -> type[BaseTorchTrainable]:
+        """A Tune Trainable class (a :class:`BaseTorchTrainable` subclass) for ``ddptrain.tune``
+        whose trials build this trainer from the given arguments, the trial's config merged
+        into ``config``. ``override_tune_step=fn(trainer, info)`` replaces ``step()`` (Ray 1.x);
+        ``checkpoint_freq=N`` (ours) reports a checkpoint every N iterations."""
         return _tune.as_trainable(cls, *args, **kwargs)

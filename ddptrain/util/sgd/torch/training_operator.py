@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ddptrain.errors import ConfigError
-from ddptrain.util.sgd.torch._creators import operator_from_creators
+from ddptrain.util.sgd.torch._creators import operator_from_creators, release_before_collectives
 from ddptrain.util.sgd.torch._progress import EpochProgress
 from ddptrain.util.sgd.torch._registration import as_given, as_list, checked_models, with_sampler, wrap_ddp
 from ddptrain.util.sgd.torch.constants import NUM_STEPS as NUM_STEPS  # re-exported: it was defined here
@@ -144,6 +144,7 @@ class TrainingOperator:
         if self._use_fp16:
             self._amp_scaler = torch.amp.GradScaler(self._device.type, enabled=self._device.type == "cuda")
         distributed = self._wrap_ddp and self._is_distributed
+        release_before_collectives()  # TorchTrainer(serialize_data_creation=True): DDP needs every worker
         self._models = (
             wrap_ddp(self._original_models, self._device, ddp_args) if distributed else list(self._original_models)
         )

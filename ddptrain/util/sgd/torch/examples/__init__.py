@@ -1,0 +1,1 @@
+"""The helpers RaySGD's documentation imports (``ray.util.sgd.torch.examples``)."""
