@@ -361,3 +361,15 @@ def test_tensorflow_trainer_without_tensorflow_fails_at_construction(tmp_path: P
     assert out.returncode == 0, out.stderr
     assert "error: TensorflowTrainer needs tensorflow, which this Python cannot import" in out.stdout
     assert "`pip install ddptrain[tensorflow]`" in out.stdout
+
+
+def test_the_framework_trainers_raise_the_same_preprocessor_deprecation() -> None:
+    from ddptrain.base_trainer import PREPROCESSOR_DEPRECATION_MESSAGE
+    from ddptrain.huggingface import TransformersTrainer
+    from ddptrain.lightning import LightningConfigBuilder, LightningTrainer
+
+    with pytest.raises(DeprecationWarning) as lightning:
+        LightningTrainer(LightningConfigBuilder().build(), preprocessor=object())
+    with pytest.raises(DeprecationWarning) as transformers:
+        TransformersTrainer(lambda train, evaluation, **config: None, preprocessor=object())
+    assert str(lightning.value) == str(transformers.value) == PREPROCESSOR_DEPRECATION_MESSAGE

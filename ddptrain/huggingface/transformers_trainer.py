@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ddptrain import context
+from ddptrain.base_trainer import PREPROCESSOR_DEPRECATION_MESSAGE
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.config import DataConfig, RunConfig, ScalingConfig
 from ddptrain.errors import ConfigError
@@ -74,7 +75,7 @@ class TransformersTrainer(TorchTrainer):
         dataset_config: Which datasets are split (all by default).
         run_config: Name, storage and policies of the run.
         datasets: ``"train"`` and optionally ``"evaluation"``.
-        preprocessor: Not supported (Ray removed preprocessors in 2.7): transform the datasets before.
+        preprocessor: Raises Ray's deprecation (Ray removed preprocessors in 2.7): transform the datasets before.
         resume_from_checkpoint: A checkpoint of a TransformersTrainer run to continue from.
 
     Raises:
@@ -100,11 +101,8 @@ class TransformersTrainer(TorchTrainer):
                 "TransformersTrainer needs Hugging Face Transformers, which is not installed: "
                 "`pip install ddptrain[transformers]` (or `pip install transformers`)."
             )
-        if preprocessor is not None:
-            raise ConfigError(
-                "`TransformersTrainer(preprocessor=...)` is not supported: apply the preprocessing to the "
-                "datasets before (`dataset.map_batches(...)`)."
-            )
+        if preprocessor is not None:  # as every trainer (Ray 2.7 removed them)
+            raise DeprecationWarning(PREPROCESSOR_DEPRECATION_MESSAGE)
         if not callable(trainer_init_per_worker):
             raise ConfigError(
                 f"`trainer_init_per_worker` must be a function returning a transformers.Trainer, "

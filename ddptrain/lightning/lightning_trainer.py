@@ -28,6 +28,7 @@ import dataclasses
 import logging
 from typing import Any
 
+from ddptrain.base_trainer import PREPROCESSOR_DEPRECATION_MESSAGE
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.config import CheckpointConfig, DataConfig, RunConfig, ScalingConfig
 from ddptrain.errors import ConfigError
@@ -170,7 +171,7 @@ class LightningTrainer(TorchTrainer):
         datasets: ``"train"`` (and optionally ``"val"``) datasets.
         datasets_iter_config: Keyword arguments of ``iter_torch_batches`` (``batch_size``,
             ``collate_fn``, ...); required with ``datasets``.
-        preprocessor: Not supported (Ray removed preprocessors from trainers in 2.7): transform
+        preprocessor: Raises Ray's deprecation (Ray removed preprocessors from trainers in 2.7): transform
             the datasets before.
         resume_from_checkpoint: A checkpoint of a LightningTrainer run to continue from.
 
@@ -191,11 +192,8 @@ class LightningTrainer(TorchTrainer):
         preprocessor: Any = None,
         resume_from_checkpoint: Checkpoint | None = None,
     ) -> None:
-        if preprocessor is not None:
-            raise ConfigError(
-                "`LightningTrainer(preprocessor=...)` is not supported: apply the preprocessing to the "
-                "datasets before (`dataset.map_batches(...)`)."
-            )
+        if preprocessor is not None:  # as every trainer (Ray 2.7 removed them)
+            raise DeprecationWarning(PREPROCESSOR_DEPRECATION_MESSAGE)
         config = _check_config(lightning_config)
         if datasets and not datasets_iter_config:
             raise ConfigError(
