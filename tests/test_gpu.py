@@ -6,6 +6,8 @@ Marked ``gpu`` and skipped unless enough CUDA devices are visible (``tox -e gpu`
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -443,3 +445,32 @@ def test_gpu_trials_on_one_host_get_their_own_gpus(storage: str) -> None:
     seen = [r.return_value for r in results]
     assert {s["visible"] for s in seen} <= {str(first), str(second)}
     assert all(s["count"] == 1 and s["device"] == "cuda:0" for s in seen)
+
+
+def jax_on_gpu() -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    total = float(jax.jit(lambda a: (a * 2).sum())(jnp.arange(8.0)))
+    return {
+        "platforms": sorted({d.platform for d in jax.devices()}),
+        "local_devices": len(jax.local_devices()),
+        "total": total,
+        "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    }
+
+
+@needs_one_gpu
+@pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="needs `pip install ddptrain[jax]`")
+def test_a_jax_worker_computes_on_its_own_gpu(storage: str) -> None:
+    """JaxTrainer with use_gpu: jax.distributed on CUDA, the worker sees one GPU of its own."""
+    from ddptrain.jax import JaxTrainer
+
+    result = JaxTrainer(
+        jax_on_gpu,
+        scaling_config=train.ScalingConfig(num_workers=1, use_gpu=True),
+        run_config=train.RunConfig(name="jax-gpu", storage_path=storage),
+    ).fit()
+    (value,) = result.return_values
+    assert value["platforms"] == ["gpu"] and value["local_devices"] == 1, value
+    assert value["total"] == 56.0 and value["visible"] is not None and "," not in value["visible"], value
