@@ -244,7 +244,8 @@ def test_bad_arguments_fail_in_the_constructor_before_any_worker_starts() -> Non
 def test_an_error_in_setup_reaches_the_driver_with_the_workers_traceback() -> None:
     with pytest.raises(WorkerGroupError) as info:
         TorchTrainer(training_operator_cls=SetupFails, num_workers=2)  # a scheduler without scheduler_step_freq
-    assert isinstance(info.value.worker_failures[0], ConfigError)
+    # Both ranks fail in setup; whichever fails first is the root cause (the other may be stopped first).
+    assert info.value.worker_failures and all(isinstance(f, ConfigError) for f in info.value.worker_failures.values())
     assert "scheduler_step_freq" in str(info.value)
     assert "in setup" in info.value.failures[0].traceback_str
 

@@ -582,7 +582,7 @@ def test_a_host_with_another_ddptrain_version_is_refused(ssh, storage: str, tmp_
     # A python wrapper (arguments passed through) whose ddptrain says it is another version.
     site = tmp_path / "old-ddptrain-site"
     site.mkdir()
-    (site / "sitecustomize.py").write_text('import ddptrain\nddptrain.__version__ = "0.0.1"\n')
+    (site / "sitecustomize.py").write_text('import ddptrain._version\nddptrain._version.__version__ = "0.0.1"\n')
     fake = tmp_path / "python-with-old-ddptrain"
     fake.write_text(f'#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} "$@"\n')
     fake.chmod(0o755)
