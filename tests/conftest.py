@@ -122,12 +122,20 @@ def _no_leftover_processes() -> Iterator[None]:
 @pytest.fixture(autouse=True)
 def _restore_state() -> Iterator[None]:
     env = dict(os.environ)
+    handler, blocked = signal.getsignal(signal.SIGINT), signal.pthread_sigmask(signal.SIG_BLOCK, [])
     yield
     os.environ.clear()
     os.environ.update(env)
     from ddptrain import context
 
     context._set_session(None)
+    # What a process starts inherits: a test that left Ctrl-C ignored or blocked here would make
+    # every later test's subprocess deaf to it. Put it back, and fail the test that did it.
+    now_handler, now_blocked = signal.getsignal(signal.SIGINT), signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    signal.signal(signal.SIGINT, handler)
+    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    if now_handler is not handler or now_blocked != blocked:
+        pytest.fail(f"the test left SIGINT's handler {now_handler!r} (was {handler!r}), blocked {now_blocked}")
 
 
 @pytest.fixture
