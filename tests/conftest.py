@@ -9,6 +9,7 @@ import signal
 import tempfile
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -122,6 +123,12 @@ def _no_leftover_processes() -> Iterator[None]:
 @pytest.fixture(autouse=True)
 def _restore_state() -> Iterator[None]:
     env = dict(os.environ)
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # Found ignored between tests (by something outside any one test: xdist's worker, a
+        # session fixture or a library): every process this test starts would inherit it and
+        # be deaf to Ctrl-C. Tests of Ctrl-C need the default, as a user's terminal gives it.
+        warnings.warn("SIGINT was ignored in the test process before this test; restored", stacklevel=1)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     handler, blocked = signal.getsignal(signal.SIGINT), signal.pthread_sigmask(signal.SIG_BLOCK, [])
     yield
     os.environ.clear()
