@@ -44,11 +44,12 @@ class PreparedTrial:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+def merge_dicts(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """Ray's ``merge_dicts``: nested dicts merged into a new one, ``update`` wins."""
     merged = dict(base)
     for key, value in update.items():
         if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _merge(merged[key], value)
+            merged[key] = merge_dicts(merged[key], value)
         else:
             merged[key] = value
     return merged
@@ -84,7 +85,7 @@ class TrainerTrainable:
             given = overrides.pop("train_loop_config")
             if not isinstance(given, dict):
                 raise ConfigError(f"`param_space['train_loop_config']` must be a dict, got {given!r}.")
-            loop_config = _merge(loop_config, given)
+            loop_config = merge_dicts(loop_config, given)
         if "scaling_config" in overrides:
             scaling = overrides.pop("scaling_config")
             if isinstance(scaling, dict):
@@ -99,7 +100,7 @@ class TrainerTrainable:
         for name in _TRAINER_ARGS:
             if name in overrides:
                 setattr(trainer, name, overrides.pop(name))
-        loop_config = _merge(loop_config, overrides)  # Ray V1: other keys go to the loop's config
+        loop_config = merge_dicts(loop_config, overrides)  # Ray V1: other keys go to the loop's config
         trainer.train_loop_config = loop_config
         trainer.datasets = dict(trainer.datasets)
         scaling = trainer.scaling_config

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.errors import ConfigError
+from ddptrain.tune.trainable import merge_dicts
 
 if TYPE_CHECKING:
     from ddptrain.util.sgd.torch.torch_trainer import TorchTrainer
@@ -30,17 +31,6 @@ __all__ = ["BaseTorchTrainable"]
 
 _CHECKPOINT_FILE = "trainer.checkpoint"  # Ray's name, in the folder save_checkpoint is given
 _ITERATION_FILE = "ddptrain_trainable.json"
-
-
-def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
-    """Ray's ``merge_dicts``: nested dicts merged, ``update`` wins."""
-    merged = dict(base)
-    for key, value in update.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _merge(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
 
 
 class BaseTorchTrainable:
@@ -103,7 +93,7 @@ class BaseTorchTrainable:
                 self.trainer.apply_all_operators(lambda op: op.validation_loader is not None)[0]
             )
         if self._has_validation:
-            stats = _merge(stats, self.trainer.validate(profile=True))
+            stats = merge_dicts(stats, self.trainer.validate(profile=True))
         return stats
 
     def save_checkpoint(self, checkpoint_dir: str) -> str:
