@@ -24,9 +24,12 @@ os.environ.setdefault("DDPTRAIN_SHUTDOWN_GRACE_S", "2")
 def tagged_processes() -> list[int]:
     """Pids of live processes (other than this one) started under this test session."""
     marker = f"{TAG_VAR}={os.environ[TAG_VAR]}".encode()
+    from ddptrain.launch import forkserver
+
+    servers = set(forkserver.server_pids())  # this process's agent fork servers outlive a test on purpose
     found = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid() or int(entry.name) in servers:
             continue
         try:
             if marker in (entry / "environ").read_bytes().split(b"\0"):

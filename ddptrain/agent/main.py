@@ -33,10 +33,11 @@ import traceback
 from typing import IO, TYPE_CHECKING, Any
 
 from ddptrain import ray_compat
+from ddptrain.agent import forkserver
 from ddptrain.agent.process import kill_group_strays, other_threads, set_pdeathsig
 from ddptrain.agent.relay import Child, kill_all, relay
 from ddptrain.wire.agent_events import AgentFailed, WorkerStarted, encode_event
-from ddptrain.wire.boot import check_versions, load_user, worker_sys_path, write_all
+from ddptrain.wire.boot import FORKSERVER_FD_VAR, check_versions, load_user, worker_sys_path, write_all
 from ddptrain.wire.protocol import (
     AGENT_RANK,
     Bootstrap,
@@ -235,6 +236,9 @@ def entry(openblas_threads: str | None = None) -> None:
     else:
         os.environ["OPENBLAS_NUM_THREADS"] = openblas_threads
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
+    control_fd = os.environ.pop(FORKSERVER_FD_VAR, None)
+    if control_fd is not None:  # a fork server: returns in each agent it forks
+        forkserver.serve(int(control_fd))
     exit_code = main()
     kill_group_strays()
     sys.stderr.flush()

@@ -19,6 +19,7 @@ from collections.abc import Callable, Collection
 from typing import IO, Protocol
 
 from ddptrain.errors import HostLostError
+from ddptrain.launch import forkserver
 from ddptrain.launch.agent_session import AgentSession, OutputSink
 from ddptrain.launch.fanout import each_host
 from ddptrain.wire.agent_events import AgentEvent
@@ -90,6 +91,22 @@ class LocalConnection:
         self._env = env
 
     def open(self) -> None:
+        self._proc: subprocess.Popen[bytes] | forkserver.ForkedAgent
+        if forkserver.enabled():
+            fds = [*os.pipe(), *os.pipe(), *os.pipe()]  # stdin, stdout, stderr: (read, write) each
+            try:
+                self._proc = forkserver.spawn(self._env, fds[0], fds[3], fds[5])
+            except OSError as exc:  # the server could not be started or reached: a new process
+                _logger.debug("ddptrain: no agent fork server (%s); starting the agent as a process", exc)
+                for fd in fds:
+                    os.close(fd)
+            else:
+                for fd in (fds[0], fds[3], fds[5]):
+                    os.close(fd)
+                self.stdin: IO[bytes] | None = os.fdopen(fds[1], "wb")
+                self.stdout: IO[bytes] = os.fdopen(fds[2], "rb")
+                self.stderr: IO[bytes] = os.fdopen(fds[4], "rb")
+                return
         self._proc = subprocess.Popen(
             agent_command(sys.executable, import_pins()),
             stdin=subprocess.PIPE,
@@ -99,14 +116,13 @@ class LocalConnection:
             start_new_session=True,
         )
         assert self._proc.stdout is not None and self._proc.stderr is not None
-        self.stdout: IO[bytes] = self._proc.stdout
-        self.stderr: IO[bytes] = self._proc.stderr
+        self.stdin, self.stdout, self.stderr = self._proc.stdin, self._proc.stdout, self._proc.stderr
 
     def probe(self) -> bool:
         return self._proc.poll() is None  # this machine always answers; its agent may have exited
 
     def write(self, data: bytes) -> None:
-        stdin = self._proc.stdin
+        stdin = self.stdin
         if stdin is None or self._proc.poll() is not None:
             raise BrokenPipeError("the agent has exited")
         try:
@@ -125,8 +141,14 @@ class LocalConnection:
             return None
 
     def abort(self) -> None:
+        self._kill_session()
+
+    def _kill_session(self) -> None:
+        pid = self._proc.pid  # None: a fork server ended before it forked this agent
+        if pid is None:
+            return
         try:
-            os.killpg(self._proc.pid, signal.SIGKILL)
+            os.killpg(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
 
@@ -135,14 +157,13 @@ class LocalConnection:
         try:
             proc.wait(timeout=grace_s + 1.0)
         except subprocess.TimeoutExpired:
-            _logger.warning("ddptrain agent %d did not stop in %.1f s; killing it", proc.pid, grace_s + 1)
+            _logger.warning("ddptrain agent %s did not stop in %.1f s; killing it", proc.pid, grace_s + 1)
         # Whatever is left in the agent's session (its workers' own children too) goes now.
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        self._kill_session()
         proc.wait()
-        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+        if isinstance(proc, forkserver.ForkedAgent):
+            proc.release()  # its process group is gone: the server may reap it
+        for pipe in (self.stdin, self.stdout, self.stderr):
             if pipe is not None:
                 try:
                     pipe.close()

@@ -19,6 +19,7 @@ from ddptrain._version import __version__
 from ddptrain.wire.protocol import VERSION
 
 __all__ = [
+    "FORKSERVER_FD_VAR",
     "PIN",
     "agent_command",
     "check_versions",
@@ -64,6 +65,11 @@ def import_pins() -> list[str]:
         if location:
             pins.append(f"{name}={os.path.dirname(os.path.dirname(os.path.abspath(location)))}")
     return pins
+
+
+# Set in the environment of an agent fork server (``ddptrain.agent.forkserver``): the file
+# descriptor of its end of the driver's socket pair.
+FORKSERVER_FD_VAR = "DDPTRAIN_AGENT_FORKSERVER_FD"
 
 
 def agent_command(python: str, pins: list[str] | None = None) -> list[str]:
