@@ -147,10 +147,10 @@ def test_doc_shell_blocks_match_the_cli_help(record_property) -> None:
                     words = words[:script]
                 usage = _help([words[0]])
                 for word in words[1:]:
-                    flag = word.split("=")[0]
+                    flag = word.strip("[]").split("=")[0]
                     if flag.startswith("-") and not re.search(rf"(^|[\s,\[]){re.escape(flag)}\b", usage):
                         problems.append(f"{where}: `ddptrain {words[0]} {flag}` is not in `ddptrain {words[0]} --help`")
                 checked += 1
     record_property("doc_shell_commands", checked)
     assert not problems, "\n".join(problems)
-    assert checked > 5, f"only {checked} ddptrain commands found in the docs' shell blocks"
+    assert checked >= 5, f"only {checked} ddptrain commands found in the docs' shell blocks"
