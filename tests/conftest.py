@@ -47,6 +47,8 @@ SLOW_MODULES = {
     "test_dashboard",
     "test_data",
     "test_disk_full",
+    "test_docs_examples",
+    "test_docs_site",
     "test_examples",
     "test_failures",
     "test_hangs",
