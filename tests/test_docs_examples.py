@@ -143,7 +143,9 @@ def test_doc_shell_blocks_match_the_cli_help(record_property) -> None:
             for words in _commands(example.parsed):
                 where = _name(page, example.line)
                 if not words or words[0] not in subcommands:
-                    problems.append(f"{where}: `ddptrain {' '.join(words)}`: no such subcommand ({sorted(subcommands)})")
+                    problems.append(
+                        f"{where}: `ddptrain {' '.join(words)}`: no such subcommand ({sorted(subcommands)})"
+                    )
                     continue
                 if words[0] == "run":  # what follows the script is the script's own
                     script = next(
