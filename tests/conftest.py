@@ -50,6 +50,8 @@ SLOW_MODULES = {
     "test_dashboard",
     "test_data",
     "test_disk_full",
+    "test_docs_examples",
+    "test_docs_site",
     "test_examples",
     "test_failures",
     "test_hangs",
@@ -244,3 +246,27 @@ def make_netns(ssh, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., o
     options (a folder a host does not see, its SFTP server command...)."""
     with contextlib.ExitStack() as stack:
         yield lambda **options: stack.enter_context(_netns_hosts(ssh, monkeypatch, **options))
+
+
+# The documentation's blocks (tests/test_docs_examples.py): how many ran, how many were skipped
+# and why, printed at the end of the run (the counts come back from xdist's workers too).
+_DOC_BLOCKS: list[dict] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call":
+        for key, value in report.user_properties:
+            if key == "doc_blocks":
+                import json
+
+                _DOC_BLOCKS.append(json.loads(value))
+
+
+def pytest_terminal_summary(terminalreporter) -> None:  # noqa: ANN001 (pytest's TerminalReporter)
+    for summary in _DOC_BLOCKS:
+        terminalreporter.write_sep("-", "documentation blocks")
+        terminalreporter.write_line(
+            f"{summary['executed']} Python blocks of the docs executed, {len(summary['skipped'])} skipped"
+        )
+        for skip in summary["skipped"]:
+            terminalreporter.write_line(f"  skipped {skip}")
