@@ -147,11 +147,15 @@ class ForeignLoad:
 
 
 def tagged_processes() -> list[int]:
-    """Live (non-zombie) processes other than this one that carry this run's tag."""
+    """Live (non-zombie) processes other than this one that carry this run's tag (this
+    process's agent fork servers excepted: they live as long as it does, on purpose)."""
     marker = f"{TAG_VAR}={os.environ[TAG_VAR]}".encode()
+    servers: set[int] = set()
+    if "ddptrain.launch.forkserver" in sys.modules:
+        servers = set(sys.modules["ddptrain.launch.forkserver"].server_pids())
     found = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+        if not entry.name.isdigit() or int(entry.name) in (os.getpid(), *servers):
             continue
         try:
             if marker not in (entry / "environ").read_bytes().split(b"\0"):
