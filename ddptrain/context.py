@@ -1,7 +1,9 @@
 """The worker-side API: ``report``, ``get_context``, ``get_checkpoint``, ``get_dataset_shard``.
 
 These run inside the training function, in a worker process (or in the driver process in
-local mode, ``num_workers=0``). One module-global session holds the worker's state.
+local mode, ``num_workers=0``). One module-global session holds the worker's state; it is built
+by :func:`build_session` in both, and differs only in where its reports go (its
+:class:`ReportSink`: the worker's channel to the driver, or the local run itself).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import os
 import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.errors import DdpTrainError, StorageError
@@ -67,11 +69,32 @@ class ContextError(DdpTrainError, RuntimeError):
     """A worker-only function was called outside a training function."""
 
 
+class ReportSink(Protocol):
+    """Where a session's reports go: :class:`_ChannelReports` in a worker, the local run in
+    local mode (``ddptrain.driver.local_run.LocalReports``)."""
+
+    def report(
+        self,
+        session: _Session,
+        metrics: dict[str, Any],
+        checkpoint: Checkpoint | None,
+        dir_name: str | None,
+        upload_mode: Any,
+        delete_local: bool | None,
+    ) -> None:
+        """Persist report number ``session.report_index`` (checked by ``report()``); sets
+        ``session.checkpoint`` to the committed checkpoint, if one was passed."""
+
+    def reported_checkpoints(self, session: _Session, timeout_s: float | None) -> list[ReportedCheckpoint]:
+        """The run's kept checkpoints (see :func:`get_all_reported_checkpoints`)."""
+
+
 @dataclass
 class _Session:
     """Everything a worker (or local mode) knows while the training function runs."""
 
     context: TrainContext
+    sink: ReportSink
     channel: WorkerChannel | None = None
     run_dir: str | None = None
     attempt: int = 0
@@ -84,7 +107,6 @@ class _Session:
     report_index: int = 0
     collective_index: int = 0
     end_hooks: list[Callable[[bool], None]] = field(default_factory=list)  # see on_training_end
-    local_sink: Any = None  # local mode: persists reports in this process (ddptrain.driver.local_run)
 
     def checkpoint_at(self, path: str) -> Checkpoint:
         """The run's checkpoint at ``path`` (a path the driver sent)."""
@@ -97,6 +119,55 @@ class _Session:
         assert self.channel is not None
         self.channel.send(message)
         return self.channel.recv()
+
+
+def build_session(
+    run: protocol.RunInfo,
+    place: protocol.WorkerSpec,
+    sink: ReportSink,
+    *,
+    dataset_shards: dict[str, Any],
+    checkpoint: Checkpoint | None,
+    remote: Any = None,
+    channel: WorkerChannel | None = None,
+    experiment_name: str | None = None,
+) -> _Session:
+    """The session of rank ``place.rank`` in ``run``: for a worker (its channel the sink) and
+    for local mode (``place`` is rank 0 of 1, the local run the sink) alike.
+
+    Args:
+        run: What the rank knows of the run (``Run.run_info``).
+        place: Its ranks and devices.
+        sink: Where its reports go.
+        dataset_shards: Its dataset shards, by name.
+        checkpoint: The checkpoint to resume from.
+        remote: The run's ``RemoteRoot``, on remote storage.
+        channel: Its channel to the driver (a worker's).
+        experiment_name: The run's name as ``get_context()`` gives it (default: ``run.name``).
+    """
+    ctx = TrainContext(
+        experiment_name=experiment_name or run.name,
+        world_size=place.world_size,
+        world_rank=place.rank,
+        local_rank=place.local_rank,
+        local_world_size=place.local_world_size,
+        node_rank=place.node_rank,
+        storage=StorageContext(run.storage_path, run.name),
+    )
+    return _Session(
+        context=ctx,
+        sink=sink,
+        channel=channel,
+        run_dir=run.run_dir,
+        remote=remote,
+        run_path=run.run_path,
+        attempt=run.attempt,
+        checkpoint=checkpoint,
+        dataset_shards=dataset_shards,
+        devices=list(place.devices),
+        report_index=run.report_index,
+        local_cache=None if run.shared_storage else run.local_cache,
+    )
 
 
 _session: _Session | None = None
@@ -202,37 +273,61 @@ def report(
     if checkpoint_upload_fn is not None or validation:
         raise NotImplementedError("`checkpoint_upload_fn` and `validation` are not supported by ddptrain.")
     session.report_index += 1
-    if session.local_sink is not None:  # local mode: persisted here, at once
-        committed = session.local_sink.report(metrics, checkpoint, checkpoint_dir_name, session.report_index)
-        if committed is not None:
-            session.checkpoint = committed
-        return
-    assert session.channel is not None, "a worker's session gets its channel before the function runs"
-    if checkpoint_upload_mode == CheckpointUploadMode.ASYNC and delete_local_checkpoint_after_upload is None:
-        delete_local_checkpoint_after_upload = True  # Ray's default for ASYNC
-    if delete_local_checkpoint_after_upload and checkpoint is not None and session.run_dir:
-        local, run_dir = os.path.realpath(checkpoint.path), os.path.realpath(session.run_dir)
-        if os.path.commonpath([local, run_dir]) in (local, run_dir):
-            raise ValueError(
-                f"`delete_local_checkpoint_after_upload=True` would delete {checkpoint.path}, which is "
-                f"inside the run directory {session.run_dir} or contains it."
-            )
-    rank = session.context.get_world_rank()
-    name = checkpoint_dir_name or f"checkpoint_{session.report_index:06d}"
-    staged = _stage_checkpoint(session, checkpoint, name) if checkpoint is not None else None
-    message = protocol.Report(rank, session.report_index, metrics, staged, checkpoint_dir_name)
-    # On a host that cannot see the run directory the staged files wait in a local cache,
-    # and the driver copies them back over SSH before it commits the checkpoint.
-    if staged is None:
-        session.channel.send(message)
-        return
-    reply = session.call_driver(message)
-    assert isinstance(reply, protocol.Ack), reply
-    if reply.problem or reply.path is None:  # the driver refused to commit it
-        raise ValueError(reply.problem)
-    session.checkpoint = session.checkpoint_at(reply.path)
-    if delete_local_checkpoint_after_upload and checkpoint is not None:
-        shutil.rmtree(checkpoint.path, ignore_errors=True)
+    session.sink.report(
+        session, metrics, checkpoint, checkpoint_dir_name, checkpoint_upload_mode, delete_local_checkpoint_after_upload
+    )
+
+
+class _ChannelReports:
+    """A worker's reports: its checkpoint files staged (or uploaded), then sent to the driver,
+    which commits them and answers."""
+
+    def report(
+        self,
+        session: _Session,
+        metrics: dict[str, Any],
+        checkpoint: Checkpoint | None,
+        dir_name: str | None,
+        upload_mode: Any,
+        delete_local: bool | None,
+    ) -> None:
+        assert session.channel is not None, "a worker's session has its channel"
+        if upload_mode == CheckpointUploadMode.ASYNC and delete_local is None:
+            delete_local = True  # Ray's default for ASYNC
+        if delete_local and checkpoint is not None and session.run_dir:
+            local, run_dir = os.path.realpath(checkpoint.path), os.path.realpath(session.run_dir)
+            if os.path.commonpath([local, run_dir]) in (local, run_dir):
+                raise ValueError(
+                    f"`delete_local_checkpoint_after_upload=True` would delete {checkpoint.path}, which is "
+                    f"inside the run directory {session.run_dir} or contains it."
+                )
+        rank = session.context.get_world_rank()
+        name = dir_name or f"checkpoint_{session.report_index:06d}"
+        staged = _stage_checkpoint(session, checkpoint, name) if checkpoint is not None else None
+        message = protocol.Report(rank, session.report_index, metrics, staged, dir_name)
+        # On a host that cannot see the run directory the staged files wait in a local cache,
+        # and the driver copies them back over SSH before it commits the checkpoint.
+        if staged is None:
+            session.channel.send(message)
+            return
+        reply = session.call_driver(message)
+        assert isinstance(reply, protocol.Ack), reply
+        if reply.problem or reply.path is None:  # the driver refused to commit it
+            raise ValueError(reply.problem)
+        session.checkpoint = session.checkpoint_at(reply.path)
+        if delete_local and checkpoint is not None:
+            shutil.rmtree(checkpoint.path, ignore_errors=True)
+
+    def reported_checkpoints(self, session: _Session, timeout_s: float | None) -> list[ReportedCheckpoint]:
+        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))):
+            raise TypeError(f"`timeout_s` must be a number of seconds or None, got {timeout_s!r}.")
+        rank = session.context.get_world_rank()
+        reply = session.call_driver(protocol.CheckpointsQuery(rank, session.report_index, timeout_s))
+        assert isinstance(reply, protocol.CheckpointsReply), reply
+        return [ReportedCheckpoint(session.checkpoint_at(path), metrics) for path, metrics in reply.reported]
+
+
+CHANNEL_REPORTS: ReportSink = _ChannelReports()  # a worker's sink (its session holds the channel)
 
 
 def _upload_checkpoint(session: _Session, checkpoint: Checkpoint, name: str) -> str:
@@ -338,17 +433,7 @@ def get_all_reported_checkpoints(
         The run's kept checkpoints (in local mode, ``num_workers=0``, too).
     """
     session = _get_session("get_all_reported_checkpoints")
-    if session.local_sink is not None:
-        reported = session.local_sink.run.checkpoints.reported_checkpoints()
-        return [ReportedCheckpoint(c, metrics) for c, metrics in reported]
-    if session.channel is None:
-        return []
-    if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))):
-        raise TypeError(f"`timeout_s` must be a number of seconds or None, got {timeout_s!r}.")
-    rank = session.context.get_world_rank()
-    reply = session.call_driver(protocol.CheckpointsQuery(rank, session.report_index, timeout_s))
-    assert isinstance(reply, protocol.CheckpointsReply), reply
-    return [ReportedCheckpoint(session.checkpoint_at(path), metrics) for path, metrics in reply.reported]
+    return session.sink.reported_checkpoints(session, timeout_s)
 
 
 def get_dataset_shard(dataset_name: str | None = None) -> Any:

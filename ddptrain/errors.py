@@ -333,9 +333,14 @@ def root_cause_order(failure: WorkerFailure) -> tuple[bool, float, int]:
     return (peer_gone, failure.timestamp, failure.rank)
 
 
+def root_cause_first(failures: list[WorkerFailure]) -> list[WorkerFailure]:
+    """``failures``, the root cause first (the one sort of failures: by :func:`root_cause_order`)."""
+    return sorted(failures, key=root_cause_order)
+
+
 def format_failures(failures: list[WorkerFailure], log_dir: str | None) -> str:
     """The message of a :class:`WorkerGroupError`: root cause first, then the others."""
-    ordered = sorted(failures, key=root_cause_order)
+    ordered = root_cause_first(failures)
     root = ordered[0]
     lines = ["Training failed due to worker errors:", f"Root cause (first failure): {root.headline()}"]
     if root.traceback_str:
@@ -375,12 +380,8 @@ class WorkerGroupError(TrainingFailedError):
     @classmethod
     def from_failures(cls, failures: list[WorkerFailure], log_dir: str | None) -> WorkerGroupError:
         """Build the error, with the root cause's exception as ``__cause__``."""
-        ordered = sorted(failures, key=root_cause_order)
-        error = cls(
-            format_failures(ordered, log_dir),
-            {f.rank: f.exception for f in ordered},
-            ordered,
-        )
+        ordered = root_cause_first(failures)
+        error = cls(format_failures(ordered, log_dir), {f.rank: f.exception for f in ordered}, ordered)
         error.__cause__ = ordered[0].exception
         return error
 

@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
 from ddptrain.checkpoint import Checkpoint
-from ddptrain.storage import metrics as run_metrics
 from ddptrain.storage import remote
-from ddptrain.storage.checkpoint_manager import CheckpointManager
-from ddptrain.storage.layout import RunLayout
-from ddptrain.storage.remote_checkpoints import RemoteCheckpointManager
+from ddptrain.storage.read import open_result_run, read_metric_lines, read_metrics
 
-__all__ = ["Result", "read_metrics", "read_metric_lines"]
+__all__ = ["Result", "read_metrics", "read_metric_lines"]  # the readers: ddptrain.storage.read
 
 
 def _lookup(metrics: dict[str, Any], metric: str) -> Any:
@@ -117,56 +113,14 @@ class Result:
             RuntimeError: ``path`` is not a ddptrain run directory, or its checkpoint index
                 cannot be read.
         """
-        text = os.fspath(path)
-        root = remote.resolve(text, storage_filesystem)
-        if root is not None:
-            return cls._from_remote(root)
-        run_dir = os.path.abspath(os.path.expanduser(text.removeprefix("file://")))
-        if not RunLayout(run_dir).run_json.exists():
-            raise RuntimeError(f"{run_dir} is not a ddptrain run directory (it has no {RunLayout.RUN_JSON}).")
-        history = read_metrics(run_dir)
-        manager = CheckpointManager.from_run_dir(run_dir)
+        with open_result_run(os.fspath(path), storage_filesystem) as view:
+            history = [line["metrics"] for line in view.metric_lines()]
+            manager = view.checkpoints()
         return cls(
             metrics=history[-1] if history else None,
             checkpoint=manager.latest,
-            path=run_dir,
+            path=view.shown,
             metrics_history=history,
             best_checkpoints=manager.best_checkpoints(),
+            _storage_filesystem=None if view.remote is None else view.remote.fs,
         )
-
-    @classmethod
-    def _from_remote(cls, root: remote.RemoteRoot) -> Result:
-        with tempfile.TemporaryDirectory(prefix="ddptrain_result_") as local:
-            if not root.pull_run(root.root, local):
-                raise RuntimeError(
-                    f"{root.display()} is not a ddptrain run directory (it has no {RunLayout.RUN_JSON})."
-                )
-            history = read_metrics(local)
-            manager = RemoteCheckpointManager.from_copy(local, root, root.root)
-        return cls(
-            metrics=history[-1] if history else None,
-            checkpoint=manager.latest,
-            path=root.display(),
-            metrics_history=history,
-            best_checkpoints=manager.best_checkpoints(),
-            _storage_filesystem=root.fs,
-        )
-
-
-def read_metric_lines(run_dir: str) -> list[dict[str, Any]]:
-    """Every line of ``run_dir/metrics.jsonl`` (``{"time", "attempt", "metrics"}``), oldest first.
-
-    A line cut short by a crash is skipped.
-
-    Raises:
-        RunFileError: ``metrics.jsonl`` is not a regular file of the run folder (a link, a FIFO...).
-    """
-    return list(run_metrics.iter_metric_lines(run_dir))
-
-
-def read_metrics(run_dir: str) -> list[dict[str, Any]]:
-    """Rank 0's metrics of every report in ``run_dir/metrics.jsonl``, oldest first.
-
-    A line cut short by a crash is skipped.
-    """
-    return [line["metrics"] for line in read_metric_lines(run_dir)]

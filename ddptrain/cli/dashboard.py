@@ -42,8 +42,8 @@ from typing import Any
 
 from ddptrain.cli.dashboard_server import PooledHTTPServer, ReadRequestHandler
 from ddptrain.cli.runs import list_runs, report_row, run_summary
-from ddptrain.storage import metrics as run_metrics
 from ddptrain.storage import run_files
+from ddptrain.storage.metrics import MetricsSummary
 from ddptrain.storage.read import RunView
 
 __all__ = ["DEFAULT_PORT", "Dashboard", "serve"]
@@ -233,7 +233,7 @@ class Dashboard:
             if parts[3] == "metrics":
                 query = urllib.parse.parse_qs(url.query)
                 offset, after = (int(query.get(key, ["0"])[-1]) for key in ("offset", "after"))
-                lines, end = run_metrics.read_metrics_after(view.folder, offset)
+                lines, end = view.metrics_after(offset)
                 rows = [report_row(after + i, line) for i, line in enumerate(lines, start=1)]
                 return self._json(request, {"rows": rows, "next": end})
         except run_files.RunFileError as exc:
@@ -247,9 +247,9 @@ class Dashboard:
         """One run's page: its summary, last reports and log tails."""
         summary = run_summary(view)
         try:
-            lines, metrics = run_metrics.read_metrics_tail(view.folder, _CHART_REPORTS)
+            lines, metrics = view.metrics_tail(_CHART_REPORTS)
         except run_files.RunFileError:  # the summary's problem says so
-            lines, metrics = [], run_metrics.MetricsSummary()
+            lines, metrics = [], MetricsSummary()
         first = metrics.reports - len(lines) + 1
         summary["rows"] = [report_row(first + i, line) for i, line in enumerate(lines)]
         summary["next"] = metrics.offset

@@ -12,24 +12,19 @@ from __future__ import annotations
 import csv
 import io
 import json
-import math
 import os
 import shlex
 import shutil
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ddptrain import _env
 from ddptrain.driver.progress import format_duration, format_metrics
 from ddptrain.storage import layout as storage
-from ddptrain.storage import metrics as run_metrics
-from ddptrain.storage import run_files
-from ddptrain.storage.layout import RunLayout
 from ddptrain.storage.lock import driver_is_alive
-from ddptrain.storage.read import RunNotFound, RunView, find_run, list_views, open_run
+from ddptrain.storage.read import RunNotFound, RunView, find_run, list_views, open_run, read_run
 from ddptrain.storage.remote import on_remote_storage
 
 __all__ = [
@@ -47,119 +42,33 @@ __all__ = [
 ]
 
 
-_STATUSES = ("RUNNING", "RESTARTING", "FINISHED", "ERRORED", "ABORTED")
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _is_text(value: Any) -> bool:
-    return isinstance(value, str)
-
-
-def _are_texts(value: Any) -> bool:
-    return isinstance(value, list) and all(map(_is_text, value))
-
-
-def _is_failure(value: Any) -> bool:
-    return (
-        isinstance(value, dict)
-        and _is_count(value.get("attempt"))
-        and _is_text(value.get("error"))
-        and (value.get("log") is None or _is_text(value["log"]))
-    )
-
-
-# The fields of run.json that are read, and whether a value is what ddptrain writes there.
-_FIELDS: dict[str, Callable[[Any], bool]] = {
-    "status": lambda value: value in _STATUSES,
-    "started": _is_number,
-    "ended": _is_number,
-    "attempt": _is_count,
-    "error": _is_text,
-    "upload_error": _is_text,
-    "attempt_errors": lambda value: isinstance(value, list) and all(map(_is_failure, value)),
-    "num_workers": _is_count,
-    "use_gpu": lambda value: isinstance(value, bool),
-    "hosts": _are_texts,
-    "argv": _are_texts,
-    "backend_config": _is_text,
-    "host": _is_text,
-}
-
-
-def _run_info(view: RunView) -> tuple[dict[str, Any], list[str]]:
-    """The fields of the run's ``run.json`` that are sound, and what is wrong with it."""
-    shown = view.shown_path(view.layout.run_json)
-    try:
-        info = run_files.read_json(view.folder, RunLayout.RUN_JSON)
-    except run_files.RunFileError as exc:
-        return {}, [str(exc).replace(str(view.layout.run_json), shown)]
-    if not isinstance(info, dict):
-        what = "is missing" if info is None else f"holds a JSON {type(info).__name__}, not an object"
-        return {}, [f"{shown} {what}"]
-    bad = [key for key, sound in _FIELDS.items() if info.get(key) is not None and not sound(info[key])]
-    checked = {key: info[key] for key in _FIELDS if info.get(key) is not None and key not in bad}
-    problems = [f"{shown}: " + ", ".join(f"`{key}` is {str(info[key])[:60]!r}" for key in bad)] if bad else []
-    return checked, problems
-
-
 def run_summary(run: Path | RunView) -> dict[str, Any]:
     """What ``runs`` and ``show`` print of one run (a run directory, or a view of any run),
-    as plain data, of the types ddptrain writes whatever the run's files hold.
+    as plain data, of the types ddptrain writes whatever the run's files hold
+    (:func:`ddptrain.storage.read.read_run`).
 
     A run whose files cannot be read (not JSON, of other types, a link, a FIFO...) is
     ``UNREADABLE``, and ``problem`` says why; what could be read is shown as usual. Reading it
-    does not grow with its reports (see :func:`ddptrain.run_metrics.read_metrics_summary`): for a
+    does not grow with its reports (see :func:`ddptrain.storage.metrics.read_metrics_summary`): for a
     long run of an older ddptrain, ``metric_stats`` (each metric's last, min, max) is ``None``.
     """
-    view = run if isinstance(run, RunView) else RunView(run, str(run))
-    info, problems = _run_info(view)
-    status = info.get("status", "FINISHED" if info.get("ended") else "RUNNING")
-    if status in ("RUNNING", "RESTARTING") and view.driver_alive(info) is False:
-        status = "ABORTED"  # its driver died without a word
-    try:
-        metrics = run_metrics.read_metrics_summary(view.folder)
-    except run_files.RunFileError as exc:
-        metrics = run_metrics.MetricsSummary(stats=None)
-        problems.append(str(exc))
-    if metrics.foreign:
-        problems.append(f"{view.shown_path(view.layout.metrics)}: {metrics.foreign} line(s) are not reports (skipped)")
-    checkpoints: list[tuple[str, dict[str, Any]]] = []
-    best, latest, score = None, None, None
-    try:
-        manager = view.checkpoints()
-        checkpoints = [(c.path, m) for c, m in manager.reported_checkpoints()]
-        ranked = manager.best_checkpoints()
-        best = ranked[-1][0].path if ranked else None
-        latest = manager.latest.path if manager.latest else None
-        score = manager.config.checkpoint_score_attribute
-    except Exception as exc:  # an unreadable index: say so, show the rest
-        problems.append(str(exc))
-    started = info.get("started")
-    ended = info.get("ended") or (time.time() if status in ("RUNNING", "RESTARTING") else None)
-    if ended is None and metrics.last:
-        ended = metrics.last["time"]
+    record = read_run(run if isinstance(run, RunView) else RunView(run, str(run)))
+    info, metrics = record.info, record.metrics
     return {
-        "name": view.name,
-        "path": view.shown,
-        "status": "UNREADABLE" if problems else status,
-        "problem": "; ".join(problems) or None,
+        "name": record.view.name,
+        "path": record.view.shown,
+        "status": "UNREADABLE" if record.problems else record.status,
+        "problem": "; ".join(record.problems) or None,
         "attempts": info.get("attempt", 0) + 1,
-        "started": started,
-        "duration_s": (ended - started) if started and ended else None,
+        "started": record.started,
+        "duration_s": record.duration_s,
         "reports": metrics.reports,
         "last_metrics": metrics.last["metrics"] if metrics.last else None,
         "metric_stats": metrics.stats,
-        "best_checkpoint": best,
-        "latest_checkpoint": latest,
-        "checkpoints": checkpoints,
-        "score_attribute": score,
+        "best_checkpoint": record.best_checkpoint,
+        "latest_checkpoint": record.latest_checkpoint,
+        "checkpoints": record.checkpoints,
+        "score_attribute": record.score_attribute,
         "error": info.get("error"),
         "upload_error": info.get("upload_error"),  # training ended, its last uploads to remote storage failed
         "attempt_errors": info.get("attempt_errors", []),
@@ -308,13 +217,14 @@ def report_row(index: int, line: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
-def export_rows(run_dir: Path) -> list[dict[str, Any]]:
-    """One row per report (:func:`report_row`), oldest first."""
-    return [report_row(index, line) for index, line in enumerate(run_metrics.iter_metric_lines(run_dir), start=1)]
+def export_rows(run: Path | RunView) -> list[dict[str, Any]]:
+    """One row per report (:func:`report_row`) of a run directory or a view of any run, oldest first."""
+    view = run if isinstance(run, RunView) else RunView(run, str(run))
+    return [report_row(index, line) for index, line in enumerate(view.metric_lines(), start=1)]
 
 
 def main_export(run: str, fmt: str, output: str | None) -> int:
-    rows = export_rows(open_run(run).folder)
+    rows = export_rows(open_run(run))
     if fmt == "json":
         text = json.dumps(rows, indent=1)
     else:
@@ -351,7 +261,7 @@ def main_plot(runs: list[str], metrics: list[str], output: str, x_axis: str) -> 
         except RunNotFound as missing:  # maybe a metric: `ddptrain plot RUN METRIC ...`
             not_runs.append((run, missing))
             continue
-        series[view.name] = export_rows(view.folder)
+        series[view.name] = export_rows(view)
     if not series:
         raise not_runs[0][1]
     known = {k for rows in series.values() for row in rows for k in row if k not in ("report", "time", "attempt")}

@@ -27,7 +27,6 @@ from ddptrain.errors import (
     WorkerFailure,
     WorkerGroupError,
     is_disk_full,
-    root_cause_order,
 )
 from ddptrain.launch.launcher import Launcher
 from ddptrain.result import Result
@@ -134,7 +133,7 @@ class Controller:
         self.group.shutdown(0)
         self.group = None
         run = self.run
-        failures = sorted(failed.failures, key=root_cause_order)
+        failures = failed.failures  # root cause first (GroupFailed orders them)
         run.clean_after_failure(failures)
         self.root_causes.append(failures[0])
         run.attempt_failed(index, failures[0])

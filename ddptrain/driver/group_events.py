@@ -29,9 +29,7 @@ from ddptrain.errors import (
     WorkerFailure,
     WorkerGroupError,
     describe_exitcode,
-    format_failures,
     is_disk_full,
-    root_cause_order,
 )
 from ddptrain.wire import agent_events, protocol
 from ddptrain.wire.driver_channel import Batch, DriverChannel, Undelivered
@@ -53,9 +51,9 @@ class GroupFailed(WorkerGroupError):
     """The worker group failed; ``failures`` says how (first failure first). The group is dead."""
 
     def __init__(self, failures: list[WorkerFailure]) -> None:
-        ordered = sorted(failures, key=root_cause_order)
-        super().__init__(format_failures(ordered, None), {f.rank: f.exception for f in ordered}, ordered)
-        self.__cause__ = ordered[0].exception
+        error = WorkerGroupError.from_failures(failures, None)
+        super().__init__(str(error), error.worker_failures, error.failures)
+        self.__cause__ = error.__cause__
 
     @property
     def lost_ranks(self) -> list[int]:

@@ -17,13 +17,20 @@ from ddptrain.errors import WorkerFailure, WorkerGroupError
 from ddptrain.result import Result
 from ddptrain.storage import layout as storage
 from ddptrain.storage.remote_checkpoints import upload_checkpoint
+from ddptrain.wire import protocol
 
 __all__ = ["LocalReports", "fit_local"]
 
 
+# Local mode's place in its run: rank 0 of 1, on no GPU of its own.
+_ONLY_RANK = protocol.WorkerSpec(
+    rank=0, local_rank=0, node_rank=0, world_size=1, local_world_size=1, devices=(), env={}
+)
+
+
 class LocalReports:
-    """Where ``report()`` sends a local-mode report: staged (or uploaded), committed and
-    recorded at once, in the calling thread.
+    """Where ``report()`` sends a local-mode report (the session's :class:`~ddptrain.context.ReportSink`):
+    staged (or uploaded), committed and recorded at once, in the calling thread.
 
     Args:
         run: The run.
@@ -35,14 +42,21 @@ class LocalReports:
         self.attempt = attempt
 
     def report(
-        self, metrics: dict[str, Any], checkpoint: Checkpoint | None, dir_name: str | None, index: int
-    ) -> Checkpoint | None:
-        """Persist report ``index``; returns the committed checkpoint, if one was passed.
+        self,
+        session: context._Session,
+        metrics: dict[str, Any],
+        checkpoint: Checkpoint | None,
+        dir_name: str | None,
+        upload_mode: Any,
+        delete_local: bool | None,
+    ) -> None:
+        """Persist report ``session.report_index``; ``session.checkpoint`` becomes the committed
+        checkpoint, if one was passed (``upload_mode`` and ``delete_local`` are not used here).
 
         Raises:
             ValueError: ``dir_name`` cannot be a checkpoint of this run.
         """
-        run = self.run
+        run, index = self.run, session.report_index
         committed = None
         run.record_metrics(metrics, self.attempt)
         run.flush_metrics()
@@ -59,7 +73,14 @@ class LocalReports:
                 staged = storage.stage_files(run.run_dir, checkpoint.path, self.attempt, index, 0)
             committed = run.commit_checkpoint([staged], name, metrics, index)
         run.after_report([metrics], committed)
-        return committed
+        if committed is not None:
+            session.checkpoint = committed
+
+    def reported_checkpoints(
+        self, session: context._Session, timeout_s: float | None
+    ) -> list[context.ReportedCheckpoint]:
+        """The run's kept checkpoints, from its index in this process (``timeout_s``: nothing to wait for)."""
+        return [context.ReportedCheckpoint(c, metrics) for c, metrics in self.run.checkpoints.reported_checkpoints()]
 
 
 def fit_local(run: Run, fn: Callable[[], Any], dataset_shards: dict[str, Any], experiment_name: str) -> Result:
@@ -70,26 +91,14 @@ def fit_local(run: Run, fn: Callable[[], Any], dataset_shards: dict[str, Any], e
     """
 
     def body(attempt: int) -> list[Any]:
-        info = run.run_info(attempt)
-        ctx = context.TrainContext(
-            experiment_name=experiment_name,
-            world_size=1,
-            world_rank=0,
-            local_rank=0,
-            local_world_size=1,
-            node_rank=0,
-            storage=context.StorageContext(run.storage_path, run.name),
-        )
-        session = context._Session(
-            context=ctx,
-            run_dir=run.run_dir,
-            attempt=attempt,
-            checkpoint=run.latest_checkpoint,
+        session = context.build_session(
+            run.run_info(attempt),
+            _ONLY_RANK,
+            LocalReports(run, attempt),
             dataset_shards=dataset_shards,
-            report_index=info.report_index,
+            checkpoint=run.latest_checkpoint,
             remote=run.remote,
-            run_path=info.run_path,
-            local_sink=LocalReports(run, attempt),
+            experiment_name=experiment_name,
         )
         previous = context._session
         context._set_session(session)

@@ -1,29 +1,103 @@
-"""The runs that ``ddptrain runs``, ``show``, ``logs``, ``export`` and ``plot`` read: a run
-folder of this machine, or a run on remote storage (``s3://bucket/prefix/name``).
+"""The one reader of a run: what ``Result.from_path``, tune, ``ddptrain runs``, ``show``,
+``logs``, ``export``, ``plot`` and the dashboard know of a run directory, a run folder of this
+machine or a run on remote storage (``s3://bucket/prefix/name``).
+
+:func:`read_run` reads a run as a :class:`RunRecord`: the fields of ``run.json`` that are
+sound, its status (ABORTED when its driver died without a word), the summary of its reports
+(:mod:`ddptrain.storage.metrics` parses ``metrics.jsonl``), its committed checkpoints (the
+checkpoint index, through the checkpoint manager), and what could not be read. Reading is
+tolerant: a missing file is an empty one, a line cut short by a crash or still being written
+is skipped, and a file that cannot be read is named in ``problems`` with the rest shown as usual.
 
 A run on remote storage is read from a copy of its small files (``run.json``,
 ``metrics.jsonl``, ``checkpoints.json``; a log file when one is asked for), pulled into a
-private folder under ``$DDPTRAIN_CACHE_DIR/read/``, never into a driver's working copy. Its
-checkpoints are listed where they are, on the store.
+private folder under ``$DDPTRAIN_CACHE_DIR/read/`` (``Result.from_path``: a temporary one),
+never into a driver's working copy. Its checkpoints are listed where they are, on the store.
 """
 
 from __future__ import annotations
 
+import math
+import os
+import posixpath
 import socket
-from dataclasses import dataclass
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 from ddptrain import _env
 from ddptrain.storage import layout as storage
+from ddptrain.storage import metrics as run_metrics
 from ddptrain.storage import run_files
 from ddptrain.storage.checkpoint_manager import CheckpointManager
 from ddptrain.storage.layout import RunLayout
 from ddptrain.storage.lock import driver_is_alive
+from ddptrain.storage.metrics import MetricsSummary
 from ddptrain.storage.remote import RemoteRoot, on_remote_storage, resolve
 from ddptrain.storage.remote_checkpoints import RemoteCheckpointManager
 
-__all__ = ["RunNotFound", "RunView", "find_run", "list_views", "open_run"]
+__all__ = [
+    "STATUSES",
+    "RunNotFound",
+    "RunRecord",
+    "RunView",
+    "find_run",
+    "list_views",
+    "open_result_run",
+    "open_run",
+    "read_metric_lines",
+    "read_metrics",
+    "read_run",
+]
+
+STATUSES = ("RUNNING", "RESTARTING", "FINISHED", "ERRORED", "ABORTED")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_text(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _are_texts(value: Any) -> bool:
+    return isinstance(value, list) and all(map(_is_text, value))
+
+
+def _is_failure(value: Any) -> bool:
+    return (
+        isinstance(value, dict)
+        and _is_count(value.get("attempt"))
+        and _is_text(value.get("error"))
+        and (value.get("log") is None or _is_text(value["log"]))
+    )
+
+
+# The fields of run.json that are read, and whether a value is what ddptrain writes there.
+_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "status": lambda value: value in STATUSES,
+    "started": _is_number,
+    "ended": _is_number,
+    "attempt": _is_count,
+    "error": _is_text,
+    "upload_error": _is_text,
+    "attempt_errors": lambda value: isinstance(value, list) and all(map(_is_failure, value)),
+    "num_workers": _is_count,
+    "use_gpu": lambda value: isinstance(value, bool),
+    "hosts": _are_texts,
+    "argv": _are_texts,
+    "backend_config": _is_text,
+    "host": _is_text,
+}
 
 
 class RunNotFound(Exception):
@@ -57,11 +131,13 @@ class RunView:
             a private copy of the small files of a run on remote storage.
         shown: The run as users name it: its path, or its URI.
         remote: The storage root a run on remote storage is under (``None``: a local run).
+        run_path: The run's folder on ``remote`` (default: ``name`` under its root).
     """
 
     folder: Path
     shown: str
     remote: RemoteRoot | None = None
+    run_path: str | None = None
 
     @property
     def name(self) -> str:
@@ -83,7 +159,63 @@ class RunView:
         """
         if self.remote is None:
             return CheckpointManager.from_run_dir(str(self.folder))
-        return RemoteCheckpointManager.from_copy(str(self.folder), self.remote, self.remote.path(self.name))
+        return RemoteCheckpointManager.from_copy(str(self.folder), self.remote, self._remote_path())
+
+    def _remote_path(self, *parts: str) -> str:
+        assert self.remote is not None
+        return posixpath.join(self.remote.path(self.name) if self.run_path is None else self.run_path, *parts)
+
+    def info(self) -> tuple[dict[str, Any], list[str]]:
+        """The fields of the run's ``run.json`` that are sound (of the types ddptrain writes
+        there), and what is wrong with it (a missing ``run.json``, one that is not JSON...)."""
+        shown = self.shown_path(self.layout.run_json)
+        try:
+            info = run_files.read_json(self.folder, RunLayout.RUN_JSON)
+        except run_files.RunFileError as exc:
+            return {}, [str(exc).replace(str(self.layout.run_json), shown)]
+        if not isinstance(info, dict):
+            what = "is missing" if info is None else f"holds a JSON {type(info).__name__}, not an object"
+            return {}, [f"{shown} {what}"]
+        bad = [key for key, sound in _FIELDS.items() if info.get(key) is not None and not sound(info[key])]
+        checked = {key: info[key] for key in _FIELDS if info.get(key) is not None and key not in bad}
+        problems = [f"{shown}: " + ", ".join(f"`{key}` is {str(info[key])[:60]!r}" for key in bad)] if bad else []
+        return checked, problems
+
+    def metric_lines(self) -> Iterator[dict[str, Any]]:
+        """Every report, ``{"time", "attempt", "metrics"}``, oldest first, read as it goes (a
+        line cut short by a crash is skipped).
+
+        Raises:
+            RunFileError: ``metrics.jsonl`` cannot be read (a link, a FIFO...).
+        """
+        return run_metrics.iter_metric_lines(self.folder)
+
+    def metrics_summary(self) -> MetricsSummary:
+        """The reports' summary (see :func:`ddptrain.storage.metrics.read_metrics_summary`).
+
+        Raises:
+            RunFileError: ``metrics.jsonl`` cannot be read.
+        """
+        return run_metrics.read_metrics_summary(self.folder)
+
+    def metrics_tail(self, count: int) -> tuple[list[dict[str, Any]], MetricsSummary]:
+        """The last ``count`` reports and the summary they end (see
+        :func:`ddptrain.storage.metrics.read_metrics_tail`).
+
+        Raises:
+            RunFileError: ``metrics.jsonl`` cannot be read.
+        """
+        return run_metrics.read_metrics_tail(self.folder, count)
+
+    def metrics_after(self, offset: int) -> tuple[list[dict[str, Any]], int]:
+        """The reports of the complete lines from byte ``offset``, and the offset after them
+        (see :func:`ddptrain.storage.metrics.read_metrics_after`).
+
+        Raises:
+            ValueError: ``offset`` is not the end of a line of the file.
+            RunFileError: ``metrics.jsonl`` cannot be read.
+        """
+        return run_metrics.read_metrics_after(self.folder, offset)
 
     def driver_alive(self, info: dict[str, Any]) -> bool | None:
         """Whether a live driver holds the run (``info``: its ``run.json``). For a run on remote
@@ -103,7 +235,7 @@ class RunView:
         """
         if self.remote is None:
             return RunLayout.attempt_numbers(run_files.list_folder(self.folder, RunLayout.LOGS))
-        return RunLayout.attempt_numbers(self.remote.list_names(self.remote.path(self.name, RunLayout.LOGS)))
+        return RunLayout.attempt_numbers(self.remote.list_names(self._remote_path(RunLayout.LOGS)))
 
     def _log_name(self, attempt: int, rank: int | None = None) -> str:
         """An attempt's log folder, or a rank's log file in it (relative, posix)."""
@@ -118,7 +250,7 @@ class RunView:
         """
         if self.remote is None:
             return RunLayout.log_ranks(run_files.list_folder(self.folder, self._log_name(attempt)))
-        return RunLayout.log_ranks(self.remote.list_names(self.remote.path(self.name, self._log_name(attempt))))
+        return RunLayout.log_ranks(self.remote.list_names(self._remote_path(self._log_name(attempt))))
 
     def open_log(self, attempt: int, rank: int) -> IO[bytes] | None:
         """A rank's log of an attempt, open for reading (downloaded first for a run on remote
@@ -129,7 +261,7 @@ class RunView:
         """
         name = self._log_name(attempt, rank)
         if self.remote is not None:
-            data = self.remote.read_bytes(self.remote.path(self.name, name))
+            data = self.remote.read_bytes(self._remote_path(name))
             if data is None:
                 return None
             path = self.folder / name
@@ -191,3 +323,121 @@ def list_views(storage_path: str) -> list[RunView]:
     if not folder.is_dir():
         return []
     return [RunView(p, str(p)) for p in sorted(folder.iterdir()) if run_files.is_run(p)]
+
+
+@dataclass
+class RunRecord:
+    """A run as :func:`read_run` read it: plain data, of the types ddptrain writes, whatever
+    the run's files hold.
+
+    Attributes:
+        view: The run that was read.
+        info: The fields of ``run.json`` that are sound (see :meth:`RunView.info`).
+        status: One of :data:`STATUSES`: what ``run.json`` says (FINISHED when it has ended
+            but no status, RUNNING otherwise), ABORTED when it says RUNNING or RESTARTING but
+            no live driver holds the run any more.
+        metrics: The summary of its reports (empty when ``metrics.jsonl`` cannot be read).
+        checkpoints: Each kept checkpoint's path and metrics, in the index's order.
+        best_checkpoint: The best kept checkpoint's path (by the score attribute).
+        latest_checkpoint: The latest committed checkpoint's path.
+        score_attribute: The metric checkpoints are scored by.
+        problems: What could not be read (the rest is read as usual).
+    """
+
+    view: RunView
+    info: dict[str, Any]
+    status: str
+    metrics: MetricsSummary
+    checkpoints: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    best_checkpoint: str | None = None
+    latest_checkpoint: str | None = None
+    score_attribute: str | None = None
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def started(self) -> float | None:
+        started: float | None = self.info.get("started")
+        return started
+
+    @property
+    def duration_s(self) -> float | None:
+        """From the start to the end (to now while it runs; to its last report when it has no
+        end)."""
+        ended = self.info.get("ended") or (time.time() if self.status in ("RUNNING", "RESTARTING") else None)
+        if ended is None and self.metrics.last:
+            ended = self.metrics.last["time"]
+        started = self.started
+        return (ended - started) if started and ended else None
+
+
+def read_run(view: RunView) -> RunRecord:
+    """Read ``view``'s run: ``run.json``, the summary of its reports, its checkpoint index.
+
+    Never raises for what the run's files hold: what cannot be read is in ``problems``.
+    Reading it does not grow with its reports (see
+    :func:`ddptrain.storage.metrics.read_metrics_summary`): for a long run of an older
+    ddptrain, ``metrics.stats`` (each metric's last, min, max) is ``None``.
+    """
+    info, problems = view.info()
+    status = info.get("status", "FINISHED" if info.get("ended") else "RUNNING")
+    if status in ("RUNNING", "RESTARTING") and view.driver_alive(info) is False:
+        status = "ABORTED"  # its driver died without a word
+    try:
+        metrics = view.metrics_summary()
+    except run_files.RunFileError as exc:
+        metrics = MetricsSummary(stats=None)
+        problems.append(str(exc))
+    if metrics.foreign:
+        problems.append(f"{view.shown_path(view.layout.metrics)}: {metrics.foreign} line(s) are not reports (skipped)")
+    record = RunRecord(view, info, status, metrics, problems=problems)
+    try:
+        manager = view.checkpoints()
+        record.checkpoints = [(c.path, m) for c, m in manager.reported_checkpoints()]
+        ranked = manager.best_checkpoints()
+        record.best_checkpoint = ranked[-1][0].path if ranked else None
+        record.latest_checkpoint = manager.latest.path if manager.latest else None
+        record.score_attribute = manager.config.checkpoint_score_attribute
+    except Exception as exc:  # an unreadable index: say so, show the rest
+        problems.append(str(exc))
+    return record
+
+
+def read_metric_lines(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every line of ``run_dir/metrics.jsonl`` (``{"time", "attempt", "metrics"}``), oldest first.
+
+    A line cut short by a crash is skipped.
+
+    Raises:
+        RunFileError: ``metrics.jsonl`` is not a regular file of the run folder (a link, a FIFO...).
+    """
+    return list(run_metrics.iter_metric_lines(run_dir))
+
+
+def read_metrics(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Rank 0's metrics of every report in ``run_dir/metrics.jsonl``, oldest first.
+
+    A line cut short by a crash is skipped.
+    """
+    return [line["metrics"] for line in read_metric_lines(run_dir)]
+
+
+@contextmanager
+def open_result_run(path: str, storage_filesystem: Any = None) -> Iterator[RunView]:
+    """The run at ``path`` (a local path, a URI, or a path on ``storage_filesystem``), for
+    ``Result.from_path``: a run on remote storage is read from its small files pulled into a
+    temporary folder, removed on the way out.
+
+    Raises:
+        RuntimeError: ``path`` is not a ddptrain run directory.
+    """
+    root = resolve(path, storage_filesystem)
+    if root is None:
+        run_dir = os.path.abspath(os.path.expanduser(path.removeprefix("file://")))
+        if not RunLayout(run_dir).run_json.exists():
+            raise RuntimeError(f"{run_dir} is not a ddptrain run directory (it has no {RunLayout.RUN_JSON}).")
+        yield RunView(Path(run_dir), run_dir)
+        return
+    with tempfile.TemporaryDirectory(prefix="ddptrain_result_") as local:
+        if not root.pull_run(root.root, local):
+            raise RuntimeError(f"{root.display()} is not a ddptrain run directory (it has no {RunLayout.RUN_JSON}).")
+        yield RunView(Path(local), root.display(), root, root.root)

@@ -15,8 +15,9 @@ import os
 from typing import Any
 
 from ddptrain.config import FailureConfig, RunConfig
-from ddptrain.result import Result, read_metrics
+from ddptrain.result import Result
 from ddptrain.storage.layout import RunLayout
+from ddptrain.storage.read import read_metrics
 from ddptrain.tune._resources import Grant
 from ddptrain.tune.integration.ray_train import TuneReportCallback
 from ddptrain.tune.trainable import FunctionTrainable, PreparedTrial, TrainerTrainable

@@ -153,18 +153,9 @@ def _setup_logging(level: str) -> None:
     logger.propagate = False
 
 
-def _make_session(spec: protocol.WorkerSpec, run: protocol.RunInfo) -> context._Session:
-    """This worker's session in ``run`` (an empty one: a group that runs functions)."""
-    storage = context.StorageContext(run.storage_path, run.name)
-    ctx = context.TrainContext(
-        experiment_name=run.name,
-        world_size=spec.world_size,
-        world_rank=spec.rank,
-        local_rank=spec.local_rank,
-        local_world_size=spec.local_world_size,
-        node_rank=spec.node_rank,
-        storage=storage,
-    )
+def _make_session(spec: protocol.WorkerSpec, run: protocol.RunInfo, ch: channel.WorkerChannel) -> context._Session:
+    """This worker's session in ``run`` (an empty one: a group that runs functions); its
+    reports go through ``ch``."""
     latest = run.checkpoint
     remote, checkpoint_fs = cloudpickle.loads(run.storage) if run.storage else (None, None)
     if latest and checkpoint_fs is not None:
@@ -172,17 +163,8 @@ def _make_session(spec: protocol.WorkerSpec, run: protocol.RunInfo) -> context._
     else:
         checkpoint = Checkpoint(latest) if latest else None
     shards = open_shards(spec.datasets)  # maps the driver's shared memory
-    return context._Session(
-        context=ctx,
-        run_dir=run.run_dir,
-        remote=remote,
-        run_path=run.run_path,
-        attempt=run.attempt,
-        checkpoint=checkpoint,
-        dataset_shards=shards,
-        devices=list(spec.devices),
-        report_index=run.report_index,
-        local_cache=None if run.shared_storage else run.local_cache,
+    return context.build_session(
+        run, spec, context.CHANNEL_REPORTS, dataset_shards=shards, checkpoint=checkpoint, remote=remote, channel=ch
     )
 
 
@@ -207,9 +189,7 @@ def begin_run(run: protocol.RunInfo, payload: bytes | None, datasets: dict[int, 
     sys.argv = list(run.argv or sys.argv)
     logging.getLogger("ddptrain").setLevel(run.log_level)
     _state["user"] = load_user(payload) if payload is not None else None
-    session = _make_session(spec, run)
-    session.channel = _state["channel"]
-    context._set_session(session)
+    context._set_session(_make_session(spec, run, _state["channel"]))
 
 
 class _ToHostPickler(cloudpickle.Pickler):
@@ -308,9 +288,8 @@ def run(spec: protocol.WorkerSpec, boot: WorkerBoot, status_fd: int) -> int:
         store.set_timeout(channel._LONG_WAIT)
         keys = channel.Keys(address.secret)
         ch = channel.WorkerChannel(store, keys, address.secret, rank)
-        session = _make_session(spec, run_info)
-        session.channel = _state["channel"] = ch
-        context._set_session(session)
+        _state["channel"] = ch
+        context._set_session(_make_session(spec, run_info, ch))
         ch.send(protocol.Hello(rank, os.getpid(), socket.gethostname()))
         ch.start_heartbeat(address.host, address.port)
     except BaseException as exc:
