@@ -55,9 +55,7 @@ def crash_once(marker: str) -> dict[str, int]:
 
 def test_a_restarted_attempt_forks_its_agent_from_the_server(storage: str, tmp_path: Path) -> None:
     marker = str(tmp_path / "crashed")
-    result = fit(
-        lambda: crash_once(marker), storage, failure_config=train.FailureConfig(max_failures=1)
-    )
+    result = fit(lambda: crash_once(marker), storage, failure_config=train.FailureConfig(max_failures=1))
     assert os.path.exists(marker)
     assert result.return_values[0]["started_by"] in forkserver.server_pids()
 
@@ -111,9 +109,7 @@ def test_a_killed_driver_leaves_neither_its_server_nor_its_agents(tmp_path: Path
             """
         )
     )
-    driver = subprocess.Popen(
-        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, start_new_session=True
-    )
+    driver = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         assert driver.stdout is not None
         deadline = time.monotonic() + 120

@@ -158,9 +158,9 @@ class _Server:
                 self._agents[int(fields[0])] = agent
                 agent._answer(int(fields[0]))
             elif kind == "X":
-                agent = self._agents.pop(int(fields[0]), None)
-                if agent is not None:
-                    agent._exit(int(fields[1]))
+                exited = self._agents.pop(int(fields[0]), None)
+                if exited is not None:
+                    exited._exit(int(fields[1]))
         self.alive = False
         while self._waiting:  # never forked: the server ended first
             self._waiting.popleft()._answer(None)
