@@ -15,8 +15,6 @@ from ddptrain.checkpoint import Checkpoint
 from ddptrain.driver.run import Run
 from ddptrain.errors import WorkerFailure, WorkerGroupError
 from ddptrain.result import Result
-from ddptrain.storage import layout as storage
-from ddptrain.storage.remote_checkpoints import upload_checkpoint
 
 __all__ = ["LocalReports", "fit_local"]
 
@@ -51,12 +49,7 @@ class LocalReports:
             problem = run.name_problem(name)
             if problem is not None:
                 raise ValueError(problem)
-            if run.remote is not None:
-                staged = upload_checkpoint(
-                    run.remote, run.remote.path(run.name), name, checkpoint.path, self.attempt, index, 0
-                )
-            else:
-                staged = storage.stage_files(run.run_dir, checkpoint.path, self.attempt, index, 0)
+            staged = run.storage.stage(checkpoint.path, name, self.attempt, index, 0)
             committed = run.commit_checkpoint([staged], name, metrics, index)
         run.after_report([metrics], committed)
         return committed
@@ -87,8 +80,7 @@ def fit_local(run: Run, fn: Callable[[], Any], dataset_shards: dict[str, Any], e
             checkpoint=run.latest_checkpoint,
             dataset_shards=dataset_shards,
             report_index=info.report_index,
-            remote=run.remote,
-            run_path=info.run_path,
+            storage=run.storage,
             local_sink=LocalReports(run, attempt),
         )
         previous = context._session

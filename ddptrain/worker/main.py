@@ -24,9 +24,9 @@ from typing import Any
 import cloudpickle
 
 from ddptrain import _env, context
-from ddptrain.checkpoint import Checkpoint
 from ddptrain.data.ingest import open_shards
 from ddptrain.errors import ConfigError, exception_to_bytes
+from ddptrain.storage.open import resume_checkpoint, worker_storage
 from ddptrain.wire import channel, protocol
 from ddptrain.wire.boot import load_user, write_all
 
@@ -155,7 +155,7 @@ def _setup_logging(level: str) -> None:
 
 def _make_session(spec: protocol.WorkerSpec, run: protocol.RunInfo) -> context._Session:
     """This worker's session in ``run`` (an empty one: a group that runs functions)."""
-    storage = context.StorageContext(run.storage_path, run.name)
+    storage = context.StorageContext(run.storage.storage_path, run.name)
     ctx = context.TrainContext(
         experiment_name=run.name,
         world_size=spec.world_size,
@@ -165,24 +165,17 @@ def _make_session(spec: protocol.WorkerSpec, run: protocol.RunInfo) -> context._
         node_rank=spec.node_rank,
         storage=storage,
     )
-    latest = run.checkpoint
-    remote, checkpoint_fs = cloudpickle.loads(run.storage) if run.storage else (None, None)
-    if latest and checkpoint_fs is not None:
-        checkpoint: Checkpoint | None = Checkpoint._at(latest, checkpoint_fs)
-    else:
-        checkpoint = Checkpoint(latest) if latest else None
+    checkpoint = resume_checkpoint(run.storage)
     shards = open_shards(spec.datasets)  # maps the driver's shared memory
     return context._Session(
         context=ctx,
-        run_dir=run.run_dir,
-        remote=remote,
-        run_path=run.run_path,
+        run_dir=run.storage.run_dir,
+        storage=worker_storage(run.storage, run.name) if run.storage.run_dir else None,
         attempt=run.attempt,
         checkpoint=checkpoint,
         dataset_shards=shards,
         devices=list(spec.devices),
         report_index=run.report_index,
-        local_cache=None if run.shared_storage else run.local_cache,
     )
 
 
