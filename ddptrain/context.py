@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ddptrain.checkpoint import Checkpoint
-from ddptrain.errors import DdpTrainError, StorageError
+from ddptrain.errors import DdpTrainError
 from ddptrain.storage import layout as storage
-from ddptrain.storage.remote_checkpoints import upload_checkpoint
 from ddptrain.train_context import StorageContext, TrainContext
 from ddptrain.wire import protocol
 
 if TYPE_CHECKING:
+    from ddptrain.storage.base import RunStorage
     from ddptrain.wire.channel import WorkerChannel
 
 __all__ = [
@@ -101,18 +101,14 @@ class _Session:
     checkpoint: Checkpoint | None = None
     dataset_shards: dict[str, Any] = field(default_factory=dict)
     devices: list[Any] = field(default_factory=list)
-    local_cache: str | None = None  # set on hosts that cannot see the run directory
-    remote: Any = None  # the run's RemoteRoot, on remote storage
-    run_path: str | None = None  # the run's folder on remote storage
+    storage: RunStorage | None = None  # where reported checkpoints go (``None``: no run)
     report_index: int = 0
     collective_index: int = 0
     end_hooks: list[Callable[[bool], None]] = field(default_factory=list)  # see on_training_end
 
     def checkpoint_at(self, path: str) -> Checkpoint:
         """The run's checkpoint at ``path`` (a path the driver sent)."""
-        if self.remote is None:
-            return Checkpoint(path)
-        return Checkpoint._at(path, self.remote.fs)
+        return self.storage.checkpoint_at(path) if self.storage is not None else Checkpoint(path)
 
     def call_driver(self, message: Any) -> Any:
         """Send a message and wait for the driver's reply to it."""
@@ -128,7 +124,7 @@ def build_session(
     *,
     dataset_shards: dict[str, Any],
     checkpoint: Checkpoint | None,
-    remote: Any = None,
+    storage: RunStorage | None = None,
     channel: WorkerChannel | None = None,
     experiment_name: str | None = None,
 ) -> _Session:
@@ -141,7 +137,7 @@ def build_session(
         sink: Where its reports go.
         dataset_shards: Its dataset shards, by name.
         checkpoint: The checkpoint to resume from.
-        remote: The run's ``RemoteRoot``, on remote storage.
+        storage: The run's storage, as this rank writes to it (``None``: no run).
         channel: Its channel to the driver (a worker's).
         experiment_name: The run's name as ``get_context()`` gives it (default: ``run.name``).
     """
@@ -152,21 +148,19 @@ def build_session(
         local_rank=place.local_rank,
         local_world_size=place.local_world_size,
         node_rank=place.node_rank,
-        storage=StorageContext(run.storage_path, run.name),
+        storage=StorageContext(run.storage.storage_path, run.name),
     )
     return _Session(
         context=ctx,
         sink=sink,
         channel=channel,
-        run_dir=run.run_dir,
-        remote=remote,
-        run_path=run.run_path,
+        run_dir=run.storage.run_dir,
+        storage=storage,
         attempt=run.attempt,
         checkpoint=checkpoint,
         dataset_shards=dataset_shards,
         devices=list(place.devices),
         report_index=run.report_index,
-        local_cache=None if run.shared_storage else run.local_cache,
     )
 
 
@@ -330,42 +324,12 @@ class _ChannelReports:
 CHANNEL_REPORTS: ReportSink = _ChannelReports()  # a worker's sink (its session holds the channel)
 
 
-def _upload_checkpoint(session: _Session, checkpoint: Checkpoint, name: str) -> str:
-    assert session.run_path is not None
-    try:
-        return upload_checkpoint(
-            session.remote,
-            session.run_path,
-            name,
-            checkpoint.path,
-            session.attempt,
-            session.report_index,
-            session.context.get_world_rank(),
-        )
-    except FileNotFoundError:
-        raise
-    except Exception as exc:  # each fsspec backend raises its own errors
-        raise StorageError(
-            f"Uploading checkpoint {name!r} of report #{session.report_index} to "
-            f"{session.remote.shown(session.run_path)} failed: {type(exc).__name__}: {exc}",
-            timed_out=getattr(exc, "timed_out", False),
-        ) from exc
-
-
 def _stage_checkpoint(session: _Session, checkpoint: Checkpoint, name: str) -> str:
-    """Copy this rank's checkpoint files next to the run directory, or upload them to the run's
-    remote storage; the driver commits them."""
-
-    if session.remote is not None:
-        return _upload_checkpoint(session, checkpoint, name)
-    assert session.run_dir is not None
-    return storage.stage_files(
-        session.run_dir if session.local_cache is None else session.local_cache,
-        checkpoint.path,
-        session.attempt,
-        session.report_index,
-        session.context.get_world_rank(),
-    )
+    """Put this rank's checkpoint files where the driver commits them from (the run's storage
+    decides: next to the run directory, a host's staging folder, or uploaded to the store)."""
+    assert session.storage is not None, "a worker's session in a run has the run's storage"
+    rank = session.context.get_world_rank()
+    return session.storage.stage(checkpoint.path, name, session.attempt, session.report_index, rank)
 
 
 def on_training_end(hook: Callable[[bool], None]) -> None:

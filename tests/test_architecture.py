@@ -60,7 +60,10 @@ ALLOWED = {
     ("ddptrain.worker_group", "ddptrain.driver.worker_group"): "the documented path of WorkerGroup",
     ("ddptrain.agent.main", "ddptrain.ray_compat"): "Ray's module names must exist before the agent unpickles",
     ("ddptrain.__main__", "ddptrain.cli.main"): "`python -m ddptrain` is the command line",
-    ("ddptrain.launch.ssh_files", "ddptrain.storage.layout"): "copy-back still lives in the SSH launcher (to storage/)",
+    (
+        "ddptrain.storage.base",
+        "ddptrain.wire.protocol",
+    ): "RunStorage.spec makes the StorageSpec workers get (a message: standard library only)",
 }
 LAZY_ONLY = {  # of ALLOWED, these must stay deferred (inside a function)
     ("ddptrain.data_parallel_trainer", "ddptrain.driver.controller"),

@@ -37,7 +37,10 @@ class _Recorder:
 
 def test_reports_go_to_the_sessions_sink(tmp_path) -> None:
     run = protocol.RunInfo(
-        name="exp", storage_path=str(tmp_path), run_dir=str(tmp_path / "exp"), attempt=2, report_index=5
+        name="exp",
+        storage=protocol.StorageSpec(kind="local", storage_path=str(tmp_path), run_dir=str(tmp_path / "exp")),
+        attempt=2,
+        report_index=5,
     )
     place = protocol.WorkerSpec(
         rank=3, local_rank=1, node_rank=1, world_size=4, local_world_size=2, devices=(0,), env={}
@@ -50,7 +53,7 @@ def test_reports_go_to_the_sessions_sink(tmp_path) -> None:
         ctx = train.get_context()
         assert (ctx.get_world_rank(), ctx.get_local_rank(), ctx.get_node_rank()) == (3, 1, 1)
         assert (ctx.get_world_size(), ctx.get_local_world_size(), ctx.get_experiment_name()) == (4, 2, "exp")
-        assert session.devices == [0] and session.attempt == 2 and session.local_cache is None
+        assert session.devices == [0] and session.attempt == 2 and session.run_dir == str(tmp_path / "exp")
         assert train.get_checkpoint() is start and train.get_dataset_shard() == [1, 2]
         train.report({"loss": 1.0})
         train.report({"loss": 0.5}, checkpoint=Checkpoint(str(tmp_path)), checkpoint_dir_name="best")

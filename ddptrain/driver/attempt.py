@@ -20,7 +20,6 @@ from ddptrain import _env
 from ddptrain.driver.watchdog import Watch
 from ddptrain.driver.worker_group import GroupFailed, WorkerGroup
 from ddptrain.errors import LaunchError, WorkerFailure
-from ddptrain.storage import layout as storage
 from ddptrain.wire import protocol
 
 if TYPE_CHECKING:
@@ -177,7 +176,7 @@ class Attempt:
             name = entries[0].dir_name or f"checkpoint_{index:06d}"
             problem = self.run.name_problem(name)
             if problem is None:
-                staged = [self._fetch_if_remote(r, index, entries[r].staged) for r in staged_ranks]  # type: ignore[arg-type]
+                staged = [self._collect(r, index, entries[r].staged) for r in staged_ranks]  # type: ignore[arg-type]
                 checkpoint = self.run.commit_checkpoint(staged, name, entries[0].metrics, index)
             for r in staged_ranks:
                 self.group.send(r, protocol.Ack(index, checkpoint.path if checkpoint else None, problem))
@@ -200,20 +199,15 @@ class Attempt:
             self.group.send(rank, protocol.CheckpointsReply(reported))
         self.checkpoint_waiters = waiting
 
-    def _fetch_if_remote(self, rank: int, index: int, staged: str) -> str:
-        """The staged folder of ``rank`` on this machine: copied back over SSH if its host
-        cannot see the run directory. A copy that fails (the host stopped answering, say) is
-        a failure of ``rank``: the group fails, and ``FailureConfig`` decides what follows."""
-        launcher = self.group.launcher
-        if launcher is None or rank not in launcher.unshared_ranks or self.run.remote is not None:
-            return staged  # seen here, or (on remote storage) uploaded there
-        local = str(storage.RunLayout(self.run.run_dir).fetched(self.index, index, rank))
+    def _collect(self, rank: int, index: int, staged: str) -> str:
+        """The staged folder of ``rank`` as the run's storage commits it (copied back from a
+        host that cannot see the run directory: ``RunStorage.collect``). A copy that fails (the
+        host stopped answering, say) is a failure of ``rank``: the group fails, and
+        ``FailureConfig`` decides what follows."""
         try:
-            with storage.naming_full_disk(local):
-                launcher.fetch_dir(rank, staged, local)
+            return self.run.storage.collect(rank, self.index, index, staged, self.group.launcher)
         except LaunchError as exc:
             raise self.group.fail([self.group.failure(rank, None, exc)]) from None
-        return local
 
     def _check_rounds(self) -> None:
         """Fail when a rank waits for one that already returned; warn about late ranks."""

@@ -15,8 +15,6 @@ from ddptrain.checkpoint import Checkpoint
 from ddptrain.driver.run import Run
 from ddptrain.errors import WorkerFailure, WorkerGroupError
 from ddptrain.result import Result
-from ddptrain.storage import layout as storage
-from ddptrain.storage.remote_checkpoints import upload_checkpoint
 from ddptrain.wire import protocol
 
 __all__ = ["LocalReports", "fit_local"]
@@ -65,12 +63,7 @@ class LocalReports:
             problem = run.name_problem(name)
             if problem is not None:
                 raise ValueError(problem)
-            if run.remote is not None:
-                staged = upload_checkpoint(
-                    run.remote, run.remote.path(run.name), name, checkpoint.path, self.attempt, index, 0
-                )
-            else:
-                staged = storage.stage_files(run.run_dir, checkpoint.path, self.attempt, index, 0)
+            staged = run.storage.stage(checkpoint.path, name, self.attempt, index, 0)
             committed = run.commit_checkpoint([staged], name, metrics, index)
         run.after_report([metrics], committed)
         if committed is not None:
@@ -97,7 +90,7 @@ def fit_local(run: Run, fn: Callable[[], Any], dataset_shards: dict[str, Any], e
             LocalReports(run, attempt),
             dataset_shards=dataset_shards,
             checkpoint=run.latest_checkpoint,
-            remote=run.remote,
+            storage=run.storage,
             experiment_name=experiment_name,
         )
         previous = context._session

@@ -20,8 +20,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import cloudpickle
-
 from ddptrain.callbacks import TrainRunContext
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.config import CheckpointConfig
@@ -30,12 +28,10 @@ from ddptrain.driver.progress import Progress
 from ddptrain.errors import ControllerError, StorageError, WorkerFailure, disk_full_error
 from ddptrain.result import Result
 from ddptrain.storage import layout as storage
-from ddptrain.storage import metrics as run_metrics
+from ddptrain.storage.base import RunStorage
 from ddptrain.storage.checkpoint_manager import CheckpointManager
-from ddptrain.storage.location import RunLocation, load_earlier
-from ddptrain.storage.lock import RunLock
-from ddptrain.storage.mirror import RunMirror
-from ddptrain.storage.remote_checkpoints import RemoteCheckpointManager
+from ddptrain.storage.location import RunLocation
+from ddptrain.storage.open import run_storage
 from ddptrain.wire import protocol
 
 if TYPE_CHECKING:
@@ -46,10 +42,6 @@ if TYPE_CHECKING:
 __all__ = ["Run"]
 
 _logger = logging.getLogger(__name__)
-
-# How often the metrics summary that `ddptrain runs` and the dashboard read is rewritten (and
-# when the run's metrics file closes): readers add the lines written since.
-_SUMMARY_EVERY_S = 1.0
 
 
 class Run:
@@ -81,10 +73,8 @@ class Run:
         self.run_id = uuid.uuid4().hex
         self.where = RunLocation.of(run_config)  # run_dir: on remote storage, a local working copy
         self.name, self.storage_path, self.run_dir = self.where.name, self.where.storage_path, self.where.run_dir
-        self.location, self.remote = self.where.shown, self.where.remote
+        self.location = self.where.shown
         self.layout = storage.RunLayout(self.run_dir)
-        if self.remote is not None:
-            self.mirror = RunMirror(self.remote, self.run_dir, self.remote.path(self.name))
         self.context = TrainRunContext(
             run_id=self.run_id,
             run_config=run_config,
@@ -94,20 +84,14 @@ class Run:
             dataset_config=dataset_config,
         )
         self.metrics_history: list[dict[str, Any]] = []
-        checkpoint_config = run_config.checkpoint_config or CheckpointConfig()
-        self.checkpoints = (
-            CheckpointManager(self.run_dir, checkpoint_config)
-            if self.remote is None
-            else RemoteCheckpointManager(self.run_dir, checkpoint_config, self.remote, self.remote.path(self.name))
+        hosts = Plan.read_hosts(scaling_config)  # a bad host list fails here, before any host is reached
+        self.storage: RunStorage = run_storage(
+            self.where, run_config.checkpoint_config or CheckpointConfig(), over_hosts=hosts is not None
         )
         self.start_checkpoint: Checkpoint | None = None  # resume_from_checkpoint
-        self._metrics_file: Any = None
-        self._summary = run_metrics.MetricsSummary()  # of metrics.jsonl, for its readers
-        self._summary_due = 0.0
         self._metrics_lines: list[tuple[dict[str, Any], str]] = []  # recorded, not written yet (flush_metrics)
         # Workers on other hosts get the storage's credentials and endpoint from the driver.
-        self._env_vars = {**(self.remote.credential_env() if self.remote else {}), **run_config._env_vars()}
-        Plan.read_hosts(scaling_config)  # a bad host list fails here, before any host is reached
+        self._env_vars = {**self.storage.worker_env(), **run_config._env_vars()}
         self._plan: Plan | None = None  # made under the run's lock (``opened``): it may probe hosts
         self._lost_reports = 0  # reports the checkpoint index knows of but metrics.jsonl lost
         self._last_attempt = -1  # the highest attempt number in an earlier run's metrics
@@ -126,11 +110,7 @@ class Run:
             run_id=self.run_id,
             attempt=attempt,
             name=self.name,
-            storage_path=self.storage_path,
-            run_dir=self.run_dir,
-            checkpoint=self.latest_path,
-            storage=cloudpickle.dumps((self.remote, self.latest_checkpoint._fs if self.latest_checkpoint else None)),
-            run_path=self.where.run_path,
+            storage=self.storage.spec(self.latest_checkpoint),
             # Numbered on from the checkpoint index too: metrics.jsonl may have lost lines.
             report_index=len(self.metrics_history) + self._lost_reports,
             argv=tuple(sys.argv),
@@ -167,22 +147,12 @@ class Run:
         if not self._metrics_lines:
             return
         lines, self._metrics_lines = self._metrics_lines, []
-        with storage.naming_full_disk(self.layout.metrics):
-            self._metrics_file.write("".join(text for _, text in lines))
-            self._metrics_file.flush()
-        for line, text in lines:
-            self._summary.add(line, self._summary.offset + len(text))
-        if time.monotonic() >= self._summary_due:
-            self._write_summary()
+        self.storage.append_metrics(lines)
 
-    def _write_summary(self) -> None:
-        """Rewrite the metrics summary. It only spares readers work: when it cannot be written
-        (a full disk stops the run at the next report anyway), they read the lines after it."""
-        self._summary_due = time.monotonic() + _SUMMARY_EVERY_S
-        try:
-            self._summary.write(self.run_dir)
-        except OSError as exc:
-            _logger.debug("ddptrain: could not write the metrics summary of %s: %s", self.run_dir, exc)
+    @property
+    def checkpoints(self) -> CheckpointManager:
+        """The run's committed checkpoints (index and retention)."""
+        return self.storage.checkpoints
 
     @property
     def latest_checkpoint(self) -> Checkpoint | None:
@@ -197,38 +167,28 @@ class Run:
 
     def name_problem(self, name: str) -> str | None:
         """Why a checkpoint may not be committed as ``name``, or ``None`` when it may."""
-        try:
-            target = storage.safe_child(self.run_dir, name)
-        except ValueError as exc:
-            return str(exc)
-        if self.remote is None and target.exists() and not self.checkpoints.is_committed(name):
-            return (
-                f"`checkpoint_dir_name` {name!r} names a folder of the run directory that is not a "
-                "checkpoint of this run; choose another name."
-            )
-        return None
+        return self.storage.name_problem(name)
 
     def commit_checkpoint(self, staged: list[str], name: str, metrics: dict[str, Any], index: int) -> Checkpoint:
         """Commit staged files as checkpoint ``name``, record it, and apply retention."""
         self.flush_metrics()  # a checkpoint's report is on disk before the checkpoint
-        checkpoint = self.checkpoints.commit(staged, name, metrics, index)
+        checkpoint = self.storage.commit(staged, name, metrics, index)
         self.progress.committed(checkpoint.path)
         return checkpoint
 
     def after_report(self, metrics: list[dict[str, Any]], checkpoint: Checkpoint | None) -> None:
         """Every rank made its report (and its checkpoint is committed and acknowledged)."""
-        if self.remote is not None or self.run_config.callbacks:
+        if self.storage.uploads or self.run_config.callbacks:
             self.flush_metrics()  # what the upload and the callbacks may read
         self.progress.reported(metrics[0], len(self.metrics_history) + self._lost_reports)
-        if self.remote is not None:  # with a checkpoint at once, so the store's metrics list its report
-            self.mirror.push_metrics(force=checkpoint is not None)
+        self.storage.reported(checkpoint)
         for callback in self.run_config.callbacks or []:
             callback.after_report(self.context, metrics, checkpoint)
 
     # ----------------------------------------------------------------- the fit loop
     def _load_previous(self) -> None:
         """Pick up an earlier run of the same name: its checkpoints and metrics. Loud on purpose."""
-        earlier = load_earlier(self.where, self.checkpoints, self.mirror if self.remote is not None else None)
+        earlier = self.storage.load_earlier()
         self.metrics_history = earlier.metrics
         self._last_attempt, self._lost_reports = earlier.last_attempt, earlier.lost_reports
 
@@ -250,30 +210,19 @@ class Run:
         }
         self.save_status("RUNNING")
         if self.trainer_bytes is not None:
-            storage.write_atomic(self.layout.trainer, self.trainer_bytes, private=True)
-            if self.remote is not None:
-                self.mirror.push_file(self.layout.TRAINER)
-        self._metrics_file = open(self.layout.metrics, "a+")  # noqa: SIM115
-        if self._metrics_file.tell() > 0:  # end a line a crash may have cut short
-            self._metrics_file.seek(self._metrics_file.tell() - 1)
-            if self._metrics_file.read(1) != "\n":
-                self._metrics_file.write("\n")
-                self._metrics_file.flush()
-        self._summary = run_metrics.read_metrics_summary(self.run_dir, full=True)
-        self._write_summary()
+            self.storage.write_trainer(self.trainer_bytes)
+        self.storage.open_metrics()
 
     def save_status(self, status: str, **fields: Any) -> None:
         """Record how the run stands in ``run.json`` (read by ``ddptrain runs`` and ``show``):
         RUNNING, RESTARTING, FINISHED, ERRORED or ABORTED (Ray Train V2's words). On remote
         storage it is uploaded (the final one with the run's last uploads, in ``opened``), or
-        a ``StorageError`` raised (``RunMirror.push_file``)."""
+        a ``StorageError`` raised (``RunStorage.save_status``)."""
         self._run_json.update(status=status, **fields)
         ended = status in ("FINISHED", "ERRORED", "ABORTED")
         if ended:
             self._run_json["ended"] = time.time()
-        storage.write_json_atomic(self.layout.run_json, self._run_json, private=True)
-        if self.remote is not None and not ended:
-            self.mirror.push_file(self.layout.RUN_JSON)
+        self.storage.save_status(self._run_json, ended)
 
     @contextlib.contextmanager
     def opened(self, *, workers: int, hosts: int | None = None) -> Iterator[int]:
@@ -284,14 +233,14 @@ class Run:
         are reached only then, to count their GPUs), and the hosts are counted from it.
 
         On the way out the metrics file is closed and, on remote storage, everything uploaded
-        (``RunMirror.push_final``: after the training finished, a failure raises StorageError).
+        (``RunStorage.close``: after the training finished, a failure raises StorageError).
         A ``fit()`` stopped from the driver's side (Ctrl-C, an error of the driver) leaves the
         run ABORTED; one stopped by a ``StorageError``, ERRORED. A full disk where the driver
         writes (logs, metrics, checkpoints, the index) raises ``ControllerError`` caused by a
         ``DiskFullError`` naming the file.
         """
         try:
-            with RunLock(self.run_dir, self.name):
+            with self.storage.lock():
                 self._load_previous()
                 if hosts is None:
                     self._plan = self.new_plan()
@@ -305,27 +254,27 @@ class Run:
                     yield index
                     failed = False
                 except BaseException as exc:
-                    if self.remote is not None and not isinstance(exc, Exception):
-                        self.remote.stopping = True  # Ctrl-C: the uploads left get a bound of seconds
+                    if not isinstance(exc, Exception):
+                        self.storage.stop()  # Ctrl-C: what is left to store gets a bound of seconds
                     if self._run_json.get("status") in ("RUNNING", "RESTARTING"):  # not ended by a failure
                         if isinstance(exc, StorageError):  # the store failing is the run failing: ERRORED
-                            why = self.mirror.why(exc) if self.remote is not None else str(exc)
+                            why = self.storage.why(exc)
                             self._ended_line = (False, self._best(), f"StorageError: {why}")
                         with contextlib.suppress(OSError):  # a full disk: the error that got us here says so
                             status = "ERRORED" if isinstance(exc, StorageError) else "ABORTED"
                             self.save_status(status, error=f"{type(exc).__name__}: {exc}")
                     raise
                 finally:
-                    if self._metrics_file is not None:
+                    if self.storage.metrics_open:
                         with contextlib.suppress(OSError):  # as above
                             self.flush_metrics()  # what a failure cut short between two batches
-                        self._write_summary()
+                        self.storage.write_summary()
                         with contextlib.suppress(OSError):  # as above
-                            self._metrics_file.close()
-                    if self.remote is not None:  # the last uploads, then the console's last line
+                            self.storage.close_metrics()
+                    if self.storage.uploads:  # the last uploads, then the console's last line
                         uploaded = False
                         try:
-                            uploaded = self.mirror.push_final(failed)
+                            uploaded = self.storage.close(failed)
                         finally:
                             self._say_ended(None if uploaded else self.run_dir)
         except OSError as exc:
@@ -365,7 +314,7 @@ class Run:
         """The run is over: FINISHED, or ERRORED with ``error`` (the console says so at once, or
         on remote storage once the run's last uploads are done)."""
         self._ended_line = (error is None, self._best(), error or "")
-        if self.remote is None:
+        if not self.storage.uploads:  # else once the last uploads are done (``opened``)
             self._say_ended()
         if error is None:
             self.save_status("FINISHED")
@@ -386,34 +335,13 @@ class Run:
             best_checkpoints=self.checkpoints.best_checkpoints(),
             return_value=return_values[0] if return_values else None,
             return_values=return_values,
-            _storage_filesystem=self.remote.fs if self.remote else None,
+            _storage_filesystem=self.storage.filesystem,
         )
 
     def clean_after_failure(self, failures: list[WorkerFailure] | tuple[()] = ()) -> None:
-        """Remove what the failed attempt left half-done, upload its logs. On remote storage a
-        failure here is logged: the store may be what failed, and the next attempt (or the
-        next resume) cleans up again. When the store did not answer a worker (``failures``),
-        these calls get a bound of seconds: one that times out too stops the driver's calls to
-        the store until it answers (see ``remote_calls``), so the run ends at once."""
-        if self.remote is None:
-            self.checkpoints.clean_leftovers()
-            return
-        was_stopping = self.remote.stopping
-        self.remote.stopping = was_stopping or any(
-            isinstance(f.exception, StorageError) and f.exception.timed_out for f in failures
-        )
-        try:
-            self.checkpoints.clean_leftovers()
-            self.mirror.push_logs(retry=False)  # sent again later: the next attempt's end, the run's
-        except Exception as exc:  # each fsspec backend raises its own errors
-            _logger.warning(
-                "ddptrain: could not clean up after the failed attempt in %s: %s: %s",
-                self.location,
-                type(exc).__name__,
-                exc,
-            )
-        finally:
-            self.remote.stopping = was_stopping
+        """Remove what the failed attempt left half-done, and store its logs (see
+        ``RunStorage.clean_after_failure``)."""
+        self.storage.clean_after_failure(failures)
 
     def _best(self) -> tuple[str, dict[str, Any]] | None:
         """The best checkpoint by the configured score (the latest without one), for the summary."""

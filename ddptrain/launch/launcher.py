@@ -70,9 +70,10 @@ class HostLauncher(Protocol):
     def fetch_dir(self, rank: int, remote: str, local: str) -> None:
         """Copy a folder of this host (where ``rank`` runs) to this machine, and delete it there."""
 
-    def prepare_storage(self, run_dir: str, run_id: str) -> str | None:
-        """``None`` if this host sees ``run_dir``; else the folder on the host where its workers
-        keep checkpoint files until they are fetched."""
+    def prepare_storage(self, probe: str, run_id: str) -> str | None:
+        """``None`` if this host sees the run directory (it can read ``probe``, the run's file
+        that holds ``run_id``); else the folder on the host where its workers keep checkpoint
+        files until they are fetched."""
 
     def push_dir(self, local: str, remote: str) -> None:
         """Copy a folder of this machine to ``remote`` on the host."""
@@ -196,7 +197,7 @@ class LocalLauncher:
     def shutdown(self, grace_s: float) -> None:
         self._session.shutdown(grace_s)
 
-    def prepare_storage(self, run_dir: str, run_id: str) -> None:
+    def prepare_storage(self, probe: str, run_id: str) -> None:
         return None
 
     def push_dir(self, local: str, remote: str) -> None:
@@ -257,18 +258,19 @@ class GroupLauncher:
         launcher removes when it shuts down, or the next run on that host if this driver is
         killed first)."""
         run = share.run
-        if not run.run_dir:
+        storage = run.storage
+        if not storage.run_dir or storage.probe is None:
             return share  # a group that runs functions has no run directory to share
-        cache = launcher.prepare_storage(run.run_dir, run.run_id)
+        cache = launcher.prepare_storage(storage.probe, run.run_id)
         if cache is None:
             return share
         self.unshared_ranks.update(spec.rank for spec in share.workers)
-        checkpoint = run.checkpoint
+        checkpoint = storage.checkpoint
         if checkpoint:
             checkpoint = f"{cache}/resume/a{run.attempt}/{os.path.basename(checkpoint)}"
-            launcher.push_dir(run.checkpoint, checkpoint)  # type: ignore[arg-type]
-        run = dataclasses.replace(run, shared_storage=False, local_cache=cache, checkpoint=checkpoint)
-        return dataclasses.replace(share, run=run)
+            launcher.push_dir(storage.checkpoint, checkpoint)  # type: ignore[arg-type]
+        storage = dataclasses.replace(storage, local_cache=cache, checkpoint=checkpoint)
+        return dataclasses.replace(share, run=dataclasses.replace(run, storage=storage))
 
     def start(self, bootstrap: Bootstrap, sink: OutputSink, on_event: Callable[[AgentEvent], None]) -> None:
         """Hand each host its share, one after the other.

@@ -234,7 +234,7 @@ class SSHLauncher:
             raise
 
     # ----------------------------------------------------------------- files (no shared storage)
-    def prepare_storage(self, run_dir: str, run_id: str) -> str | None:
+    def prepare_storage(self, probe: str, run_id: str) -> str | None:
         """Check whether this host sees the run directory; if not, create its private staging
         folder (``/tmp/ddptrain-<run id>``, 0700, owned by this host's agent) and return its
         path (see ``HostFiles.prepare``).
@@ -250,7 +250,7 @@ class SSHLauncher:
             if lost is not None:
                 raise lost
             return None  # the agent did not start: `start` reports why
-        return self._files.prepare(run_dir, run_id, self.agent_pid)
+        return self._files.prepare(probe, run_id, self.agent_pid)
 
     def fetch_dir(self, rank: int, remote: str, local: str) -> None:
         """Copy a folder from the host to this machine, then delete it there (``HostFiles.fetch_dir``)."""

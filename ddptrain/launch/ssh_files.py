@@ -20,7 +20,6 @@ from typing import Any
 
 from ddptrain.errors import HostLostError, LaunchError, is_disk_full
 from ddptrain.launch.host_scripts import STAGING_PREFIX, STORAGE_PREP, one_line
-from ddptrain.storage.layout import RunLayout
 
 __all__ = ["HostFiles"]
 
@@ -77,8 +76,9 @@ class HostFiles:
                 ) from None
         return self._sftp_client
 
-    def prepare(self, run_dir: str, run_id: str, agent_pid: int) -> str | None:
-        """``None`` if the host sees ``run_dir``; else its new staging folder, owned by the agent
+    def prepare(self, probe: str, run_id: str, agent_pid: int) -> str | None:
+        """``None`` if the host sees the run directory (it can read ``probe``, the run's file that
+        holds ``run_id``: ``StorageSpec.probe``); else its new staging folder, owned by the agent
         ``agent_pid``. Either way, remove the staging folders of runs whose agent is gone from
         the host (their driver was killed before it could remove them).
 
@@ -88,7 +88,7 @@ class HostFiles:
         """
         cache = f"{STAGING_PREFIX}{run_id}"
         owner = f"driver {socket.gethostname()} pid {os.getpid()}"
-        args = [str(RunLayout(run_dir).run_json), run_id, cache, str(agent_pid), owner]
+        args = [probe, run_id, cache, str(agent_pid), owner]
         command = shlex.join([self._python, "-I", "-S", "-c", one_line(STORAGE_PREP), *args])
         try:
             _, stdout, stderr = self._client.exec_command(command, timeout=60)

@@ -40,6 +40,7 @@ __all__ = [
     "Kind",
     "Request",
     "RunInfo",
+    "StorageSpec",
     "StoreAddress",
     "WorkerSpec",
     "decode_bootstrap",
@@ -63,7 +64,7 @@ __all__ = [
     "VERSION",
 ]
 
-VERSION = 6  # 6: BeginRun
+VERSION = 7  # 6: BeginRun; 7: RunInfo.storage, a StorageSpec
 
 
 # ----------------------------------------------------------------- worker -> driver
@@ -280,26 +281,54 @@ class WorkerSpec:
 
 
 @dataclass(frozen=True)
+class StorageSpec:
+    """Where a run's files go, as a worker needs it to build its side of the run's storage
+    (``ddptrain.storage.open.worker_storage``): the driver's ``RunStorage.spec`` makes it.
+
+    Attributes:
+        kind: ``"local"`` (the run directory, seen by every worker), ``"copyback"`` (the run
+            directory on the driver; hosts that cannot see it stage checkpoints in
+            ``local_cache`` and the driver copies them back) or ``"fsspec"`` (remote storage;
+            workers upload their checkpoint files themselves).
+        storage_path: The storage root, as users see it.
+        run_dir: The run directory (on remote storage: the driver's local working copy).
+        run_path: The run's folder on the remote file system (``"fsspec"`` only).
+        filesystem: The cloudpickled ``RemoteRoot`` of remote storage (``"fsspec"`` only).
+            Unpickling a file system may start an I/O thread, which the agent must not have
+            when it forks, so only workers unpickle it (this and the next).
+        checkpoint: The checkpoint to resume from.
+        checkpoint_filesystem: The cloudpickled file system ``checkpoint`` is on (``None``:
+            this machine's), such as ``resume_from_checkpoint``'s.
+        probe: A file of the run that only a host seeing ``run_dir`` can read (``run.json``,
+            which holds the run's id): how the driver tells whether a host sees it.
+        local_cache: Where a host that cannot see ``run_dir`` keeps its checkpoint files until
+            the driver copies them back (``None``: the host sees it).
+    """
+
+    kind: str = "local"
+    storage_path: str = ""
+    run_dir: str | None = None
+    run_path: str | None = None
+    filesystem: bytes | None = None
+    checkpoint: str | None = None
+    checkpoint_filesystem: bytes | None = None
+    probe: str | None = None
+    local_cache: str | None = None
+
+
+@dataclass(frozen=True)
 class RunInfo:
     """What a worker needs to know of the training run it takes part in (empty for a group
-    that only runs functions). Travels in the :class:`Bootstrap`, or to warm workers as the
-    a :class:`BeginRun`."""
+    that only runs functions). Travels in the :class:`Bootstrap`, or to warm workers in a
+    :class:`BeginRun`."""
 
     run_id: str = ""
     attempt: int = 0
     name: str = ""
-    storage_path: str = ""
-    run_dir: str | None = None
-    checkpoint: str | None = None  # the checkpoint to resume from
-    # cloudpickled ``(RemoteRoot, checkpoint file system)``: unpickling a file system may start
-    # an I/O thread, which the agent must not have when it forks, so only workers unpickle it.
-    storage: bytes | None = None
-    run_path: str | None = None  # the run's path on remote storage
+    storage: StorageSpec = field(default_factory=StorageSpec)
     report_index: int = 0  # the number of the run's next report
     argv: tuple[str, ...] = ()
     log_level: str = "INFO"
-    shared_storage: bool = True  # False: this host cannot see ``run_dir`` (copy-back over SSH)
-    local_cache: str | None = None  # where such a host keeps its files meanwhile
 
 
 @dataclass(frozen=True)

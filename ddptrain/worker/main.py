@@ -24,9 +24,9 @@ from typing import Any
 import cloudpickle
 
 from ddptrain import _env, context
-from ddptrain.checkpoint import Checkpoint
 from ddptrain.data.ingest import open_shards
 from ddptrain.errors import ConfigError, exception_to_bytes
+from ddptrain.storage.open import resume_checkpoint, worker_storage
 from ddptrain.wire import channel, protocol
 from ddptrain.wire.boot import load_user, write_all
 
@@ -156,15 +156,11 @@ def _setup_logging(level: str) -> None:
 def _make_session(spec: protocol.WorkerSpec, run: protocol.RunInfo, ch: channel.WorkerChannel) -> context._Session:
     """This worker's session in ``run`` (an empty one: a group that runs functions); its
     reports go through ``ch``."""
-    latest = run.checkpoint
-    remote, checkpoint_fs = cloudpickle.loads(run.storage) if run.storage else (None, None)
-    if latest and checkpoint_fs is not None:
-        checkpoint: Checkpoint | None = Checkpoint._at(latest, checkpoint_fs)
-    else:
-        checkpoint = Checkpoint(latest) if latest else None
+    checkpoint = resume_checkpoint(run.storage)
     shards = open_shards(spec.datasets)  # maps the driver's shared memory
+    storage = worker_storage(run.storage, run.name) if run.storage.run_dir else None
     return context.build_session(
-        run, spec, context.CHANNEL_REPORTS, dataset_shards=shards, checkpoint=checkpoint, remote=remote, channel=ch
+        run, spec, context.CHANNEL_REPORTS, dataset_shards=shards, checkpoint=checkpoint, storage=storage, channel=ch
     )
 
 
