@@ -173,7 +173,7 @@ def test_a_port_in_use_and_a_worker_dying_during_network_setup_fail_fast(storage
             _trainer(
                 storage, {"rounds": 5, "frequency": 0}, lightgbm_config=LightGBMConfig(local_listen_port=port)
             ).fit()
-        assert time.monotonic() - started < 30
+        assert time.monotonic() - started < 45  # two attempts, each seconds, on a busy machine: not a hang
         message = str(info.value)
         assert f"LightGBM's port {port} on host" in message and "local_listen_port" in message
     finally:

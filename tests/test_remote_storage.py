@@ -402,7 +402,16 @@ CTRL_C_SCRIPT = textwrap.dedent(
 
 
 def _children(pid: int) -> list[str]:
-    return [c for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+    """The processes ``pid`` started that run its workers: its agents, whether its own children
+    or those of its agent fork server (a child that lives as long as the driver, on purpose)."""
+    found = []
+    for child in (c for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()):
+        try:
+            server = b"DDPTRAIN_AGENT_FORKSERVER_FD=" in Path(f"/proc/{child}/environ").read_bytes()
+        except OSError:
+            continue  # gone meanwhile
+        found += _children(int(child)) if server else [child]
+    return found
 
 
 @pytest.mark.parametrize("when", ["mid-run", "at-end"])
