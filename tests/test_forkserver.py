@@ -77,13 +77,30 @@ def test_a_killed_server_is_replaced_by_the_next_fit(storage: str) -> None:
     assert new != old and new in forkserver.server_pids()
 
 
+def env_and_start() -> dict[str, object]:
+    return {**where_started(), "knob": os.environ.get("DDPTRAIN_TEST_KNOB"), "omp": os.environ.get("OMP_NUM_THREADS")}
+
+
 def test_another_environment_gets_its_own_server(storage: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    # What the server imported was imported under its environment (OMP_NUM_THREADS, paths):
-    # an agent for another environment must not be forked from it.
-    first = fit(where_started, storage).return_values[0]["started_by"]
-    monkeypatch.setenv("DDPTRAIN_TEST_OTHER_ENV", "1")
-    second = fit(where_started, storage).return_values[0]["started_by"]
-    assert first != second
+    # What the server imported was imported under its environment (OMP_NUM_THREADS is read when
+    # the OpenMP library loads): an agent for another one must not be forked from it.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    first = fit(env_and_start, storage).return_values[0]
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    second = fit(env_and_start, storage).return_values[0]
+    assert first["started_by"] != second["started_by"]
+    assert (first["omp"], second["omp"]) == ("1", "2")
+
+
+def test_ddptrain_settings_reach_an_agent_forked_from_the_same_server(
+    storage: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # ddptrain reads its settings when it uses them: each agent gets its exact environment.
+    first = fit(env_and_start, storage).return_values[0]
+    monkeypatch.setenv("DDPTRAIN_TEST_KNOB", "on")
+    second = fit(env_and_start, storage).return_values[0]
+    assert first["started_by"] == second["started_by"]
+    assert (first["knob"], second["knob"]) == (None, "on")
 
 
 def test_a_killed_driver_leaves_neither_its_server_nor_its_agents(tmp_path: Path) -> None:

@@ -402,15 +402,19 @@ CTRL_C_SCRIPT = textwrap.dedent(
 
 
 def _children(pid: int) -> list[str]:
-    """The processes ``pid`` started that run its workers: its agents, whether its own children
-    or those of its agent fork server (a child that lives as long as the driver, on purpose)."""
+    """The processes ``pid`` started to run its workers: its agents, whether its own children or
+    those of its agent fork server (a child that lives as long as the driver, on purpose)."""
+
+    def children(of: str | int) -> list[str]:
+        return [c for task in Path(f"/proc/{of}/task").iterdir() for c in (task / "children").read_text().split()]
+
     found = []
-    for child in (c for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()):
+    for child in children(pid):
         try:
             server = b"DDPTRAIN_AGENT_FORKSERVER_FD=" in Path(f"/proc/{child}/environ").read_bytes()
+            found += children(child) if server else [child]
         except OSError:
             continue  # gone meanwhile
-        found += _children(int(child)) if server else [child]
     return found
 
 

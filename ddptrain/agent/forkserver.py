@@ -8,17 +8,18 @@ exactly as an agent's would) and then, for each request, forks an agent, which r
 :func:`serve` and runs ``ddptrain.agent.main`` as a freshly started agent does. A restarted
 attempt or the next ``fit()`` thus starts its agent without importing torch again.
 
-Messages (one per packet): the driver sends ``F`` with three file descriptors (the agent's
-stdin, stdout and stderr) and ``R <pid>`` once it has killed that agent's process group; the
-server answers ``P <pid>`` for each fork and ``X <pid> <exit code>`` when an agent exits. An
-agent that exited stays a zombie until its ``R`` (so its process-group id cannot be reused
-while the driver may still kill the group). The server exits when the driver's end closes (the
-driver exited or killed it), and after an import failure once that agent has ended (the driver
-then starts a new server for the next agent).
+Messages (one per packet): the driver sends ``F`` and the agent's environment as JSON, with
+three file descriptors (the agent's stdin, stdout and stderr), and ``R <pid>`` once it has
+killed that agent's process group; the server answers ``P <pid>`` for each fork and
+``X <pid> <exit code>`` when an agent exits. An agent that exited stays a zombie until its
+``R`` (so its process-group id cannot be reused while the driver may still kill the group).
+The server exits when the driver's end closes (the driver exited or killed it), and after an
+import failure once that agent has ended (the driver then starts a new server).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import socket
@@ -26,6 +27,7 @@ import socket
 __all__ = ["serve"]
 
 _TICK_S = 0.1  # how often exits are looked for
+_MAX_MESSAGE = 1 << 20  # an environment of up to 1 MiB
 
 
 def _exit_code(pid: int) -> int | None:
@@ -77,7 +79,7 @@ def serve(control_fd: int) -> None:
         if not select.select([sock], [], [], _TICK_S)[0]:
             continue
         try:
-            message, fds, _, _ = socket.recv_fds(sock, 64, 3)
+            message, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 3)
         except OSError:
             message, fds = b"", []
         if not message:  # the driver's end closed
@@ -88,10 +90,11 @@ def serve(control_fd: int) -> None:
                 exited.discard(pid)
                 os.waitpid(pid, 0)
             continue
-        if message != b"F" or len(fds) != 3:
+        if not message.startswith(b"F") or len(fds) != 3:
             for fd in fds:
                 os.close(fd)
             continue
+        env = json.loads(message[1:])
         if not imported:
             imported = True
             failed = not _import_agent_modules(fds[2])
@@ -103,6 +106,8 @@ def serve(control_fd: int) -> None:
                 os.dup2(fd, target)
             for fd in (*fds, devnull):
                 os.close(fd)
+            os.environ.clear()  # the agent's own environment (putenv: its workers' C code sees it too)
+            os.environ.update(env)
             return
         for fd in fds:
             os.close(fd)

@@ -6,7 +6,10 @@ server per agent environment for them instead (``ddptrain.agent.forkserver``): t
 costs what it always did, every later one a ``fork()``. The server never runs user code, so
 nothing of one run reaches the next; it is started with the agent's exact environment, umask,
 interpreter and pinned import folders, and a driver whose environment differs gets another one
-(at most ``_IDLE_SERVERS`` idle ones are kept). A server ends with the driver process.
+(at most ``_IDLE_SERVERS`` idle ones are kept). Variables that cannot matter while torch and
+ddptrain are imported (ddptrain's own settings, read when used, and pytest's per-test
+``PYTEST_CURRENT_TEST``) do not count as a difference: each agent gets its exact environment
+when it is forked. A server ends with the driver process.
 
 ``DDPTRAIN_AGENT_FORKSERVER=0`` starts every agent as a new process instead.
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import logging
 import os
 import socket
@@ -129,12 +133,13 @@ class _Server:
     def busy(self) -> bool:
         return bool(self._waiting) or any(not a._exited.is_set() for a in self._agents.values())
 
-    def spawn(self, stdin: int, stdout: int, stderr: int) -> ForkedAgent:
+    def spawn(self, env: dict[str, str], stdin: int, stdout: int, stderr: int) -> ForkedAgent:
         agent = ForkedAgent(self)
+        request = b"F" + json.dumps(env).encode()
         with self._send_lock:
             self._waiting.append(agent)
             try:
-                socket.send_fds(self.sock, [b"F"], [stdin, stdout, stderr])
+                socket.send_fds(self.sock, [request], [stdin, stdout, stderr])
             except OSError:
                 self._waiting.remove(agent)
                 raise
@@ -178,6 +183,11 @@ _lock = threading.Lock()
 _servers: list[_Server] = []  # most recently used last
 
 
+def _import_time_env(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    """The part of ``env`` that may change what importing torch and ddptrain does."""
+    return tuple(sorted((k, v) for k, v in env.items() if not k.startswith("DDPTRAIN_") and k != "PYTEST_CURRENT_TEST"))
+
+
 def _umask() -> str:
     with open("/proc/self/status") as f:
         return next((line.split()[1] for line in f if line.startswith("Umask:")), "")
@@ -186,7 +196,7 @@ def _umask() -> str:
 def spawn(env: dict[str, str], stdin: int, stdout: int, stderr: int) -> ForkedAgent:
     """Fork an agent with these standard streams from the server for ``env`` (started now if
     there is none: the call does not wait for its imports)."""
-    key = (sys.executable, tuple(import_pins()), tuple(sorted(env.items())), _umask())
+    key = (sys.executable, tuple(import_pins()), _import_time_env(env), _umask())
     with _lock:
         _servers[:] = [s for s in _servers if s.alive and s.owner == os.getpid()]  # not a forked copy's
         server = next((s for s in _servers if s.key == key), None)
@@ -199,7 +209,7 @@ def spawn(env: dict[str, str], stdin: int, stdout: int, stderr: int) -> ForkedAg
         for old in idle[: max(0, len(_servers) - _IDLE_SERVERS)]:
             _servers.remove(old)
             old.close()
-    return server.spawn(stdin, stdout, stderr)
+    return server.spawn(env, stdin, stdout, stderr)
 
 
 def server_pids() -> list[int]:
