@@ -1,9 +1,10 @@
-"""The attempt's state machine, without processes: a fake worker group replays scripted worker
-messages into an :class:`~ddptrain.driver.Attempt` and records what the driver sends back."""
+"""The attempt's state machine, without processes: a fake worker group replays scripted poll
+results into an :class:`~ddptrain.driver.attempt.Attempt` and records what the driver sends back."""
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,8 @@ import pytest
 
 import ddptrain as train
 from ddptrain.backend import BackendConfig
-from ddptrain.driver.attempt import Attempt
+from ddptrain.driver.attempt import Attempt, Failed, Succeeded
+from ddptrain.driver.group_events import FailureSeen, GroupEvent, MessagesHandled, StatesReported, TickDue
 from ddptrain.driver.run import Run
 from ddptrain.driver.worker_group import GroupFailed
 from ddptrain.errors import WorkerFailure
@@ -23,11 +25,12 @@ from ddptrain.wire import protocol
 
 
 class FakeGroup:
-    """A started worker group whose workers' messages come from ``script``.
+    """A started worker group whose workers' messages come from ``script``, one per poll().
 
-    A script item is a protocol message from a worker, or a callable run at that point (to
-    look at what the driver has sent so far). The pump fails the test when the attempt waits
-    for more than the script holds: a real group would hang there.
+    A script item is a protocol message from a worker, a group event (``FailureSeen``...) or
+    a callable run at that point (to look at what the driver has sent so far). Each poll is
+    followed by a due tick. Polling more than the script holds fails the test: a real group
+    would hang there.
     """
 
     def __init__(self, world_size: int, script: list[Any]) -> None:
@@ -40,10 +43,6 @@ class FakeGroup:
         self.finishing = False
         self.launcher = None
         self.stopped = self.closed = False
-        self.handler: Callable[[list[Any]], WorkerFailure | None] | None = None
-        self.on_tick: Callable[[], None] | None = None
-        self.on_failure: Callable[[], None] | None = None
-        self.watch: Any = None
 
     # what Attempt uses of a group
     def ask(self, command: bytes) -> None:
@@ -64,24 +63,27 @@ class FakeGroup:
     def send(self, rank: int, message: Any) -> None:
         self.sent.append((rank, message))
 
-    def pump_until(self, done: Callable[[], bool], timeout_s: float | None = None, waiting_for: str = "") -> None:
-        while not done():
-            if not self.script:
-                raise AssertionError(f"the attempt waits for more than the script holds ({waiting_for or 'events'})")
-            item = self.script.pop(0)
-            if callable(item):
-                item()
-            elif isinstance(item, protocol.Done):
-                self.done[item.rank] = (item.returned, item.note)
-            else:
-                assert self.handler is not None
-                failure = self.handler([item])  # a real group hands on runs of messages
-                if failure is not None:
-                    raise self.fail([failure])
-            assert self.on_tick is not None
-            self.on_tick()
+    def poll(self, timeout_s: float = 0.5) -> list[GroupEvent]:
+        if not self.script:
+            raise AssertionError("the attempt waits for more than the script holds")
+        item = self.script.pop(0)
+        events: list[GroupEvent] = []
+        if callable(item):
+            item()
+        elif isinstance(item, FailureSeen):
+            self.alive = False
+            return [item]
+        elif isinstance(item, (MessagesHandled, StatesReported, TickDue)):
+            events.append(item)
+        elif isinstance(item, protocol.Done):
+            self.done[item.rank] = (item.returned, item.note)
+            events.append(MessagesHandled())
+        else:
+            events.append(MessagesHandled((item,)))
+        return [*events, TickDue(0.0)]
 
     def fail(self, failures: list[WorkerFailure]) -> GroupFailed:
+        self.alive = False
         return GroupFailed(failures)
 
     def failure(self, rank: int, exitcode: int | None, exc: BaseException, traceback_str: str = "") -> WorkerFailure:
@@ -95,6 +97,15 @@ class FakeGroup:
 
     def sent_of(self, kind: type) -> list[tuple[int, Any]]:
         return [(rank, m) for rank, m in self.sent if isinstance(m, kind)]
+
+
+def run_attempt(run: Run, group: FakeGroup, keep: bool = False, clock: Callable[[], float] = time.monotonic) -> Any:
+    """Attempt 0 of ``run`` on ``group``: its return values, or GroupFailed raised for a Failed."""
+    outcome = Attempt(run.attempt_context(0), run, group, keep=keep, clock=clock).run()  # type: ignore[arg-type]
+    if isinstance(outcome, Failed):
+        raise GroupFailed(list(outcome.failures))
+    assert isinstance(outcome, Succeeded) and outcome.keep_warm == keep
+    return outcome.return_values
 
 
 @pytest.fixture
@@ -133,7 +144,7 @@ def test_a_report_round_commits_one_checkpoint_and_acks_the_ranks_that_sent_file
             done(1, "b"),
         ],
     )
-    values = Attempt(run, 0, group).run_group()
+    values = run_attempt(run, group)
     assert values == ["a", "b"]
     acks = group.sent_of(protocol.Ack)
     path = str(Path(run.run_dir, "checkpoint_000001"))
@@ -148,7 +159,7 @@ def test_a_report_round_commits_one_checkpoint_and_acks_the_ranks_that_sent_file
 def test_metrics_only_reports_get_no_ack(run: Run) -> None:
     group = FakeGroup(2, [protocol.Report(0, 1, {"x": 1}, None, None), protocol.Report(1, 1, {"x": 2}, None, None)])
     group.script += [done(0), done(1)]
-    Attempt(run, 0, group).run_group()
+    run_attempt(run, group)
     assert group.sent_of(protocol.Ack) == []
     assert run.metrics_history == [{"x": 1}]
 
@@ -163,7 +174,7 @@ def test_a_checkpoint_name_that_escapes_the_run_directory_is_refused_in_the_ack(
             done(1),
         ],
     )
-    Attempt(run, 0, group).run_group()
+    run_attempt(run, group)
     [(rank, ack)] = group.sent_of(protocol.Ack)
     assert rank == 0 and ack.path is None and "plain folder name" in ack.problem
     assert run.checkpoints.latest is None
@@ -171,7 +182,7 @@ def test_a_checkpoint_name_that_escapes_the_run_directory_is_refused_in_the_ack(
 
 def test_a_collective_round_sends_rank_zeros_data_to_every_rank(run: Run) -> None:
     group = FakeGroup(2, [protocol.Collective(1, 1, None), protocol.Collective(0, 1, b"data"), done(0), done(1)])
-    Attempt(run, 0, group).run_group()
+    run_attempt(run, group)
     assert group.sent_of(protocol.CollectiveResult) == [
         (0, protocol.CollectiveResult(1, b"data")),
         (1, protocol.CollectiveResult(1, b"data")),
@@ -181,8 +192,9 @@ def test_a_collective_round_sends_rank_zeros_data_to_every_rank(run: Run) -> Non
 def test_a_rank_that_returns_while_another_waits_in_a_collective_fails_the_attempt(run: Run) -> None:
     group = FakeGroup(2, [protocol.Collective(0, 1, b"x"), done(1)])
     with pytest.raises(GroupFailed, match=r"rank\(s\) \[1\] returned from the training function while rank\(s\) \[0\]"):
-        Attempt(run, 0, group).run_group()
-    assert group.closed
+        run_attempt(run, group)
+    # Dead, and left to the controller to shut down (after it started the next attempt's agents).
+    assert not group.alive and not group.closed
 
 
 def test_get_all_reported_checkpoints_waits_for_the_callers_report_round(run: Run, tmp_path: Path) -> None:
@@ -200,7 +212,7 @@ def test_get_all_reported_checkpoints_waits_for_the_callers_report_round(run: Ru
             done(1),
         ],
     )
-    Attempt(run, 0, group).run_group()
+    run_attempt(run, group)
     [(rank, reply)] = group.sent_of(protocol.CheckpointsReply)
     assert rank == 0
     assert reply.reported == [(str(Path(run.run_dir, "checkpoint_000001")), {"step": 1})]
@@ -212,11 +224,11 @@ def test_get_all_reported_checkpoints_waits_for_the_callers_report_round(run: Ru
 def test_a_report_round_left_unfinished_is_named_when_training_ends(run: Run, caplog) -> None:
     group = FakeGroup(2, [protocol.Report(0, 1, {"x": 1}, None, None), done(0), done(1)])
     with caplog.at_level(logging.WARNING, logger="ddptrain"):
-        Attempt(run, 0, group).run_group()
+        run_attempt(run, group)
     assert any("never by rank(s) [1]" in r.getMessage() for r in caplog.records)
 
 
 def test_a_kept_attempt_leaves_its_workers_running(run: Run) -> None:
     group = FakeGroup(2, [done(0), done(1)])
-    Attempt(run, 0, group, keep=True).run_group()
+    run_attempt(run, group, keep=True)
     assert not group.stopped and not group.closed
