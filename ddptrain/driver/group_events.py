@@ -118,7 +118,7 @@ def failure_from_record(record: protocol.FailureRecord) -> BaseException:
 
 
 class GroupEvents:
-    """The event pump of a worker group and what it has learned of each rank.
+    """The event pump of a worker group (:meth:`poll`) and what it has learned of each rank.
 
     Args:
         plan: Where the ranks run (to name their hosts in failures).
