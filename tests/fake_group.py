@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,10 @@ class FakeGroup:
         self.stopped = self.closed = False
 
     # what Attempt uses of a group
+    @contextlib.contextmanager
+    def observed(self, observer: Callable[[GroupEvent], None]) -> Iterator[None]:
+        yield  # the fake's own calls do not wait
+
     def start(self, **kwargs: Any) -> None:
         self.started = True
 

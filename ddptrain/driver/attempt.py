@@ -26,7 +26,7 @@ import cloudpickle
 
 from ddptrain import _env
 from ddptrain.checkpoint import Checkpoint
-from ddptrain.driver.group_events import FailureSeen, MessagesHandled, StatesReported, TickDue
+from ddptrain.driver.group_events import FailureSeen, GroupEvent, MessagesHandled, StatesReported, TickDue
 from ddptrain.driver.watchdog import Watch
 from ddptrain.driver.worker_group import GroupFailed, WorkerGroup
 from ddptrain.errors import LaunchError, WorkerFailure, is_disk_full
@@ -163,20 +163,21 @@ class Attempt:
         """
         group, ctx = self.group, self.context
         try:
-            if group.started:  # warm from an earlier fit(): the workers switch to this run
-                port = group.next_run(ctx.log_dir, console=ctx.progress)
-                group.begin_run(ctx.run_info, ctx.payload, ctx.datasets, port)
-            else:
-                group.start(
-                    payload=ctx.payload,
-                    run=ctx.run_info,
-                    log_dir=ctx.log_dir,
-                    datasets=ctx.datasets,
-                    console=ctx.progress,
-                )
-            backend = ctx.backend_config.make_backend()
-            backend.on_start(group, ctx.backend_config)
-            backend.on_training_start(group, ctx.backend_config)
+            with group.observed(self._observe):  # the group's own waits: starting, the backend's setup
+                if group.started:  # warm from an earlier fit(): the workers switch to this run
+                    port = group.next_run(ctx.log_dir, console=ctx.progress)
+                    group.begin_run(ctx.run_info, ctx.payload, ctx.datasets, port)
+                else:
+                    group.start(
+                        payload=ctx.payload,
+                        run=ctx.run_info,
+                        log_dir=ctx.log_dir,
+                        datasets=ctx.datasets,
+                        console=ctx.progress,
+                    )
+                backend = ctx.backend_config.make_backend()
+                backend.on_start(group, ctx.backend_config)
+                backend.on_training_start(group, ctx.backend_config)
             self.watch.active = True
             self.watch.activity()
             for rank in range(self.world_size):
@@ -185,7 +186,8 @@ class Attempt:
                 failed = self._handle(group.poll(_POLL_S))
                 if failed is not None:
                     return self._failed(failed)
-            self._finish(backend)
+            with group.observed(self._observe):
+                self._finish(backend)
             return Succeeded([self._load_return(rank) for rank in range(self.world_size)], self.keep)
         except GroupFailed as exc:  # from the group's own calls (start, execute), or a round's check
             return self._failed(exc.failures)
@@ -200,7 +202,11 @@ class Attempt:
         retryable = not self.group.finishing and not any(is_disk_full(f.exception) for f in failures)
         return Failed(tuple(failures), retryable)
 
-    def _handle(self, events: list[Any]) -> tuple[WorkerFailure, ...] | None:
+    def _observe(self, event: GroupEvent) -> None:
+        """What the group's own blocking calls saw (their failures they raise)."""
+        self._handle([event])
+
+    def _handle(self, events: list[GroupEvent]) -> tuple[WorkerFailure, ...] | None:
         """Act on what the group saw; the failures if it failed."""
         for event in events:
             if isinstance(event, MessagesHandled):

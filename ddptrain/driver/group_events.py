@@ -15,11 +15,12 @@ on this what the driver asks of its workers.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import pickle
 import queue
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,6 +139,7 @@ class GroupEvents:
         self._results: dict[int, dict[int, tuple[bool, Any]]] = {}  # call id -> rank -> (ok, value)
         self._next_tick = 0.0
         self._unreleased = 0  # bytes of the batches the last poll() returned, released by the next
+        self._observer: Callable[[GroupEvent], None] | None = None  # see `observed`
         self._failed = False  # a call or a worker failed: the group takes no more work
 
     def poll(self, timeout_s: float = _PUMP_S) -> list[GroupEvent]:
@@ -183,10 +185,23 @@ class GroupEvents:
             self.channel.release(self._unreleased)
         self._unreleased = 0
 
+    @contextlib.contextmanager
+    def observed(self, observer: Callable[[GroupEvent], None]) -> Iterator[None]:
+        """While the caller is inside the group's own blocking calls (``start``, ``execute``,
+        ``stop_workers``...), hand it what their waits see besides a failure (which they
+        raise): ticks, states, activity. The attempt keeps its console clock and the hang
+        watchdog (``ddptrain stack`` during a process group's setup) going this way."""
+        previous, self._observer = self._observer, observer
+        try:
+            yield
+        finally:
+            self._observer = previous
+
     def pump_until(self, done: Callable[[], bool], timeout_s: float | None = None, waiting_for: str = "") -> None:
         """Poll until ``done()`` (the group's own waits: workers joining, function results);
         raises GroupFailed on a failure, TimeoutError after ``timeout_s``. A run's messages
-        arriving here are outside a training run, and ignored."""
+        arriving here are outside a training run, and ignored; the rest goes to the
+        :meth:`observed` caller, if any."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         try:
             while not done():
@@ -196,6 +211,8 @@ class GroupEvents:
                     if isinstance(event, MessagesHandled):
                         for message in event.run:
                             _logger.warning("ddptrain: a worker sent %r outside a training run; ignored", message)
+                    if self._observer is not None:
+                        self._observer(event)
                 if deadline is not None and time.monotonic() > deadline and not done():
                     raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {waiting_for}")
         finally:
