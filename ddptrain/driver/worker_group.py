@@ -249,6 +249,7 @@ class WorkerGroup(GroupEvents):
         assert self.sink is not None and self.launcher is not None
         self.sink.retarget(log_dir)
         self.sink.console = console
+        self._release()  # the last run's last batch (its Done messages)
         self.done.clear()
         self.finishing = False
         self._rendezvous = open_store(self.launcher.bind_address())
