@@ -1,19 +1,23 @@
-"""The attempt's state machine, without processes: a fake worker group replays scripted worker
-messages into an :class:`~ddptrain.driver.Attempt` and records what the driver sends back."""
+"""The attempt's state machine, without processes: a fake worker group replays scripted poll
+results into an :class:`~ddptrain.driver.attempt.Attempt` and records what the driver sends back."""
 
 from __future__ import annotations
 
+import errno
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import cloudpickle
 import pytest
+from fake_group import FakeGroup
 
 import ddptrain as train
 from ddptrain.backend import BackendConfig
-from ddptrain.driver.attempt import Attempt
+from ddptrain.driver.attempt import Attempt, Failed, Succeeded
+from ddptrain.driver.group_events import FailureSeen
 from ddptrain.driver.run import Run
 from ddptrain.driver.worker_group import GroupFailed
 from ddptrain.errors import WorkerFailure
@@ -22,79 +26,13 @@ from ddptrain.storage import layout as storage
 from ddptrain.wire import protocol
 
 
-class FakeGroup:
-    """A started worker group whose workers' messages come from ``script``.
-
-    A script item is a protocol message from a worker, or a callable run at that point (to
-    look at what the driver has sent so far). The pump fails the test when the attempt waits
-    for more than the script holds: a real group would hang there.
-    """
-
-    def __init__(self, world_size: int, script: list[Any]) -> None:
-        self.world_size = world_size
-        self.script = list(script)
-        self.sent: list[tuple[int, Any]] = []
-        self.done: dict[int, tuple[bytes | None, str | None]] = {}
-        self.started = True
-        self.alive = True
-        self.finishing = False
-        self.launcher = None
-        self.stopped = self.closed = False
-        self.handler: Callable[[list[Any]], WorkerFailure | None] | None = None
-        self.on_tick: Callable[[], None] | None = None
-        self.on_failure: Callable[[], None] | None = None
-        self.watch: Any = None
-
-    # what Attempt uses of a group
-    def ask(self, command: bytes) -> None:
-        pass
-
-    def where(self, rank: int) -> str:
-        return f"rank {rank}"
-
-    def next_run(self, log_dir: Path | None, console: Any = None) -> int:
-        return 0
-
-    def execute(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
-        return [None] * self.world_size  # the backend's hooks
-
-    def begin_run(self, run: Any, payload: Any, datasets: Any, port: int) -> None:
-        pass
-
-    def send(self, rank: int, message: Any) -> None:
-        self.sent.append((rank, message))
-
-    def pump_until(self, done: Callable[[], bool], timeout_s: float | None = None, waiting_for: str = "") -> None:
-        while not done():
-            if not self.script:
-                raise AssertionError(f"the attempt waits for more than the script holds ({waiting_for or 'events'})")
-            item = self.script.pop(0)
-            if callable(item):
-                item()
-            elif isinstance(item, protocol.Done):
-                self.done[item.rank] = (item.returned, item.note)
-            else:
-                assert self.handler is not None
-                failure = self.handler([item])  # a real group hands on runs of messages
-                if failure is not None:
-                    raise self.fail([failure])
-            assert self.on_tick is not None
-            self.on_tick()
-
-    def fail(self, failures: list[WorkerFailure]) -> GroupFailed:
-        return GroupFailed(failures)
-
-    def failure(self, rank: int, exitcode: int | None, exc: BaseException, traceback_str: str = "") -> WorkerFailure:
-        return WorkerFailure(rank=rank, host="fake", pid=None, exitcode=exitcode, exception=exc)
-
-    def stop_workers(self) -> None:
-        self.stopped = True
-
-    def shutdown(self, grace_s: float | None = None) -> None:
-        self.closed = True
-
-    def sent_of(self, kind: type) -> list[tuple[int, Any]]:
-        return [(rank, m) for rank, m in self.sent if isinstance(m, kind)]
+def run_attempt(run: Run, group: FakeGroup, keep: bool = False, clock: Callable[[], float] = time.monotonic) -> Any:
+    """Attempt 0 of ``run`` on ``group``: its return values, or GroupFailed raised for a Failed."""
+    outcome = Attempt(run.attempt_context(0), run, group, keep=keep, clock=clock).run()  # type: ignore[arg-type]
+    if isinstance(outcome, Failed):
+        raise GroupFailed(list(outcome.failures))
+    assert isinstance(outcome, Succeeded) and outcome.keep_warm == keep
+    return outcome.return_values
 
 
 @pytest.fixture
@@ -133,7 +71,7 @@ def test_a_report_round_commits_one_checkpoint_and_acks_the_ranks_that_sent_file
             done(1, "b"),
         ],
     )
-    values = Attempt(run, 0, group).run_group()
+    values = run_attempt(run, group)
     assert values == ["a", "b"]
     acks = group.sent_of(protocol.Ack)
     path = str(Path(run.run_dir, "checkpoint_000001"))
@@ -148,7 +86,7 @@ def test_a_report_round_commits_one_checkpoint_and_acks_the_ranks_that_sent_file
 def test_metrics_only_reports_get_no_ack(run: Run) -> None:
     group = FakeGroup(2, [protocol.Report(0, 1, {"x": 1}, None, None), protocol.Report(1, 1, {"x": 2}, None, None)])
     group.script += [done(0), done(1)]
-    Attempt(run, 0, group).run_group()
+    run_attempt(run, group)
     assert group.sent_of(protocol.Ack) == []
     assert run.metrics_history == [{"x": 1}]
 
@@ -163,7 +101,7 @@ def test_a_checkpoint_name_that_escapes_the_run_directory_is_refused_in_the_ack(
             done(1),
         ],
     )
-    Attempt(run, 0, group).run_group()
+    run_attempt(run, group)
     [(rank, ack)] = group.sent_of(protocol.Ack)
     assert rank == 0 and ack.path is None and "plain folder name" in ack.problem
     assert run.checkpoints.latest is None
@@ -171,7 +109,7 @@ def test_a_checkpoint_name_that_escapes_the_run_directory_is_refused_in_the_ack(
 
 def test_a_collective_round_sends_rank_zeros_data_to_every_rank(run: Run) -> None:
     group = FakeGroup(2, [protocol.Collective(1, 1, None), protocol.Collective(0, 1, b"data"), done(0), done(1)])
-    Attempt(run, 0, group).run_group()
+    run_attempt(run, group)
     assert group.sent_of(protocol.CollectiveResult) == [
         (0, protocol.CollectiveResult(1, b"data")),
         (1, protocol.CollectiveResult(1, b"data")),
@@ -181,8 +119,9 @@ def test_a_collective_round_sends_rank_zeros_data_to_every_rank(run: Run) -> Non
 def test_a_rank_that_returns_while_another_waits_in_a_collective_fails_the_attempt(run: Run) -> None:
     group = FakeGroup(2, [protocol.Collective(0, 1, b"x"), done(1)])
     with pytest.raises(GroupFailed, match=r"rank\(s\) \[1\] returned from the training function while rank\(s\) \[0\]"):
-        Attempt(run, 0, group).run_group()
-    assert group.closed
+        run_attempt(run, group)
+    # Dead, and left to the controller to shut down (after it started the next attempt's agents).
+    assert not group.alive and not group.closed
 
 
 def test_get_all_reported_checkpoints_waits_for_the_callers_report_round(run: Run, tmp_path: Path) -> None:
@@ -200,7 +139,7 @@ def test_get_all_reported_checkpoints_waits_for_the_callers_report_round(run: Ru
             done(1),
         ],
     )
-    Attempt(run, 0, group).run_group()
+    run_attempt(run, group)
     [(rank, reply)] = group.sent_of(protocol.CheckpointsReply)
     assert rank == 0
     assert reply.reported == [(str(Path(run.run_dir, "checkpoint_000001")), {"step": 1})]
@@ -212,11 +151,81 @@ def test_get_all_reported_checkpoints_waits_for_the_callers_report_round(run: Ru
 def test_a_report_round_left_unfinished_is_named_when_training_ends(run: Run, caplog) -> None:
     group = FakeGroup(2, [protocol.Report(0, 1, {"x": 1}, None, None), done(0), done(1)])
     with caplog.at_level(logging.WARNING, logger="ddptrain"):
-        Attempt(run, 0, group).run_group()
+        run_attempt(run, group)
     assert any("never by rank(s) [1]" in r.getMessage() for r in caplog.records)
 
 
 def test_a_kept_attempt_leaves_its_workers_running(run: Run) -> None:
     group = FakeGroup(2, [done(0), done(1)])
-    Attempt(run, 0, group, keep=True).run_group()
+    run_attempt(run, group, keep=True)
     assert not group.stopped and not group.closed
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_a_checkpoint_query_is_answered_when_its_timeout_is_over_on_the_attempts_clock(run: Run) -> None:
+    clock = FakeClock()
+    group = FakeGroup(
+        2,
+        [
+            protocol.Report(0, 1, {"step": 1}, None, None),
+            protocol.CheckpointsQuery(0, 1, 5.0),  # waits for rank 1's report #1, at most 5 s
+            lambda: clock.advance(4.0),
+            lambda: assert_no_reply(group),
+            lambda: clock.advance(2.0),  # the next tick finds the timeout over
+            lambda: assert_reply(group),
+            protocol.Report(1, 1, {"step": 1}, None, None),
+            done(0),
+            done(1),
+        ],
+    )
+    run_attempt(run, group, clock=clock)
+    assert group.sent_of(protocol.CheckpointsReply) == [(0, protocol.CheckpointsReply([]))]
+
+
+def assert_no_reply(group: FakeGroup) -> None:
+    assert group.sent_of(protocol.CheckpointsReply) == []
+
+
+def assert_reply(group: FakeGroup) -> None:
+    assert len(group.sent_of(protocol.CheckpointsReply)) == 1
+
+
+def test_a_rank_late_to_a_report_is_named_after_the_warn_interval_on_the_attempts_clock(run: Run, caplog) -> None:
+    clock = FakeClock()
+    script = [protocol.Report(0, 1, {"x": 1}, None, None), lambda: clock.advance(4.0)]
+    script += [lambda: clock.advance(2.0), protocol.Report(1, 1, {"x": 1}, None, None), done(0), done(1)]
+    group = FakeGroup(2, script)
+    with caplog.at_level(logging.WARNING, logger="ddptrain"):
+        run_attempt(run, group, clock=clock)  # the interval: DDPTRAIN_REPORT_WARN_INTERVAL_S, 5 s
+    late = [r.getMessage() for r in caplog.records if "have not reached report() call #1" in r.getMessage()]
+    assert len(late) == 1 and "rank(s) [1]" in late[0] and "6.0 s ago" in late[0]
+
+
+def test_a_failure_seen_ends_the_attempt_with_failed_and_the_reports_before_it_kept(run: Run) -> None:
+    failure = WorkerFailure(rank=1, host="fake", pid=7, exitcode=-9, exception=RuntimeError("boom"))
+    group = FakeGroup(2, [protocol.Report(0, 1, {"x": 1}, None, None), FailureSeen((failure,))])
+    outcome = Attempt(run.attempt_context(0), run, group).run()  # type: ignore[arg-type]
+    assert outcome == Failed((failure,), retryable=True)
+    assert [line["metrics"] for line in read_metric_lines(run.run_dir)] == [{"x": 1}]
+
+
+def test_a_failure_after_every_rank_returned_or_of_a_full_disk_is_not_retryable(run: Run) -> None:
+    full = WorkerFailure(rank=0, host="fake", pid=7, exitcode=1, exception=OSError(errno.ENOSPC, "No space left"))
+    outcome = Attempt(run.attempt_context(0), run, FakeGroup(2, [FailureSeen((full,))])).run()  # type: ignore[arg-type]
+    assert isinstance(outcome, Failed) and outcome.disk_full and not outcome.retryable
+
+    late = WorkerFailure(rank=0, host="fake", pid=7, exitcode=1, exception=RuntimeError("late"))
+    group = FakeGroup(2, [])
+    group.script = [lambda: setattr(group, "finishing", True), FailureSeen((late,))]
+    outcome = Attempt(run.attempt_context(0), run, group).run()  # type: ignore[arg-type]
+    assert outcome == Failed((late,), retryable=False)

@@ -1,20 +1,31 @@
-"""The controller's restart policy (``ddptrain.driver.controller``), with real worker processes on this
-machine: every attempt gets a placement plan of its own, and a next attempt that cannot start
-ends the run with an error that says so."""
+"""The controller's restart policy (``ddptrain.driver.controller``). With real worker processes on
+this machine: every attempt gets a placement plan of its own, and a next attempt that cannot
+start ends the run with an error that says so. Without processes (fake groups replaying
+scripted poll results): every decision it takes on an attempt's outcome."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import cloudpickle
 import pytest
+from fake_group import FakeGroup
 
 import ddptrain as train
-from ddptrain.errors import WorkerGroupError
+from ddptrain.backend import BackendConfig
+from ddptrain.driver.controller import Controller
+from ddptrain.driver.group_events import FailureSeen
+from ddptrain.driver.run import Run
+from ddptrain.errors import WorkerFailure, WorkerGroupError
+from ddptrain.result import Result
+from ddptrain.wire import protocol
 
 
 def _record_and_fail_once(config: dict) -> None:
@@ -103,3 +114,98 @@ def test_no_host_is_reached_before_the_runs_lock_is_taken(storage: str) -> None:
         holder.wait()
         assert holder.stdout is not None
         holder.stdout.close()
+
+
+# ----------------------------------------------------------------- the decisions, without processes
+class FakeAgents:
+    """The agents of one plan (what the controller does with a Launcher: shut it down)."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def shutdown(self, grace_s: float) -> None:
+        self.log.append("agents shut down")
+
+
+class Fakes:
+    """Each attempt's group replays the next script; ``log`` says what happened, in order."""
+
+    def __init__(self, *scripts: list[Any]) -> None:
+        self.scripts = list(scripts)
+        self.log: list[str] = []
+        self.groups: list[FakeGroup] = []
+
+    def start_agents(self, plan: Any) -> FakeAgents:
+        self.log.append("agents started")
+        return FakeAgents(self.log)
+
+    def new_group(self, plan: Any, agents: Any) -> FakeGroup:
+        group = FakeGroup(plan.world_size, self.scripts.pop(0), started=False, log=self.log)
+        self.groups.append(group)
+        return group
+
+    def fit(self, storage: str, max_failures: int) -> Result:
+        run = Run(
+            payload=b"",
+            train_loop_config=None,
+            scaling_config=train.ScalingConfig(num_workers=2),
+            run_config=train.RunConfig(
+                storage_path=storage, name="fake", failure_config=train.FailureConfig(max_failures=max_failures)
+            ),
+            backend_config=BackendConfig(),
+            dataset_config=train.DataConfig(),
+        )
+        return Controller(run, start_agents=self.start_agents, new_group=self.new_group).fit()  # type: ignore[arg-type]
+
+
+def _fails(message: str = "boom", exception: BaseException | None = None) -> list[Any]:
+    error = exception if exception is not None else RuntimeError(message)
+    return [FailureSeen((WorkerFailure(rank=1, host="fake", pid=7, exitcode=1, exception=error),))]
+
+
+def _succeeds() -> list[Any]:
+    return [protocol.Done(0, cloudpickle.dumps("r0"), None), protocol.Done(1, cloudpickle.dumps("r1"), None)]
+
+
+def _run_json(storage: str) -> dict[str, Any]:
+    return json.loads((Path(storage) / "fake" / "run.json").read_text())
+
+
+def test_failed_attempts_are_restarted_within_max_failures(storage: str) -> None:
+    fakes = Fakes(_fails("one"), _fails("two"), _succeeds())
+    result = fakes.fit(storage, max_failures=2)
+    assert result.return_values == ["r0", "r1"]
+    assert len(fakes.groups) == 3 and all(g.closed for g in fakes.groups[:2])
+    run = _run_json(storage)
+    assert run["status"] == "FINISHED" and [e["attempt"] for e in run["attempt_errors"]] == [0, 1]
+
+
+def test_the_next_attempts_agents_start_on_the_first_failure_before_the_teardown(storage: str) -> None:
+    fakes = Fakes(_fails(), _succeeds())
+    fakes.fit(storage, max_failures=1)
+    assert fakes.log[:3] == ["agents started", "agents started", "group shut down"]
+
+
+def test_the_run_gives_up_once_max_failures_is_spent_naming_every_attempts_root_cause(storage: str) -> None:
+    fakes = Fakes(_fails("first"), _fails("second"))
+    with pytest.raises(WorkerGroupError) as caught:
+        fakes.fit(storage, max_failures=1)
+    assert "Root cause of every attempt (2)" in str(caught.value) and "second" in str(caught.value)
+    # No third attempt's agents: the second failure spent the budget.
+    assert fakes.log == ["agents started", "agents started", "group shut down", "group shut down"]
+    assert all(g.closed for g in fakes.groups) and _run_json(storage)["status"] == "ERRORED"
+
+
+def test_a_full_disk_is_never_retried(storage: str) -> None:
+    fakes = Fakes(_fails(exception=OSError(errno.ENOSPC, "No space left on device")), _succeeds())
+    with pytest.raises(WorkerGroupError, match="A file system is full: the group was not restarted"):
+        fakes.fit(storage, max_failures=5)
+    assert fakes.log == ["agents started", "group shut down"]
+
+
+def test_a_failure_after_every_rank_returned_is_not_retried(storage: str) -> None:
+    fakes = Fakes([], _succeeds())
+    fakes.scripts[0] = [lambda: setattr(fakes.groups[0], "finishing", True), *_fails("after the end")]
+    with pytest.raises(WorkerGroupError, match="after the end"):
+        fakes.fit(storage, max_failures=5)
+    assert fakes.log == ["agents started", "group shut down"]

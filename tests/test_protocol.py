@@ -14,7 +14,7 @@ import cloudpickle
 import pytest
 
 from ddptrain.config import ScalingConfig
-from ddptrain.driver.group_events import GroupEvents, GroupFailed
+from ddptrain.driver.group_events import FailureSeen, GroupEvents, GroupFailed, StatesReported, TickDue
 from ddptrain.driver.logs import LogSink
 from ddptrain.driver.plan import Plan
 from ddptrain.errors import LaunchError
@@ -166,3 +166,32 @@ def test_an_agent_that_never_ran_says_so_with_its_exit_status(tmp_path: Path) ->
     group, _ = _replay(b"", exit_code=127, tmp_path=tmp_path)
     with pytest.raises(GroupFailed, match=r"on the replay host the agent did not start \(exit status 127"):
         group.pump_until(lambda: False, timeout_s=5.0)
+
+
+def test_poll_returns_states_and_ticks_and_the_failure_last_and_blocking_waits_show_them_to_an_observer(
+    tmp_path: Path,
+) -> None:
+    states = {0: {"pid": 100, "state": "S", "wchan": "futex_wait_queue"}}
+    frames = b"".join(
+        [
+            agent_events.encode_event(agent_events.WorkerStarted(0, 100, "replayhost")),
+            agent_events.encode_event(agent_events.WorkerStates(protocol.AGENT_RANK, states)),
+            agent_events.encode_event(
+                agent_events.WorkerExited(0, 1, cloudpickle.dumps(failure_record(KeyError("k"))))
+            ),
+        ]
+    )
+    group, _ = _replay(frames, exit_code=None, tmp_path=tmp_path)
+    seen: list[object] = []
+    with group.observed(seen.append), pytest.raises(GroupFailed, match="KeyError"):
+        group.pump_until(lambda: False, timeout_s=5.0)
+    assert StatesReported(states) in seen and any(isinstance(e, TickDue) for e in seen)
+    assert not any(isinstance(e, FailureSeen) for e in seen)  # raised, not observed
+
+    group, _ = _replay(frames, exit_code=None, tmp_path=tmp_path / "again")
+    events: list[object] = []
+    while not any(isinstance(e, FailureSeen) for e in events):
+        events += group.poll(1.0)
+    assert StatesReported(states) in events and isinstance(events[-1], FailureSeen)
+    root = events[-1].failures[0]  # root cause first (rank 1 goes with its agent)
+    assert root.rank == 0 and isinstance(root.exception, KeyError)

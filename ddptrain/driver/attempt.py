@@ -1,33 +1,111 @@
 """One attempt of a run: a worker group runs the training function once, and its reports are
 gathered into rounds.
 
-The attempt plugs into its :class:`~ddptrain.worker_group.WorkerGroup`'s event pump: the
-group handles what every group has (workers joining, function results, agent events, lost
-messages) and hands the run's own messages (report, collective, checkpoints) to
-:meth:`Attempt._handle_run_message`. The first worker failure raises ``GroupFailed``.
+The attempt polls its :class:`~ddptrain.driver.worker_group.WorkerGroup`
+(``group.poll()``): the group handles what every group has (workers joining, function results,
+agent events, lost messages) and returns the run's own messages (report, collective,
+checkpoints), the workers' states for the hang watchdog, ticks, and the first failure. The
+attempt ends with an :data:`Outcome`: :class:`Succeeded` or :class:`Failed`; what follows a
+failure (a restart, or the run's end) is the controller's decision.
+
+The attempt sees its run through two narrow views: an :class:`AttemptContext` (what starting and
+steering the group needs) and a :class:`ReportSink` (where the reports go), which ``Run``
+implements.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import cloudpickle
 
 from ddptrain import _env
+from ddptrain.checkpoint import Checkpoint
+from ddptrain.driver.group_events import FailureSeen, GroupEvent, MessagesHandled, StatesReported, TickDue
 from ddptrain.driver.watchdog import Watch
 from ddptrain.driver.worker_group import GroupFailed, WorkerGroup
-from ddptrain.errors import LaunchError, WorkerFailure
+from ddptrain.errors import LaunchError, WorkerFailure, is_disk_full
+from ddptrain.storage.base import RunStorage
 from ddptrain.wire import protocol
 
-if TYPE_CHECKING:
-    from ddptrain.driver.run import Run
-
-__all__ = ["Attempt", "GroupFailed"]
+__all__ = ["Attempt", "AttemptContext", "Failed", "GroupFailed", "Outcome", "ReportSink", "Succeeded"]
 
 _logger = logging.getLogger(__name__)
+_POLL_S = 0.5  # the longest wait for the group's next event
+
+
+@dataclass(frozen=True)
+class Succeeded:
+    """Every rank returned: their return values by rank, and whether the workers stay warm."""
+
+    return_values: list[Any]
+    keep_warm: bool
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The attempt failed. ``failures``: root cause first. ``retryable``: a later attempt may
+    succeed (not after every rank returned, not on a full disk); the controller decides whether
+    one follows. The group is dead but not shut down: the controller may start the next
+    attempt's agents first."""
+
+    failures: tuple[WorkerFailure, ...]
+    retryable: bool
+
+    @property
+    def disk_full(self) -> bool:
+        return any(is_disk_full(f.exception) for f in self.failures)
+
+
+Outcome = Succeeded | Failed
+
+
+@dataclass(frozen=True)
+class AttemptContext:
+    """What one attempt needs to start and steer its group (made by ``Run.attempt_context``).
+
+    Attributes:
+        index: Attempt number, 0 for the first start.
+        run_info: What the workers learn of the run.
+        payload: The pickled training function.
+        datasets: Each rank's dataset shard specs for this start.
+        log_dir: Where each rank's output goes.
+        run_dir: The run directory on this machine (``ddptrain stack`` requests, fetched files).
+        storage: The run's storage (it collects the staged checkpoint files it commits).
+        backend_config: Its backend sets up and tears down the workers' framework.
+        progress: The console (worker lines, the live status line).
+    """
+
+    index: int
+    run_info: protocol.RunInfo
+    payload: bytes | None
+    datasets: dict[int, Any] | None
+    log_dir: Path
+    run_dir: str
+    storage: RunStorage
+    backend_config: Any
+    progress: Any
+
+
+class ReportSink(Protocol):
+    """Where an attempt's reports go (``Run`` is one)."""
+
+    def record_metrics(self, metrics: dict[str, Any], attempt: int) -> None: ...
+
+    def flush_metrics(self) -> None: ...
+
+    def name_problem(self, name: str) -> str | None: ...
+
+    def commit_checkpoint(self, staged: list[str], name: str, metrics: dict[str, Any], index: int) -> Checkpoint: ...
+
+    def after_report(self, metrics: list[dict[str, Any]], checkpoint: Checkpoint | None) -> None: ...
+
+    def reported_checkpoints(self) -> list[tuple[str, dict[str, Any]]]: ...
 
 
 @dataclass
@@ -45,17 +123,27 @@ class Attempt:
     """One run of the training function on a worker group, from its start to its end.
 
     Args:
-        run: The run this attempt belongs to (configs, run directory, results so far).
-        index: Attempt number, 0 for the first start.
+        context: What the attempt needs of its run.
+        reports: Where its reports go.
         group: The workers: not started yet, or warm from an earlier ``fit()``.
         keep: Leave the workers running when training succeeds (the group goes on warm).
+        clock: ``time.monotonic`` (a test's fake clock).
     """
 
-    def __init__(self, run: Run, index: int, group: WorkerGroup, keep: bool = False) -> None:
-        self.run = run
-        self.index = index
+    def __init__(
+        self,
+        context: AttemptContext,
+        reports: ReportSink,
+        group: WorkerGroup,
+        keep: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.context = context
+        self.reports = reports
+        self.index = context.index
         self.group = group
         self.keep = keep
+        self.clock = clock
         self.world_size = group.world_size
         # Open rounds by kind, then index; created in the order of their indices (each rank
         # calls in order), so the first of a kind is its oldest.
@@ -63,53 +151,77 @@ class Attempt:
         self.staged_rounds: set[int] = set()  # open report rounds that a rank passed files to
         # get_all_reported_checkpoints() calls waiting for earlier reports: (rank, index, deadline)
         self.checkpoint_waiters: list[tuple[int, int, float | None]] = []
-        self.watch = Watch(run.run_dir, group.ask, group.where)
+        self.watch = Watch(context.run_dir, group.ask, group.where)
 
     # ----------------------------------------------------------------- lifecycle
-    def run_group(self) -> list[Any]:
-        """Run the training function on every worker; returns their return values by rank.
+    def run(self) -> Outcome:
+        """Run the training function on every worker until every rank returned, or one failed.
 
-        On success the workers have exited, unless ``keep``; on a failure they are shut down.
+        On success the workers have exited, unless ``keep``. On a failure the group is dead and
+        left for the caller to shut down. Errors of the driver itself (its channel, a full disk
+        where it writes) are raised, the group shut down.
         """
-        group = self.group
-        group.handler = self._handle_run_messages
-        group.watch = self.watch
-        progress = self.run.progress
-        group.on_tick = self._tick
-        log_dir = self.run.log_dir(self.index)
-        datasets = self.run.dataset_shards()
+        group, ctx = self.group, self.context
         try:
-            if group.started:  # warm from an earlier fit(): the workers switch to this run
-                port = group.next_run(log_dir, console=progress)
-                run = self.run.run_info(self.index)
-                group.begin_run(run, self.run.payload, datasets, port)
-            else:
-                group.start(
-                    payload=self.run.payload,
-                    run=self.run.run_info(self.index),
-                    log_dir=log_dir,
-                    datasets=datasets,
-                    console=progress,
-                )
-            backend = self.run.backend_config.make_backend()
-            backend.on_start(group, self.run.backend_config)
-            backend.on_training_start(group, self.run.backend_config)
+            with group.observed(self._observe):  # the group's own waits: starting, the backend's setup
+                if group.started:  # warm from an earlier fit(): the workers switch to this run
+                    port = group.next_run(ctx.log_dir, console=ctx.progress)
+                    group.begin_run(ctx.run_info, ctx.payload, ctx.datasets, port)
+                else:
+                    group.start(
+                        payload=ctx.payload,
+                        run=ctx.run_info,
+                        log_dir=ctx.log_dir,
+                        datasets=ctx.datasets,
+                        console=ctx.progress,
+                    )
+                backend = ctx.backend_config.make_backend()
+                backend.on_start(group, ctx.backend_config)
+                backend.on_training_start(group, ctx.backend_config)
             self.watch.active = True
             self.watch.activity()
             for rank in range(self.world_size):
                 group.send(rank, protocol.Train())
-            group.pump_until(lambda: len(group.done) == self.world_size)
-            self._finish(backend)
-            return [self._load_return(rank) for rank in range(self.world_size)]
+            while len(group.done) < self.world_size:
+                failed = self._handle(group.poll(_POLL_S))
+                if failed is not None:
+                    return self._failed(failed)
+            with group.observed(self._observe):
+                self._finish(backend)
+            return Succeeded([self._load_return(rank) for rank in range(self.world_size)], self.keep)
+        except GroupFailed as exc:  # from the group's own calls (start, execute), or a round's check
+            return self._failed(exc.failures)
         except BaseException:
             group.shutdown()
             raise
         finally:
             self.watch.active = False
 
-    def _tick(self) -> None:
-        self._check_rounds()
-        self.run.progress.tick()
+    def _failed(self, failures: list[WorkerFailure] | tuple[WorkerFailure, ...]) -> Failed:
+        self.watch.active = False
+        retryable = not self.group.finishing and not any(is_disk_full(f.exception) for f in failures)
+        return Failed(tuple(failures), retryable)
+
+    def _observe(self, event: GroupEvent) -> None:
+        """What the group's own blocking calls saw (their failures they raise)."""
+        self._handle([event])
+
+    def _handle(self, events: list[GroupEvent]) -> tuple[WorkerFailure, ...] | None:
+        """Act on what the group saw; the failures if it failed."""
+        for event in events:
+            if isinstance(event, MessagesHandled):
+                self.watch.activity()
+                if event.run:
+                    self._handle_run_messages(list(event.run))
+            elif isinstance(event, StatesReported):
+                self.watch.on_states(event.states)
+            elif isinstance(event, TickDue):
+                self._check_rounds()
+                self.context.progress.tick()
+                self.watch.check(event.last_output)
+            elif isinstance(event, FailureSeen):
+                return event.failures
+        return None
 
     def _finish(self, backend: Any) -> None:
         """Every rank returned: run the backend's teardown and let the workers exit (or wait
@@ -118,7 +230,7 @@ class Attempt:
         self.watch.active = False
         self._warn_unfinished_rounds()
         try:
-            backend.on_shutdown(self.group, self.run.backend_config)
+            backend.on_shutdown(self.group, self.context.backend_config)
         except Exception as exc:
             _logger.warning("ddptrain: the backend's shutdown failed after training finished (ignored): %s", exc)
         if not self.keep or not self.group.alive:
@@ -131,7 +243,7 @@ class Attempt:
         return cloudpickle.loads(data) if data is not None else None
 
     # ----------------------------------------------------------------- the run's messages
-    def _handle_run_messages(self, messages: list[Any]) -> WorkerFailure | None:
+    def _handle_run_messages(self, messages: list[Any]) -> None:
         """Messages in the order they came. Rank 0's metrics go to ``metrics.jsonl`` in one write
         for all of them, flushed before anything that depends on them (a checkpoint's commit,
         its acknowledgement, the callbacks) and before the group handles anything else."""
@@ -139,25 +251,24 @@ class Attempt:
             for message in messages:
                 if isinstance(message, protocol.Report):
                     if message.rank == 0:
-                        self.run.record_metrics(message.metrics, self.index)
+                        self.reports.record_metrics(message.metrics, self.index)
                     self._add_to_round("report", message.index, message.rank, message)
                 elif isinstance(message, protocol.Collective):
                     self._add_to_round("collective", message.index, message.rank, message)
                 elif isinstance(message, protocol.CheckpointsQuery):
-                    deadline = None if message.timeout_s is None else time.monotonic() + message.timeout_s
+                    deadline = None if message.timeout_s is None else self.clock() + message.timeout_s
                     self.checkpoint_waiters.append((message.rank, message.index, deadline))
                     self._answer_checkpoint_waiters()
                 else:
                     _logger.warning("ddptrain: unexpected message %r ignored", message)
         finally:
-            self.run.flush_metrics()
-        return None
+            self.reports.flush_metrics()
 
     def _add_to_round(self, kind: str, index: int, rank: int, entry: Any) -> None:
         rounds = self.rounds[kind]
         round_ = rounds.get(index)
         if round_ is None:
-            round_ = rounds[index] = _Round(kind, index, time.monotonic())
+            round_ = rounds[index] = _Round(kind, index, self.clock())
         round_.entries[rank] = entry
         if kind == "report" and entry.staged:
             self.staged_rounds.add(index)
@@ -174,13 +285,13 @@ class Attempt:
         checkpoint = None
         if staged_ranks:
             name = entries[0].dir_name or f"checkpoint_{index:06d}"
-            problem = self.run.name_problem(name)
+            problem = self.reports.name_problem(name)
             if problem is None:
                 staged = [self._collect(r, index, entries[r].staged) for r in staged_ranks]  # type: ignore[arg-type]
-                checkpoint = self.run.commit_checkpoint(staged, name, entries[0].metrics, index)
+                checkpoint = self.reports.commit_checkpoint(staged, name, entries[0].metrics, index)
             for r in staged_ranks:
                 self.group.send(r, protocol.Ack(index, checkpoint.path if checkpoint else None, problem))
-        self.run.after_report([entry.metrics for entry in entries], checkpoint)
+        self.reports.after_report([entry.metrics for entry in entries], checkpoint)
         self._answer_checkpoint_waiters()
 
     def _answer_checkpoint_waiters(self) -> None:
@@ -188,14 +299,14 @@ class Attempt:
         caller's last report is in flight any more (as Ray), or its ``timeout_s`` is over."""
         if not self.checkpoint_waiters:
             return
-        now = time.monotonic()
+        now = self.clock()
         oldest = min(self.rounds["report"], default=None)  # the lowest index in flight
         waiting = []
         for rank, index, deadline in self.checkpoint_waiters:
             if oldest is not None and oldest <= index and (deadline is None or now < deadline):
                 waiting.append((rank, index, deadline))
                 continue
-            reported = [(c.path, m) for c, m in self.run.checkpoints.reported_checkpoints()]
+            reported = self.reports.reported_checkpoints()
             self.group.send(rank, protocol.CheckpointsReply(reported))
         self.checkpoint_waiters = waiting
 
@@ -205,7 +316,7 @@ class Attempt:
         host stopped answering, say) is a failure of ``rank``: the group fails, and
         ``FailureConfig`` decides what follows."""
         try:
-            return self.run.storage.collect(rank, self.index, index, staged, self.group.launcher)
+            return self.context.storage.collect(rank, self.index, index, staged, self.group.launcher)
         except LaunchError as exc:
             raise self.group.fail([self.group.failure(rank, None, exc)]) from None
 
@@ -236,7 +347,7 @@ class Attempt:
 
     def _warn_stragglers(self) -> None:
         interval = _env.report_warn_interval_s()
-        now = time.monotonic()
+        now = self.clock()
         for kind, rounds in self.rounds.items():
             oldest = next(iter(rounds.values()), None)
             if oldest is None:

@@ -1,8 +1,9 @@
 """The controller: ``fit()`` as a loop of plan → attempt → restart.
 
-Each attempt runs one worker group (``ddptrain.driver.Attempt``). When it fails, the next
-attempt's placement plan is built and its agents start at once, while the failed group is torn
-down, as long as ``FailureConfig.max_failures`` allows another attempt. The plan is built
+Each attempt runs one worker group (``ddptrain.driver.attempt.Attempt``) and returns what
+happened: ``Succeeded`` or ``Failed``. Every decision is taken here. When an attempt failed
+and ``FailureConfig.max_failures`` allows another one, the next attempt's placement plan is
+built and its agents start at once, before the failed group is torn down. The plan is built
 anew for every attempt: a host file edited meanwhile is read again, and a later elastic mode
 can change the world size between attempts. A failure after every rank returned, and a full
 disk, are never retried.
@@ -11,14 +12,16 @@ disk, are never retried.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 from ddptrain import _env
-from ddptrain.driver.attempt import Attempt
+from ddptrain.driver.attempt import Attempt, Failed, Succeeded
 from ddptrain.driver.plan import Plan
 from ddptrain.driver.run import Run
 from ddptrain.driver.warm import keeps_warm, put_warm, take_warm
-from ddptrain.driver.worker_group import GroupFailed, WorkerGroup
+from ddptrain.driver.worker_group import WorkerGroup
 from ddptrain.errors import (
     ChannelError,
     ConfigError,
@@ -41,10 +44,23 @@ class Controller:
 
     Args:
         run: The run's state: configs, storage, reports, the first attempt's plan.
+        start_agents: Starts the agents of a plan (``Plan.new_launcher``; a test's fake).
+        new_group: Makes the worker group of a plan and its agents (``WorkerGroup``; a test's fake).
+        clock: ``time.monotonic`` for the attempts (a test's fake clock).
     """
 
-    def __init__(self, run: Run) -> None:
+    def __init__(
+        self,
+        run: Run,
+        *,
+        start_agents: Callable[[Plan], Launcher] = Plan.new_launcher,
+        new_group: Callable[[Plan, Launcher], WorkerGroup] = WorkerGroup,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.run = run
+        self._start_agents = start_agents
+        self._new_group = new_group
+        self._clock = clock
         failure_config = run.run_config.failure_config
         self.max_failures = failure_config.max_failures if failure_config else 0  # -1: unlimited
         self.root_causes: list[WorkerFailure] = []  # the first failure of each failed attempt
@@ -66,7 +82,7 @@ class Controller:
             )
             # A warm group from an earlier fit(), or new agents importing torch meanwhile.
             try:
-                self.group = take_warm(run.plan) or WorkerGroup(run.plan, run.plan.new_launcher())
+                self.group = take_warm(run.plan) or self._new_group(run.plan, self._start_agents(run.plan))
             except LaunchError as exc:  # a host that cannot be reached: the run failed, it was not aborted
                 run.ended(error=f"LaunchError: {str(exc).splitlines()[0]}")
                 raise
@@ -90,63 +106,66 @@ class Controller:
         succeeded, and whether its workers stay warm."""
         while True:
             assert self.group is not None
-            attempt = Attempt(self.run, index, self.group, keep=keeps_warm(self.run.plan))
-            self.group.on_failure = self.prepare_restart
             self.run.save_status("RUNNING", attempt=index)
+            attempt = Attempt(
+                self.run.attempt_context(index),
+                self.run,
+                self.group,
+                keep=keeps_warm(self.run.plan),
+                clock=self._clock,
+            )
             try:
-                return attempt.run_group(), attempt.keep
-            except GroupFailed as failed:
-                index = self._restart(failed, index)
+                outcome = attempt.run()
             except ChannelError as exc:  # the driver's own channel stopped: nothing to restart
                 self.run.ended(error=f"ChannelError: {str(exc).splitlines()[0]}")
                 raise
+            if isinstance(outcome, Succeeded):
+                return outcome.return_values, outcome.keep_warm
+            index = self._restart(outcome, index)
 
     def _budget_left(self, pending: int = 0) -> bool:
         """Whether another attempt is allowed after the failures seen (``pending``: one more
         that is being torn down and not counted yet)."""
         return self.max_failures == -1 or len(self.root_causes) + pending <= self.max_failures
 
-    def prepare_restart(self) -> None:
-        """On a failure (the group's ``on_failure``): if another attempt will follow, build its
-        plan and start its agents now, during the teardown."""
-        if self._next is None and self._budget_left(pending=1):
-            self._start_next()
-
     def _start_next(self) -> None:
         try:
             plan = self.run.new_plan()
-            self._next = (plan, plan.new_launcher())
+            self._next = (plan, self._start_agents(plan))
             self._next_error = None
         except (LaunchError, ConfigError) as exc:  # tried once more when the group is down
             self._next_error = exc
             _logger.warning("ddptrain: could not start the next attempt's agents: %s", exc)
 
-    def _restart(self, failed: GroupFailed, index: int) -> int:
+    def _restart(self, failed: Failed, index: int) -> int:
         """After attempt ``index`` failed: the number of the next one, its group started.
+
+        If another attempt may follow, its agents start first, while the failed group is torn
+        down (they import torch meanwhile).
 
         Raises:
             WorkerGroupError: No attempt follows (the budget is spent, the failure came after
                 every rank returned, a disk is full, or the next group could not start).
         """
         assert self.group is not None
-        retry = not self.group.finishing
-        self.group.shutdown(0)
+        if failed.retryable and self._next is None and self._budget_left(pending=1):
+            self._start_next()
+        self.group.shutdown()
         self.group = None
         run = self.run
-        failures = failed.failures  # root cause first (GroupFailed orders them)
+        failures = list(failed.failures)  # root cause first (the group orders them)
         run.clean_after_failure(failures)
         self.root_causes.append(failures[0])
         run.attempt_failed(index, failures[0])
         run.after_exception(failures)
-        disk_full = any(is_disk_full(f.exception) for f in failures)
-        if retry and not disk_full and self._budget_left():
+        if failed.retryable and self._budget_left():
             if self._next is None and not self._still_lost(failures):  # not started early, or that failed: once more
                 self._start_next()
             if self._next is not None:
                 plan, launcher = self._next
                 self._next = None
                 run.use_plan(plan)
-                self.group = WorkerGroup(plan, launcher)
+                self.group = self._new_group(plan, launcher)
         if self.group is None:
             run.ended(error=failures[0].headline())
             raise self._final_error(failures, index) from failures[0].exception

@@ -2,21 +2,27 @@
 
 Three kinds of threads feed one queue: the channel thread (batches of worker messages, or why
 it stopped), the launcher threads (agent events: a worker started or exited, an agent failed or
-is gone) and the log sink (a write error). The driver thread drains it in
-:meth:`GroupEvents.pump_until`, keeps
-track of which ranks joined, returned and exited, and turns the first failure (with the other
-ranks failing at about the same time) into :class:`GroupFailed`, after which the group is dead.
-``ddptrain.worker_group`` builds on this what the driver asks of its workers.
+is gone) and the log sink (a write error). The driver thread drains it with
+:meth:`GroupEvents.poll`, which keeps track of which ranks joined, returned and exited, and
+returns what its caller acts on: a run's messages (:class:`MessagesHandled`), the workers'
+process states (:class:`StatesReported`), a periodic check that is due (:class:`TickDue`) and
+the first failure, with the other ranks failing at about the same time (:class:`FailureSeen`),
+after which the group is dead. Nothing is called back: the attempt and the controller decide.
+:meth:`GroupEvents.pump_until` polls for the group's own waits (workers joining, function
+results) and raises :class:`GroupFailed` on a failure. ``ddptrain.driver.worker_group`` builds
+on this what the driver asks of its workers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import pickle
 import queue
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 from ddptrain.driver.logs import LogSink
 from ddptrain.driver.plan import Plan
@@ -29,22 +35,61 @@ from ddptrain.errors import (
     WorkerFailure,
     WorkerGroupError,
     describe_exitcode,
-    is_disk_full,
 )
 from ddptrain.wire import agent_events, protocol
 from ddptrain.wire.driver_channel import Batch, DriverChannel, Undelivered
 from ddptrain.wire.sealing import StoreTamperedError
 
-if TYPE_CHECKING:
-    from ddptrain.driver.watchdog import Watch
-
-__all__ = ["GroupEvents", "GroupFailed", "failure_from_record"]
+__all__ = [
+    "FailureSeen",
+    "GroupEvent",
+    "GroupEvents",
+    "GroupFailed",
+    "MessagesHandled",
+    "StatesReported",
+    "TickDue",
+    "failure_from_record",
+]
 
 _logger = logging.getLogger(__name__)
 _PUMP_S = 0.5
 _TICK_S = 0.1
-# What a run's attempt handles (``GroupEvents.handler``); the rest is the group's own.
+# What a run's attempt handles (``MessagesHandled.run``); the rest is the group's own.
 _RUN_MESSAGES = (protocol.Report, protocol.Collective, protocol.CheckpointsQuery)
+
+
+@dataclass(frozen=True)
+class MessagesHandled:
+    """A batch of worker messages arrived (the workers are active); ``run``: the run's messages
+    among them (reports, collectives, checkpoint queries), in the order they came."""
+
+    run: tuple[Any, ...] = ()
+
+
+@dataclass(frozen=True)
+class StatesReported:
+    """An agent sent its workers' process states (for the hang watchdog)."""
+
+    states: dict[int, dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class TickDue:
+    """Time for the periodic checks (a few times a second); ``last_output``: when a worker last
+    printed anything (``time.monotonic()``)."""
+
+    last_output: float
+
+
+@dataclass(frozen=True)
+class FailureSeen:
+    """The group failed (root cause first, with the ranks that failed at about the same time).
+    The group is dead from here on: shut it down."""
+
+    failures: tuple[WorkerFailure, ...]
+
+
+GroupEvent = MessagesHandled | StatesReported | TickDue | FailureSeen
 
 
 class GroupFailed(WorkerGroupError):
@@ -74,7 +119,7 @@ def failure_from_record(record: protocol.FailureRecord) -> BaseException:
 
 
 class GroupEvents:
-    """The event pump of a worker group and what it has learned of each rank.
+    """The event pump of a worker group (:meth:`poll`) and what it has learned of each rank.
 
     Args:
         plan: Where the ranks run (to name their hosts in failures).
@@ -91,70 +136,106 @@ class GroupEvents:
         self.finishing = False  # every rank returned; failures from here on are not retried
         self.sink: LogSink | None = None
         self.channel: DriverChannel | None = None
-        # A run's messages, several at a time (in the order they came, with nothing else between).
-        self.handler: Callable[[list[Any]], WorkerFailure | None] | None = None
-        self.on_failure: Callable[[], None] | None = None  # first failure seen (e.g. start the next group)
-        self.on_tick: Callable[[], None] | None = None  # a run's periodic checks
-        self.watch: Watch | None = None
         self._results: dict[int, dict[int, tuple[bool, Any]]] = {}  # call id -> rank -> (ok, value)
         self._next_tick = 0.0
+        self._unreleased = 0  # bytes of the batches the last poll() returned, released by the next
+        self._observer: Callable[[GroupEvent], None] | None = None  # see `observed`
         self._failed = False  # a call or a worker failed: the group takes no more work
 
+    def poll(self, timeout_s: float = _PUMP_S) -> list[GroupEvent]:
+        """Handle what happened since the last call (waiting up to ``timeout_s`` for something)
+        and return what the caller acts on, in order; a :class:`FailureSeen` comes last.
+
+        The channel's flow control counts a batch's messages as in flight until the next call,
+        so a caller that is slow to act on them holds the workers back.
+
+        Raises:
+            ChannelError: The driver's own store channel stopped.
+            OSError: A log file could not be written (a full disk).
+        """
+        self._release()
+        events: list[GroupEvent] = []
+        try:
+            event = self.events.get(timeout=timeout_s)
+        except queue.Empty:
+            event = None
+        failures = self._dispatch(event, events) if event is not None else []
+        if failures:
+            # Gather the other ranks that failed on their own at about the same time.
+            deadline = time.monotonic() + 0.2
+            while time.monotonic() < deadline:
+                try:
+                    more = self._dispatch(self.events.get(timeout=0.05), events)
+                except queue.Empty:
+                    continue
+                for failure in more:
+                    if failure.rank not in {f.rank for f in failures}:
+                        failures.append(failure)
+            self.fail(failures)
+            events.append(FailureSeen(tuple(failures)))
+            return events
+        now = time.monotonic()
+        if now >= self._next_tick:  # not per event: a fast rank 0 may be far ahead
+            self._next_tick = now + _TICK_S
+            events.append(TickDue(self.sink.last_write if self.sink is not None else 0.0))
+        return events
+
+    def _release(self) -> None:
+        if self._unreleased and self.channel is not None:
+            self.channel.release(self._unreleased)
+        self._unreleased = 0
+
+    @contextlib.contextmanager
+    def observed(self, observer: Callable[[GroupEvent], None]) -> Iterator[None]:
+        """While the caller is inside the group's own blocking calls (``start``, ``execute``,
+        ``stop_workers``...), hand it what their waits see besides a failure (which they
+        raise): ticks, states, activity. The attempt keeps its console clock and the hang
+        watchdog (``ddptrain stack`` during a process group's setup) going this way."""
+        previous, self._observer = self._observer, observer
+        try:
+            yield
+        finally:
+            self._observer = previous
+
     def pump_until(self, done: Callable[[], bool], timeout_s: float | None = None, waiting_for: str = "") -> None:
-        """Handle events until ``done()``; raises GroupFailed on a failure, TimeoutError after
-        ``timeout_s``."""
+        """Poll until ``done()`` (the group's own waits: workers joining, function results);
+        raises GroupFailed on a failure, TimeoutError after ``timeout_s``. A run's messages
+        arriving here are outside a training run, and ignored; the rest goes to the
+        :meth:`observed` caller, if any."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while not done():
-            try:
-                event = self.events.get(timeout=_PUMP_S)
-            except queue.Empty:
-                event = None
-            if event is not None:
-                self._handle(event)
-            now = time.monotonic()
-            if now >= self._next_tick:  # not per event: a fast rank 0 may be far ahead
-                self._next_tick = now + _TICK_S
-                if self.on_tick is not None:
-                    self.on_tick()
-                if self.watch is not None:
-                    self.watch.check(self.sink.last_write if self.sink is not None else 0.0)
-            if deadline is not None and time.monotonic() > deadline and not done():
-                raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {waiting_for}")
+        try:
+            while not done():
+                for event in self.poll():
+                    if isinstance(event, FailureSeen):
+                        raise GroupFailed(list(event.failures))
+                    if isinstance(event, MessagesHandled):
+                        for message in event.run:
+                            _logger.warning("ddptrain: a worker sent %r outside a training run; ignored", message)
+                    if self._observer is not None:
+                        self._observer(event)
+                if deadline is not None and time.monotonic() > deadline and not done():
+                    raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {waiting_for}")
+        finally:
+            self._release()
 
     def fail(self, failures: list[WorkerFailure]) -> GroupFailed:
-        """The error that ends this group (``on_failure`` runs first: a restart may start early).
-
-        From here on the group is dead: :meth:`shutdown` kills it without asking its workers
-        anything (a rank may be stuck in a collective with the one that failed)."""
+        """The error that ends this group. From here on the group is dead: :meth:`shutdown`
+        kills it without asking its workers anything (a rank may be stuck in a collective with
+        the one that failed)."""
         self._failed = True
-        if self.on_failure is not None and not self.finishing and not any(is_disk_full(f.exception) for f in failures):
-            self.on_failure()
         return GroupFailed(failures)
 
-    def _handle(self, event: tuple[str, Any]) -> None:
-        failures = self._dispatch(event)
-        if not failures:
-            return
-        # Gather the other ranks that failed on their own at about the same time.
-        deadline = time.monotonic() + 0.2
-        while time.monotonic() < deadline:
-            try:
-                more = self._dispatch(self.events.get(timeout=0.05))
-            except queue.Empty:
-                continue
-            for failure in more:
-                if failure.rank not in {f.rank for f in failures}:
-                    failures.append(failure)
-        raise self.fail(failures)
-
-    def _dispatch(self, event: tuple[str, Any]) -> list[WorkerFailure]:
+    def _dispatch(self, event: tuple[str, Any], events: list[GroupEvent]) -> list[WorkerFailure]:
         source, item = event
         if source == "sink":  # a log file could not be written (a full disk): the driver's failure
             raise item
         if source == "channel":
             return [self._channel_failed(item)]
         if source == "msgs":
-            return self._handle_batch(item)
+            return self._handle_batch(item, events)
+        if isinstance(item, agent_events.WorkerStates):
+            events.append(StatesReported(item.states))
+            return []
         failure = self._handle_agent(item)
         return [failure] if failure is not None else []
 
@@ -168,34 +249,20 @@ class GroupEvents:
             raise error
         raise ChannelError(f"the driver's store channel failed: {error}") from error
 
-    def _handle_batch(self, batch: Batch) -> list[WorkerFailure]:
-        """Messages in order: the group's own here, runs of the run's messages to ``handler``."""
+    def _handle_batch(self, batch: Batch, events: list[GroupEvent]) -> list[WorkerFailure]:
+        """The group's own messages are handled here; the run's go to the caller, in order."""
         failures: list[WorkerFailure] = []
         run: list[Any] = []
-        try:
-            if self.watch is not None:
-                self.watch.activity()
-            for message in batch.messages:
-                if self.handler is not None and isinstance(message, _RUN_MESSAGES):
-                    run.append(message)
-                    continue
-                if run:
-                    failures.extend(self._handle_run(run))
-                    run = []
-                failure = self._handle_message(message)
-                if failure is not None:
-                    failures.append(failure)
-            if run:
-                failures.extend(self._handle_run(run))
-        finally:
-            if self.channel is not None:
-                self.channel.release(batch.nbytes)
+        self._unreleased += batch.nbytes
+        for message in batch.messages:
+            if isinstance(message, _RUN_MESSAGES):
+                run.append(message)
+                continue
+            failure = self._handle_message(message)
+            if failure is not None:
+                failures.append(failure)
+        events.append(MessagesHandled(tuple(run)))
         return failures
-
-    def _handle_run(self, messages: list[Any]) -> list[WorkerFailure]:
-        assert self.handler is not None
-        failure = self.handler(messages)
-        return [failure] if failure is not None else []
 
     def _handle_message(self, message: Any) -> WorkerFailure | None:
         if isinstance(message, protocol.Hello):
@@ -212,9 +279,7 @@ class GroupEvents:
         return None
 
     def _handle_agent(self, event: agent_events.AgentEvent) -> WorkerFailure | None:
-        if isinstance(event, agent_events.WorkerStates):
-            if self.watch is not None:
-                self.watch.on_states(event.states)
+        if isinstance(event, agent_events.WorkerStates):  # returned by poll() as StatesReported
             return None
         if isinstance(event, agent_events.WorkerStarted):
             self.hosts.setdefault(event.rank, (event.pid, event.host))

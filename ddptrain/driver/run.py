@@ -1,6 +1,7 @@
 """One ``fit()`` call in the driver: the run's state, its directory, what it reported, the Result.
 
-``Run`` holds what outlives each attempt: the configs, the run directory (local, or the
+``Run`` holds what outlives each attempt (each attempt sees it as an ``AttemptContext`` and
+a ``ReportSink``): the configs, the run directory (local, or the
 working copy of a run on remote storage), the metrics and checkpoints reported so far, and the
 run's status. ``ddptrain.controller`` runs its attempts; local mode (``num_workers=0``) runs
 the function in this process (``ddptrain.driver.local_run``). Both open the run with :meth:`Run.opened`.
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from ddptrain.callbacks import TrainRunContext
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.config import CheckpointConfig
+from ddptrain.driver.attempt import AttemptContext
 from ddptrain.driver.plan import Plan
 from ddptrain.driver.progress import Progress
 from ddptrain.errors import ControllerError, StorageError, WorkerFailure, disk_full_error
@@ -126,6 +128,22 @@ class Run:
     def log_dir(self, attempt: int) -> Path:
         return self.layout.attempt_logs(attempt)
 
+    def attempt_context(self, index: int) -> AttemptContext:
+        """What attempt ``index`` needs to start and steer its group (new dataset shards)."""
+        log_dir = self.log_dir(index)
+        datasets = self.dataset_shards()
+        return AttemptContext(
+            index=index,
+            run_info=self.run_info(index),
+            payload=self.payload,
+            datasets=datasets,
+            log_dir=log_dir,
+            run_dir=self.run_dir,
+            storage=self.storage,
+            backend_config=self.backend_config,
+            progress=self.progress,
+        )
+
     def first_attempt(self) -> int:
         """The number of this ``fit()``'s first attempt: attempts of a run continue across the
         ``fit()`` calls that resume it, after the highest number in its logs or metrics (as
@@ -175,6 +193,10 @@ class Run:
         checkpoint = self.storage.commit(staged, name, metrics, index)
         self.progress.committed(checkpoint.path)
         return checkpoint
+
+    def reported_checkpoints(self) -> list[tuple[str, dict[str, Any]]]:
+        """Every checkpoint reported so far, with its metrics (``get_all_reported_checkpoints()``)."""
+        return [(c.path, m) for c, m in self.checkpoints.reported_checkpoints()]
 
     def after_report(self, metrics: list[dict[str, Any]], checkpoint: Checkpoint | None) -> None:
         """Every rank made its report (and its checkpoint is committed and acknowledged)."""

@@ -80,8 +80,6 @@ def keeps_warm(plan: Plan) -> bool:
 def put_warm(group: WorkerGroup) -> bool:
     """Keep a group whose run finished for the next ``fit()``; ``False`` when the
     ``reuse_workers()`` block has ended meanwhile (the caller then shuts it down)."""
-    group.handler = group.on_tick = group.on_failure = None
-    group.watch = None
     with _lock:
         if _warm is None:
             return False

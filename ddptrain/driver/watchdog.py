@@ -1,6 +1,6 @@
 """Watching a running group for stopped and wedged workers, and Python stacks on demand.
 
-Driver side (:class:`Watch`, driven by the attempt's event pump): every couple of seconds it
+Driver side (:class:`Watch`, driven by the attempt as it polls its group): every couple of seconds it
 asks the agents for their workers' process states (``Q`` on the agent's stdin; the answer is
 a ``P`` frame). A worker stopped by a signal (state ``T``) is named in a warning after
 ``DDPTRAIN_REPORT_WARN_INTERVAL_S``. When no rank has reported or printed anything for
@@ -90,7 +90,7 @@ class Watch:
                 _logger.warning("ddptrain: could not answer `ddptrain stack`: %s", exc)
 
     def check(self, last_output: float) -> None:
-        """Called often by the event pump: poll states, warn, answer ``ddptrain stack``."""
+        """Called on each tick of the attempt: poll states, warn, answer ``ddptrain stack``."""
         now = time.monotonic()
         request = self._layout.stack_request
         if request.exists():

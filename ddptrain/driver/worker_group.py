@@ -1,9 +1,10 @@
 """``WorkerGroup``: worker processes started once, running functions on request.
 
 A group owns what lives as long as its workers: the agents (a :class:`Launcher`), the driver's
-store and its signed channel, and the log sink. What happens to its workers arrives through
-its event pump (``ddptrain.driver.group_events``): the first worker failure raises
-:class:`GroupFailed`, after which the group is dead and is shut down.
+store and its signed channel, and the log sink. What happens to its workers is polled
+(:meth:`~ddptrain.driver.group_events.GroupEvents.poll`, ``ddptrain.driver.group_events``):
+the first worker failure is a ``FailureSeen`` event (its own blocking calls raise
+:class:`GroupFailed`), after which the group is dead and is shut down.
 
 A training run (``fit()``) uses a group for one attempt and, inside
 ``ddptrain.reuse_workers()``, hands it on warm to the next ``fit()`` with the same plan.
@@ -248,6 +249,7 @@ class WorkerGroup(GroupEvents):
         assert self.sink is not None and self.launcher is not None
         self.sink.retarget(log_dir)
         self.sink.console = console
+        self._release()  # the last run's last batch (its Done messages)
         self.done.clear()
         self.finishing = False
         self._rendezvous = open_store(self.launcher.bind_address())
