@@ -265,12 +265,10 @@ class GroupLauncher:
         if cache is None:
             return share
         self.unshared_ranks.update(spec.rank for spec in share.workers)
-        checkpoint = storage.checkpoint
-        if checkpoint:
-            checkpoint = f"{cache}/resume/a{run.attempt}/{os.path.basename(checkpoint)}"
-            launcher.push_dir(storage.checkpoint, checkpoint)  # type: ignore[arg-type]
-        storage = dataclasses.replace(storage, local_cache=cache, checkpoint=checkpoint)
-        return dataclasses.replace(share, run=dataclasses.replace(run, storage=storage))
+        on_host, resume_to = storage.on_unshared_host(cache, run.attempt)
+        if resume_to is not None:
+            launcher.push_dir(storage.checkpoint, resume_to)  # type: ignore[arg-type]
+        return dataclasses.replace(share, run=dataclasses.replace(run, storage=on_host))
 
     def start(self, bootstrap: Bootstrap, sink: OutputSink, on_event: Callable[[AgentEvent], None]) -> None:
         """Hand each host its share, one after the other.

@@ -25,6 +25,8 @@ the standard library is imported here: the agent reads this module before it for
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import pickle
 import struct
 from collections.abc import Callable
@@ -314,6 +316,13 @@ class StorageSpec:
     checkpoint_filesystem: bytes | None = None
     probe: str | None = None
     local_cache: str | None = None
+
+    def on_unshared_host(self, cache: str, attempt: int) -> tuple[StorageSpec, str | None]:
+        """This spec for a host that cannot see ``run_dir`` and keeps its files in ``cache``:
+        with the folder there that the checkpoint to resume from must be copied to first
+        (``None``: no checkpoint)."""
+        checkpoint = f"{cache}/resume/a{attempt}/{os.path.basename(self.checkpoint)}" if self.checkpoint else None
+        return dataclasses.replace(self, local_cache=cache, checkpoint=checkpoint), checkpoint
 
 
 @dataclass(frozen=True)
