@@ -77,6 +77,15 @@ def test_a_killed_server_is_replaced_by_the_next_fit(storage: str) -> None:
     assert new != old and new in forkserver.server_pids()
 
 
+def test_a_server_killed_just_before_a_fit_costs_nothing_but_its_speed(storage: str, caplog) -> None:
+    # Killed without waiting: the next fit may reach the server before its death is seen; the
+    # agent then starts as a new process.
+    old = fit(where_started, storage).return_values[0]["started_by"]
+    os.kill(old, signal.SIGKILL)
+    values = fit(where_started, storage).return_values
+    assert len(values) == 2 and values[0]["started_by"] != old
+
+
 def env_and_start() -> dict[str, object]:
     return {**where_started(), "knob": os.environ.get("DDPTRAIN_TEST_KNOB"), "omp": os.environ.get("OMP_NUM_THREADS")}
 

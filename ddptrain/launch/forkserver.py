@@ -60,6 +60,11 @@ class ForkedAgent:
             _logger.warning("ddptrain: the agent fork server did not start an agent in %.0f s", _PID_TIMEOUT_S)
         return self._pid
 
+    def server_exit(self) -> str:
+        """How the server ended (for a warning), once :attr:`pid` came back ``None``."""
+        code = self._server.proc.poll()
+        return f"it exited with status {code}" if code is not None else "it stopped answering"
+
     def poll(self) -> int | None:
         """The exit code once the agent exited, else ``None``."""
         if not self._exited.is_set() and not self._server.alive:

@@ -96,18 +96,21 @@ class LocalConnection:
         if forkserver.enabled():
             fds = [*os.pipe(), *os.pipe(), *os.pipe()]  # stdin, stdout, stderr: (read, write) each
             try:
-                self._proc = forkserver.spawn(self._env, fds[0], fds[3], fds[5])
-            except OSError as exc:  # the server could not be started or reached: a new process
-                _logger.debug("ddptrain: no agent fork server (%s); starting the agent as a process", exc)
-                for fd in fds:
-                    os.close(fd)
-            else:
-                for fd in (fds[0], fds[3], fds[5]):
-                    os.close(fd)
+                agent = forkserver.spawn(self._env, fds[0], fds[3], fds[5])
+                forked = agent.pid is not None  # waits for the server's first torch import, if any
+                why = "" if forked else agent.server_exit()
+            except OSError as exc:
+                forked, why = False, str(exc)
+            for fd in (fds[0], fds[3], fds[5]) if forked else fds:
+                os.close(fd)
+            if forked:
+                self._proc = agent
                 self.stdin: IO[bytes] | None = os.fdopen(fds[1], "wb")
                 self.stdout: IO[bytes] = os.fdopen(fds[2], "rb")
                 self.stderr: IO[bytes] = os.fdopen(fds[4], "rb")
                 return
+            # The server could not be started, reached, or it ended before it forked the agent.
+            _logger.warning("ddptrain: the agent fork server did not start an agent (%s); starting a new process", why)
         self._proc = subprocess.Popen(
             agent_command(sys.executable, import_pins()),
             stdin=subprocess.PIPE,
