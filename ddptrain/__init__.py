@@ -21,6 +21,7 @@ from ddptrain.config import (
 from ddptrain.context import (
     CheckpointConsistencyMode,
     CheckpointUploadMode,
+    PreemptionInfo,
     ReportedCheckpoint,
     ReportedCheckpointStatus,
     StorageContext,
@@ -29,6 +30,7 @@ from ddptrain.context import (
     get_checkpoint,
     get_context,
     get_dataset_shard,
+    get_preemption_info,
     report,
 )
 from ddptrain.data_parallel_trainer import DataParallelTrainer
@@ -40,6 +42,7 @@ from ddptrain.errors import (
     DiskFullError,
     HostLostError,
     LaunchError,
+    RunPreemptedError,
     TrainingFailedError,
     WorkerDiedError,
     WorkerError,
@@ -70,6 +73,8 @@ __all__ = [
     "HostLostError",
     "LaunchError",
     "LoggingConfig",
+    "PreemptionInfo",
+    "RunPreemptedError",
     "ReportedCheckpoint",
     "ReportedCheckpointStatus",
     "Result",
@@ -90,6 +95,7 @@ __all__ = [
     "get_checkpoint",
     "get_context",
     "get_dataset_shard",
+    "get_preemption_info",
     "report",
     "reuse_workers",
     "__version__",

@@ -85,6 +85,16 @@ def shutdown_grace_s() -> float:
     return _float("DDPTRAIN_SHUTDOWN_GRACE_S", 3.0)
 
 
+def preemption_window_s() -> float:
+    """How long the workers have after a preemption notice to report a final checkpoint before
+    the run stops (``DDPTRAIN_PREEMPTION_WINDOW_S``, default 30 s: a spot instance's shortest
+    notice)."""
+    value = _float("DDPTRAIN_PREEMPTION_WINDOW_S", 30.0)
+    if value < 0:
+        raise ValueError(f"`DDPTRAIN_PREEMPTION_WINDOW_S` must be >= 0 (seconds), got {value:g}.")
+    return value
+
+
 def store_connect_timeout_s() -> float:
     """Seconds a worker waits to connect to the driver's store."""
     return _float("DDPTRAIN_STORE_CONNECT_TIMEOUT_S", 60.0)

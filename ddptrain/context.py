@@ -34,6 +34,8 @@ __all__ = [
     "get_checkpoint",
     "get_dataset_shard",
     "get_all_reported_checkpoints",
+    "get_preemption_info",
+    "PreemptionInfo",
     "ReportedCheckpoint",
     "ReportedCheckpointStatus",
     "CheckpointUploadMode",
@@ -63,6 +65,32 @@ class ReportedCheckpointStatus(enum.Enum):
     """State of a reported checkpoint (ddptrain has no validation step: always COMMITTED)."""
 
     COMMITTED = "COMMITTED"
+
+
+@dataclass(frozen=True)
+class PreemptionInfo:
+    """A preemption notice, as ``get_preemption_info()`` returns it (Ray's fields, and a reason).
+
+    Attributes:
+        deadline_ms: When the run stops at the latest (UNIX time in milliseconds): report a
+            final checkpoint before then. ``None`` if no deadline is known.
+        preempted_node_to_ranks: The hosts going away, each with the world ranks it runs.
+        reason: What the notice was (ddptrain's own field), e.g. ``"SIGTERM to the driver"``.
+    """
+
+    deadline_ms: int | None
+    preempted_node_to_ranks: dict[str, list[int]]
+    reason: str = ""
+
+    @property
+    def preempted_node_ids(self) -> list[str]:
+        """The hosts going away, sorted."""
+        return sorted(self.preempted_node_to_ranks)
+
+    @property
+    def preempted_ranks(self) -> list[int]:
+        """The world ranks on those hosts, sorted."""
+        return sorted({r for ranks in self.preempted_node_to_ranks.values() for r in ranks})
 
 
 class ContextError(DdpTrainError, RuntimeError):
@@ -105,6 +133,7 @@ class _Session:
     report_index: int = 0
     collective_index: int = 0
     end_hooks: list[Callable[[bool], None]] = field(default_factory=list)  # see on_training_end
+    preemption: PreemptionInfo | None = None  # set by the heartbeat thread (get_preemption_info)
 
     def checkpoint_at(self, path: str) -> Checkpoint:
         """The run's checkpoint at ``path`` (a path the driver sent)."""
@@ -358,6 +387,33 @@ def get_context() -> TrainContext:
         RuntimeError: Called outside a training function.
     """
     return _get_session("get_context").context
+
+
+def get_preemption_info() -> PreemptionInfo | None:
+    """The run's preemption notice, or ``None`` while there is none (as Ray's).
+
+    A SIGTERM to the driver (a spot instance's or a scheduler's notice) or to a host's agent
+    gives every worker a :class:`PreemptionInfo` within a fraction of a second. The run then
+    stops once a checkpoint reported after the notice is committed, or at
+    ``deadline_ms`` (``DDPTRAIN_PREEMPTION_WINDOW_S`` after the notice), and is recorded as
+    preempted; running the script again with the same ``RunConfig(name=...)`` resumes it
+    from that checkpoint. A function that returns during the window finishes the run.
+
+    Example:
+        >>> def train_func():  # doctest: +SKIP
+        ...     for step in range(start, steps):
+        ...         train_step()
+        ...         if ddptrain.get_preemption_info() is not None:
+        ...             ddptrain.report({"step": step}, checkpoint=save(step))
+    """
+    return _get_session("get_preemption_info").preemption
+
+
+def _set_preemption(info: PreemptionInfo) -> None:
+    """Record a preemption notice for the current session (the worker's heartbeat thread)."""
+    session = _session
+    if session is not None and session.preemption is None:
+        session.preemption = info
 
 
 def get_checkpoint() -> Checkpoint | None:

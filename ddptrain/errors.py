@@ -18,6 +18,7 @@ __all__ = [
     "LaunchError",
     "HostLostError",
     "TrainingFailedError",
+    "RunPreemptedError",
     "ControllerError",
     "ChannelError",
     "DiskFullError",
@@ -90,6 +91,27 @@ class HostLostError(LaunchError):
 
 class TrainingFailedError(DdpTrainError, RuntimeError):
     """Raised by ``fit()`` when training failed (Ray Train's name)."""
+
+
+class RunPreemptedError(TrainingFailedError):
+    """Raised by ``fit()`` when the run was stopped by a preemption notice (a SIGTERM to the
+    driver or to a host's agent, or ``request_preemption``): ``run.json`` says PREEMPTED, and
+    running the same script again with the same ``RunConfig(name=...)`` resumes the run from
+    :attr:`checkpoint`. A subclass of ``TrainingFailedError``: code after ``fit()`` does not
+    run as if training had finished.
+
+    Attributes:
+        checkpoint: The run's latest committed checkpoint (``None``: none was reported).
+        reason: What the notice was.
+    """
+
+    def __init__(self, message: str, checkpoint: Any = None, reason: str = "") -> None:
+        super().__init__(message)
+        self.checkpoint = checkpoint
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (RunPreemptedError, (self.args[0] if self.args else "", self.checkpoint, self.reason))
 
 
 class ControllerError(TrainingFailedError):

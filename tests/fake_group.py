@@ -61,6 +61,12 @@ class FakeGroup:
     def send(self, rank: int, message: Any) -> None:
         self.sent.append((rank, message))
 
+    def notify(self, rank: int, message: Any) -> None:
+        self.sent.append((rank, message))
+
+    def host_of(self, rank: int) -> str:
+        return "localhost"
+
     def poll(self, timeout_s: float = 0.5) -> list[GroupEvent]:
         if not self.script:
             raise AssertionError("the attempt waits for more than the script holds")

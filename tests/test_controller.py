@@ -20,10 +20,11 @@ from fake_group import FakeGroup
 
 import ddptrain as train
 from ddptrain.backend import BackendConfig
+from ddptrain.driver import preemption
 from ddptrain.driver.controller import Controller
-from ddptrain.driver.group_events import FailureSeen
+from ddptrain.driver.group_events import FailureSeen, TickDue
 from ddptrain.driver.run import Run
-from ddptrain.errors import WorkerFailure, WorkerGroupError
+from ddptrain.errors import RunPreemptedError, WorkerFailure, WorkerGroupError
 from ddptrain.result import Result
 from ddptrain.wire import protocol
 
@@ -209,3 +210,43 @@ def test_a_failure_after_every_rank_returned_is_not_retried(storage: str) -> Non
     with pytest.raises(WorkerGroupError, match="after the end"):
         fakes.fit(storage, max_failures=5)
     assert fakes.log == ["agents started", "group shut down"]
+
+
+# ----------------------------------------------------------------- preemption notices, without processes
+@pytest.fixture()
+def no_notice() -> Any:
+    preemption.clear()
+    yield
+    preemption.clear()
+
+
+def _notice(deadline_s: float) -> Any:
+    return lambda: preemption.request_preemption("a test's notice", deadline_s=deadline_s)
+
+
+def test_a_preemption_notice_is_given_to_every_worker_and_ends_the_run_as_preempted(storage: str, no_notice: Any) -> None:
+    fakes = Fakes([_notice(0.0)], _succeeds())
+    with pytest.raises(RunPreemptedError, match=r"'fake' was preempted \(a test's notice\).*from scratch") as caught:
+        fakes.fit(storage, max_failures=5)
+    notices = [(rank, m) for rank, m in fakes.groups[0].sent if isinstance(m, protocol.Preempt)]
+    assert [rank for rank, _ in notices] == [0, 1]
+    assert notices[0][1].node_to_ranks == {"localhost": [0, 1]} and notices[0][1].reason == "a test's notice"
+    assert caught.value.checkpoint is None and len(fakes.groups) == 1 and fakes.groups[0].closed
+    run = _run_json(storage)
+    assert run["status"] == "PREEMPTED" and run["preempted"] == {"reason": "a test's notice", "checkpoint": None}
+    assert preemption.pending() is None  # a later fit() starts without it
+
+
+def test_a_failure_during_the_preemption_window_is_not_retried(storage: str, no_notice: Any) -> None:
+    fakes = Fakes([_notice(60.0), *_fails("killed with its host")], _succeeds())
+    with pytest.raises(RunPreemptedError):
+        fakes.fit(storage, max_failures=5)
+    assert fakes.log == ["agents started", "group shut down"] and _run_json(storage)["status"] == "PREEMPTED"
+
+
+def test_a_second_notice_stops_the_run_at_once(storage: str, no_notice: Any) -> None:
+    second = _notice(60.0)
+    fakes = Fakes([_notice(60.0), TickDue(0.0), second])
+    with pytest.raises(RunPreemptedError):
+        fakes.fit(storage, max_failures=0)
+    assert fakes.groups[0].script == []  # stopped on the poll after the second notice, not at the deadline

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from ddptrain.agent import memory as _memory
 from ddptrain.agent.process import process_state
-from ddptrain.wire.agent_events import WorkerExited, WorkerStates, encode_event
+from ddptrain.wire.agent_events import AgentPreempted, WorkerExited, WorkerStates, encode_event
 from ddptrain.wire.protocol import AGENT_RANK, ALIVE_S, Kind, Request, encode_frame
 
 __all__ = ["Child", "kill_all", "relay"]
@@ -143,17 +143,30 @@ def _reaped(child: Child) -> bool:
 
 def relay(out_fd: int, stdin_fd: int, children: list[Child], grace_s: float, heartbeat_s: float | None = None) -> None:
     """Relay the workers' output and exits until every worker exited; kill them all when the
-    driver is gone, asks to stop, or (``heartbeat_s``) is silent that long."""
+    driver is gone, asks to stop, or (``heartbeat_s``) is silent that long.
+
+    A first SIGTERM to the agent is a preemption notice (its host is going away): the driver
+    is told (:class:`AgentPreempted`) and decides; a second SIGTERM ends the agent at once."""
     link = _DriverLink(out_fd, stdin_fd, heartbeat_s)
+    notices: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: notices.append(signum))
     try:
-        _relay_until_done(link, children)
+        _relay_until_done(link, children, notices)
     except _DriverGone as gone:
         if str(gone):
             print(f"ddptrain agent: {gone}; stopping", file=sys.stderr)
         kill_all(children, grace_s)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
-def _relay_until_done(link: _DriverLink, children: list[Child]) -> None:
+def _tell_preempted(link: _DriverLink) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the agent at once
+    print("ddptrain agent: SIGTERM: telling the driver that this host is being preempted", file=sys.stderr)
+    link.send(encode_event(AgentPreempted(AGENT_RANK)))
+
+
+def _relay_until_done(link: _DriverLink, children: list[Child], notices: list[int]) -> None:
     selector = selectors.DefaultSelector()
     selector.register(link.stdin_fd, selectors.EVENT_READ, ("stdin", None))
     for child in children:
@@ -178,7 +191,11 @@ def _relay_until_done(link: _DriverLink, children: list[Child]) -> None:
 
     pending = list(children)  # children whose exit has not been reported
     oom_kills = _memory.oom_kills()  # a worker dead of SIGKILL is then checked against it
+    told = False
     while pending:
+        if notices and not told:
+            told = True
+            _tell_preempted(link)
         for key, _ in selector.select(_POLL_S):
             if key.data[0] == "stdin":
                 data = link.read_requests()

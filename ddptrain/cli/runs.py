@@ -72,6 +72,7 @@ def run_summary(run: Path | RunView) -> dict[str, Any]:
         "error": info.get("error"),
         "upload_error": info.get("upload_error"),  # training ended, its last uploads to remote storage failed
         "attempt_errors": info.get("attempt_errors", []),
+        "preempted": info.get("preempted"),  # {"reason", "checkpoint"}: a rerun by name resumes it
         "num_workers": info.get("num_workers"),
         "use_gpu": info.get("use_gpu"),
         "hosts": info.get("hosts"),
@@ -158,6 +159,9 @@ def main_show(run: str, as_json: bool) -> int:
         print(f"  error: {s['error']}")
     if s["upload_error"]:
         print(f"  upload failed: {s['upload_error']}")
+    if s["preempted"]:
+        resume = s["preempted"]["checkpoint"] or "scratch (no checkpoint was reported)"
+        print(f"  preempted: {s['preempted']['reason']}; run it again with the same name to resume from {resume}")
     print(f"  reports: {s['reports']}")
     for key, (last, low, high) in (s["metric_stats"] or {}).items():
         print(f"    {key}: last {last:.6g}, min {low:.6g}, max {high:.6g}")

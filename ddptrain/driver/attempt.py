@@ -5,8 +5,10 @@ The attempt polls its :class:`~ddptrain.driver.worker_group.WorkerGroup`
 (``group.poll()``): the group handles what every group has (workers joining, function results,
 agent events, lost messages) and returns the run's own messages (report, collective,
 checkpoints), the workers' states for the hang watchdog, ticks, and the first failure. The
-attempt ends with an :data:`Outcome`: :class:`Succeeded` or :class:`Failed`; what follows a
-failure (a restart, or the run's end) is the controller's decision.
+attempt ends with an :data:`Outcome`: :class:`Succeeded`, :class:`Failed`, or :class:`Preempted`
+(a preemption notice, ``ddptrain.driver.preemption``: the workers were told, and the attempt
+stopped once a checkpoint was committed after it, or at its deadline); what follows (a
+restart, or the run's end) is the controller's decision.
 
 The attempt sees its run through two narrow views: an :class:`AttemptContext` (what starting and
 steering the group needs) and a :class:`ReportSink` (where the reports go), which ``Run``
@@ -26,14 +28,22 @@ import cloudpickle
 
 from ddptrain import _env
 from ddptrain.checkpoint import Checkpoint
-from ddptrain.driver.group_events import FailureSeen, GroupEvent, MessagesHandled, StatesReported, TickDue
+from ddptrain.driver import preemption
+from ddptrain.driver.group_events import (
+    FailureSeen,
+    GroupEvent,
+    HostPreempted,
+    MessagesHandled,
+    StatesReported,
+    TickDue,
+)
 from ddptrain.driver.watchdog import Watch
 from ddptrain.driver.worker_group import GroupFailed, WorkerGroup
 from ddptrain.errors import LaunchError, WorkerFailure, is_disk_full
 from ddptrain.storage.base import RunStorage
 from ddptrain.wire import protocol
 
-__all__ = ["Attempt", "AttemptContext", "Failed", "GroupFailed", "Outcome", "ReportSink", "Succeeded"]
+__all__ = ["Attempt", "AttemptContext", "Failed", "GroupFailed", "Outcome", "Preempted", "ReportSink", "Succeeded"]
 
 _logger = logging.getLogger(__name__)
 _POLL_S = 0.5  # the longest wait for the group's next event
@@ -62,7 +72,16 @@ class Failed:
         return any(is_disk_full(f.exception) for f in self.failures)
 
 
-Outcome = Succeeded | Failed
+@dataclass(frozen=True)
+class Preempted:
+    """A preemption notice stopped the attempt: ``checkpoint`` is the one committed after the
+    notice (``None``: the deadline came first). The group is alive: the controller stops it."""
+
+    notice: preemption.Notice
+    checkpoint: Checkpoint | None
+
+
+Outcome = Succeeded | Failed | Preempted
 
 
 @dataclass(frozen=True)
@@ -152,6 +171,8 @@ class Attempt:
         # get_all_reported_checkpoints() calls waiting for earlier reports: (rank, index, deadline)
         self.checkpoint_waiters: list[tuple[int, int, float | None]] = []
         self.watch = Watch(context.run_dir, group.ask, group.where)
+        self.notice: preemption.Notice | None = None  # the preemption notice the workers were given
+        self.after_notice: Checkpoint | None = None  # a checkpoint committed since
 
     # ----------------------------------------------------------------- lifecycle
     def run(self) -> Outcome:
@@ -186,6 +207,9 @@ class Attempt:
                 failed = self._handle(group.poll(_POLL_S))
                 if failed is not None:
                     return self._failed(failed)
+                preempted = self._preempted()
+                if preempted is not None and len(group.done) < self.world_size:
+                    return preempted
             with group.observed(self._observe):
                 self._finish(backend)
             return Succeeded([self._load_return(rank) for rank in range(self.world_size)], self.keep)
@@ -219,9 +243,39 @@ class Attempt:
                 self._check_rounds()
                 self.context.progress.tick()
                 self.watch.check(event.last_output)
+            elif isinstance(event, HostPreempted):
+                preemption.request_preemption(f"SIGTERM to the agent on host {event.host}", hosts=[event.host])
             elif isinstance(event, FailureSeen):
                 return event.failures
         return None
+
+    def _preempted(self) -> Preempted | None:
+        """Tell the workers of a preemption notice once; stop once a checkpoint was committed
+        after it, or at its deadline (at once after a second notice)."""
+        notice = preemption.pending()
+        if notice is None:
+            return None
+        if self.notice is None:
+            self.notice = notice
+            self._tell_workers(notice)
+        if self.after_notice is not None or notice.expired():
+            return Preempted(notice, self.after_notice)
+        return None
+
+    def _tell_workers(self, notice: preemption.Notice) -> None:
+        nodes: dict[str, list[int]] = {}
+        for rank in range(self.world_size):
+            host = self.group.host_of(rank)
+            if notice.hosts is None or host in notice.hosts:
+                nodes.setdefault(host, []).append(rank)
+        message = protocol.Preempt(notice.deadline_ms, nodes, notice.reason)
+        for rank in range(self.world_size):
+            self.group.notify(rank, message)
+        window = max(0.0, notice.deadline - time.monotonic())
+        self.context.progress.say(
+            f"ddptrain: preemption notice ({notice.reason}): the workers have {window:.0f} s to report a "
+            "checkpoint; the run stops once one is committed"
+        )
 
     def _finish(self, backend: Any) -> None:
         """Every rank returned: run the backend's teardown and let the workers exit (or wait
@@ -289,6 +343,8 @@ class Attempt:
             if problem is None:
                 staged = [self._collect(r, index, entries[r].staged) for r in staged_ranks]  # type: ignore[arg-type]
                 checkpoint = self.reports.commit_checkpoint(staged, name, entries[0].metrics, index)
+                if self.notice is not None:
+                    self.after_notice = checkpoint
             for r in staged_ranks:
                 self.group.send(r, protocol.Ack(index, checkpoint.path if checkpoint else None, problem))
         self.reports.after_report([entry.metrics for entry in entries], checkpoint)

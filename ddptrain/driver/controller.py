@@ -17,7 +17,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ddptrain import _env
-from ddptrain.driver.attempt import Attempt, Failed, Succeeded
+from ddptrain.driver import preemption
+from ddptrain.driver.attempt import Attempt, Failed, Preempted, Succeeded
 from ddptrain.driver.plan import Plan
 from ddptrain.driver.run import Run
 from ddptrain.driver.warm import keeps_warm, put_warm, take_warm
@@ -27,6 +28,7 @@ from ddptrain.errors import (
     ConfigError,
     HostLostError,
     LaunchError,
+    RunPreemptedError,
     WorkerFailure,
     WorkerGroupError,
     is_disk_full,
@@ -75,6 +77,10 @@ class Controller:
             WorkerGroupError: The last attempt failed (every attempt's root cause is listed).
             ControllerError: The driver could not write the run (a full disk).
         """
+        with preemption.sigterm_notices():  # a SIGTERM now is a preemption notice
+            return self._fit()
+
+    def _fit(self) -> Result:
         run = self.run
         with run.opened(workers=run.scaling_config.num_workers) as index:  # makes run.plan, locked
             _logger.info(
@@ -121,7 +127,33 @@ class Controller:
                 raise
             if isinstance(outcome, Succeeded):
                 return outcome.return_values, outcome.keep_warm
+            notice = preemption.pending()
+            if isinstance(outcome, Preempted) or notice is not None:  # a failure in the window is not retried
+                self._stop_preempted(outcome, notice or outcome.notice)  # type: ignore[union-attr]
+            assert isinstance(outcome, Failed)
             index = self._restart(outcome, index)
+
+    def _stop_preempted(self, outcome: Failed | Preempted, notice: preemption.Notice) -> None:
+        """A preemption notice stopped the attempt (or it failed during the notice's window):
+        the run is recorded as PREEMPTED, and ``fit()`` raises ``RunPreemptedError``."""
+        assert self.group is not None
+        self.group.shutdown()
+        self.group = None
+        run = self.run
+        failures = list(outcome.failures) if isinstance(outcome, Failed) else []
+        run.clean_after_failure(failures)  # a report round cut short, and the logs
+        if failures:
+            _logger.warning("ddptrain: during the preemption window: %s", failures[0].headline())
+        preemption.clear()
+        run.preempted(notice.reason)
+        latest = run.latest_checkpoint
+        where = f"from checkpoint {latest.path}" if latest is not None else "from scratch (no checkpoint was reported)"
+        raise RunPreemptedError(
+            f"Run {run.name!r} was preempted ({notice.reason}). Run the script again with the same "
+            f"RunConfig(name={run.name!r}, storage_path=...) to resume it {where}.",
+            checkpoint=latest,
+            reason=notice.reason,
+        )
 
     def _budget_left(self, pending: int = 0) -> bool:
         """Whether another attempt is allowed after the failures seen (``pending``: one more

@@ -45,6 +45,7 @@ __all__ = [
     "GroupEvent",
     "GroupEvents",
     "GroupFailed",
+    "HostPreempted",
     "MessagesHandled",
     "StatesReported",
     "TickDue",
@@ -89,7 +90,14 @@ class FailureSeen:
     failures: tuple[WorkerFailure, ...]
 
 
-GroupEvent = MessagesHandled | StatesReported | TickDue | FailureSeen
+@dataclass(frozen=True)
+class HostPreempted:
+    """The agent on ``host`` got a SIGTERM: the host is being preempted (or shut down)."""
+
+    host: str
+
+
+GroupEvent = MessagesHandled | StatesReported | TickDue | HostPreempted | FailureSeen
 
 
 class GroupFailed(WorkerGroupError):
@@ -236,6 +244,10 @@ class GroupEvents:
         if isinstance(item, agent_events.WorkerStates):
             events.append(StatesReported(item.states))
             return []
+        if isinstance(item, agent_events.AgentPreempted):
+            first = self.plan.ranks_of_agent(None if item.rank == protocol.AGENT_RANK else item.rank)[0]
+            events.append(HostPreempted(self.plan.host_of(first)))
+            return []
         failure = self._handle_agent(item)
         return [failure] if failure is not None else []
 
@@ -279,7 +291,7 @@ class GroupEvents:
         return None
 
     def _handle_agent(self, event: agent_events.AgentEvent) -> WorkerFailure | None:
-        if isinstance(event, agent_events.WorkerStates):  # returned by poll() as StatesReported
+        if isinstance(event, (agent_events.WorkerStates, agent_events.AgentPreempted)):  # returned by poll()
             return None
         if isinstance(event, agent_events.WorkerStarted):
             self.hosts.setdefault(event.rank, (event.pid, event.host))

@@ -153,6 +153,23 @@ class Progress:
         start = resume_from or "scratch"
         self._say(f"ddptrain: attempt {attempt - 1} failed ({reason}); attempt {attempt} starts from {start}")
 
+    def say(self, line: str) -> None:
+        """A line of the driver's own on the console (a preemption notice, a resize)."""
+        self._say(line)
+
+    def preempted(self, reason: str, checkpoint: str | None) -> None:
+        """The run's last line when a preemption notice stopped it."""
+        if self.mode == "lines" and self._unprinted:
+            self._print_report()
+        took = format_duration(time.monotonic() - self._started)
+        resume = f"resumes from {checkpoint}" if checkpoint else "starts from scratch (no checkpoint was reported)"
+        self._say(
+            f"ddptrain: run {self.name!r} preempted after {took} ({reason}); run it again with the same "
+            f"RunConfig(name={self.name!r}) and it {resume}; everything is in {self.run_dir}"
+        )
+        with self._lock:
+            self._clear_status()
+
     def finished(
         self, ok: bool, best: tuple[str, dict[str, Any]] | None = None, error: str = "", where: str | None = None
     ) -> None:

@@ -237,11 +237,12 @@ class Run:
 
     def save_status(self, status: str, **fields: Any) -> None:
         """Record how the run stands in ``run.json`` (read by ``ddptrain runs`` and ``show``):
-        RUNNING, RESTARTING, FINISHED, ERRORED or ABORTED (Ray Train V2's words). On remote
+        RUNNING, RESTARTING, FINISHED, ERRORED or ABORTED (Ray Train V2's words), or PREEMPTED
+        (ddptrain's: a preemption notice stopped it, and a rerun resumes it). On remote
         storage it is uploaded (the final one with the run's last uploads, in ``opened``), or
         a ``StorageError`` raised (``RunStorage.save_status``)."""
         self._run_json.update(status=status, **fields)
-        ended = status in ("FINISHED", "ERRORED", "ABORTED")
+        ended = status in ("FINISHED", "ERRORED", "ABORTED", "PREEMPTED")
         if ended:
             self._run_json["ended"] = time.time()
         self.storage.save_status(self._run_json, ended)
@@ -342,6 +343,15 @@ class Run:
             self.save_status("FINISHED")
         else:
             self.save_status("ERRORED", error=error)
+
+    def preempted(self, reason: str) -> None:
+        """The run was stopped by a preemption notice: PREEMPTED in ``run.json``, with why and
+        the checkpoint a rerun resumes from (the console says so at once, or on remote storage
+        once the run's last uploads are done)."""
+        latest = self.latest_path
+        self._ended_line = None
+        self.progress.preempted(reason, latest)
+        self.save_status("PREEMPTED", preempted={"reason": reason, "checkpoint": latest})
 
     def attempt_failed(self, index: int, failure: WorkerFailure) -> None:
         """Record the root cause of attempt ``index`` in ``run.json`` (``ddptrain show``)."""

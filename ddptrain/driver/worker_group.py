@@ -239,6 +239,15 @@ class WorkerGroup(GroupEvents):
         assert self.channel is not None
         self.channel.send(rank, message)
 
+    def notify(self, rank: int, message: Any) -> None:
+        """Send ``rank`` a notice it reads while it trains (``protocol.Preempt``)."""
+        assert self.channel is not None
+        self.channel.notify(rank, message)
+
+    def host_of(self, rank: int) -> str:
+        """The name of the host that runs ``rank`` (the host list's name for it)."""
+        return self.plan.host_of(rank)
+
     def next_run(self, log_dir: Path | None, console: Any = None) -> int:
         """Ready a warm group for its next run: its output goes to ``log_dir`` from now on.
 

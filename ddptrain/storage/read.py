@@ -54,7 +54,7 @@ __all__ = [
     "read_run",
 ]
 
-STATUSES = ("RUNNING", "RESTARTING", "FINISHED", "ERRORED", "ABORTED")
+STATUSES = ("RUNNING", "RESTARTING", "FINISHED", "ERRORED", "ABORTED", "PREEMPTED")
 
 
 def _is_number(value: Any) -> bool:
@@ -97,6 +97,11 @@ _FIELDS: dict[str, Callable[[Any], bool]] = {
     "argv": _are_texts,
     "backend_config": _is_text,
     "host": _is_text,
+    "preempted": lambda value: (
+        isinstance(value, dict)
+        and _is_text(value.get("reason"))
+        and (value.get("checkpoint") is None or _is_text(value["checkpoint"]))
+    ),
 }
 
 

@@ -21,6 +21,7 @@ __all__ = [
     "AgentFailed",
     "AgentGone",
     "AgentLost",
+    "AgentPreempted",
     "WorkerExited",
     "WorkerStarted",
     "WorkerStates",
@@ -66,6 +67,14 @@ class AgentFailed:
 
 
 @dataclass(frozen=True)
+class AgentPreempted:
+    """The agent got a SIGTERM (its host is being preempted, or shut down); its workers keep
+    running until the driver stops them or a second SIGTERM ends the agent."""
+
+    rank: int  # the agent's (see :class:`AgentFailed`)
+
+
+@dataclass(frozen=True)
 class AgentGone:
     """The agent's pipe ended (added by the driver): ``exitcode`` ``None`` if unknown."""
 
@@ -83,11 +92,16 @@ class AgentLost:
     timeout_s: float
 
 
-AgentEvent = WorkerStarted | WorkerExited | WorkerStates | AgentFailed | AgentLost | AgentGone
-_EVENT_KINDS: dict[type, bytes] = {WorkerStarted: Kind.STARTED, WorkerExited: Kind.EXITED, WorkerStates: Kind.STATES}
+AgentEvent = WorkerStarted | WorkerExited | WorkerStates | AgentFailed | AgentPreempted | AgentLost | AgentGone
+_EVENT_KINDS: dict[type, bytes] = {
+    WorkerStarted: Kind.STARTED,
+    WorkerExited: Kind.EXITED,
+    WorkerStates: Kind.STATES,
+    AgentPreempted: Kind.PREEMPTED,
+}
 
 
-def encode_event(event: WorkerStarted | WorkerExited | WorkerStates | AgentFailed) -> bytes:
+def encode_event(event: WorkerStarted | WorkerExited | WorkerStates | AgentFailed | AgentPreempted) -> bytes:
     """The frame an agent writes for ``event``."""
     if isinstance(event, AgentFailed):
         return encode_frame(Kind.FAILED, event.rank, event.text.encode("utf-8", errors="replace"))

@@ -35,6 +35,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
@@ -79,6 +80,7 @@ _logger = logging.getLogger(__name__)
 _LONG_WAIT = datetime.timedelta(days=7)
 LENGTH = struct.Struct(">I")  # in front of each record of a log segment
 HEARTBEAT_S = 2.0  # between a worker's heartbeats (WorkerChannel.start_heartbeat)
+NOTICE_POLL_S = 0.25  # how often the heartbeat thread looks for the driver's notices
 # A worker's log segment ends after this many records or bytes, or with the first record
 # written this long after it began (the driver reads a segment whole each time, so what it has
 # read already should stay short, and deletes it once it has ended).
@@ -108,6 +110,10 @@ class Keys:
 
     def to_worker(self, rank: int) -> str:
         return f"{self.prefix}/to_worker/{rank}"
+
+    def notices(self, rank: int) -> str:
+        """The queue of notices to ``rank`` that arrive while it trains (preemption)."""
+        return f"{self.prefix}/notices/{rank}"
 
     def segment(self, sender: int, index: int) -> str:
         """Segment ``index`` of the log of ``sender``."""
@@ -285,6 +291,7 @@ class WorkerChannel:
         self._outbox = Outbox(store, secret, rank, logs=keys)
         self._inbox = Inbox(store, secret, keys.to_worker(rank))
         self._warnings = RateLimitedWarnings(_logger, f"ddptrain rank {rank}")
+        self.on_notice: Callable[[Any], None] | None = None  # called in the heartbeat thread
 
     def send(self, obj: Any) -> None:
         """Send a sealed message to the driver."""
@@ -294,13 +301,27 @@ class WorkerChannel:
         """Every ``interval_s``, tell the driver how many messages this rank has sent, over a
         connection of its own (the main one may be blocked in a pop). A message someone removed
         from the store is then noticed within two beats, even the last one."""
-        beats = Outbox(connect(host, port, timeout_s=30), self.secret, self.rank | BEAT_SENDER, logs=self.keys)
+        store = connect(host, port, timeout_s=30)
+        beats = Outbox(store, self.secret, self.rank | BEAT_SENDER, logs=self.keys)
+        notices = Inbox(store, self.secret, self.keys.notices(self.rank))
+        step_s = min(interval_s, NOTICE_POLL_S)
 
         def beat() -> None:
+            next_beat = time.monotonic() + interval_s
             while True:
-                time.sleep(interval_s)
+                time.sleep(step_s)
                 try:
-                    beats.push(self.keys.to_driver, protocol.Beat(self.rank, self._outbox.pushed(self.keys.to_driver)))
+                    # The driver's notices (preemption) are looked for between beats.
+                    while store.queue_len(notices.key) > 0:
+                        notice = notices.pop()
+                        if self.on_notice is not None:
+                            self.on_notice(notice)
+                    if time.monotonic() >= next_beat:
+                        next_beat += interval_s
+                        pushed = self._outbox.pushed(self.keys.to_driver)
+                        beats.push(self.keys.to_driver, protocol.Beat(self.rank, pushed))
+                except (ForgedMessageError, LostMessageError) as exc:
+                    self._warnings.warn("notice refused", str(exc))
                 except Exception:
                     return  # the store is gone, and with it the driver
 

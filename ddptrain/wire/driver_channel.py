@@ -152,6 +152,10 @@ class DriverChannel:
         """Push a sealed command to one worker."""
         self._outbox.push(self._keys.to_worker(rank), obj)
 
+    def notify(self, rank: int, obj: Any) -> None:
+        """Push a sealed notice to one worker, read while it trains (``Keys.notices``)."""
+        self._outbox.push(self._keys.notices(rank), obj)
+
     def release(self, nbytes: int) -> None:
         """A batch of ``nbytes`` was handled: the driver no longer holds it."""
         with self._held_lock:

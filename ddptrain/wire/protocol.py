@@ -16,7 +16,8 @@ Two transports carry them:
   :class:`CallResult`, :class:`Report`, :class:`Collective`, :class:`CheckpointsQuery`,
   :class:`Done`, :class:`Beat` (heartbeat connection). Driver to worker: :class:`Execute`,
   :class:`BeginRun`, :class:`Train`, :class:`Exit`, :class:`Ack`, :class:`CollectiveResult`,
-  :class:`CheckpointsReply`.
+  :class:`CheckpointsReply`, and :class:`Preempt` (on a queue of its own, read by the worker's
+  heartbeat thread while the training function runs).
 
 ``VERSION`` changes whenever a message changes shape; an agent refuses a driver of another
 version (``ddptrain.wire.boot.versions``) before it unpickles anything but the version table. Only
@@ -61,12 +62,13 @@ __all__ = [
     "Exit",
     "FailureRecord",
     "Hello",
+    "Preempt",
     "Report",
     "Train",
     "VERSION",
 ]
 
-VERSION = 7  # 6: BeginRun; 7: RunInfo.storage, a StorageSpec
+VERSION = 8  # 6: BeginRun; 7: RunInfo.storage, a StorageSpec; 8: Preempt
 
 
 # ----------------------------------------------------------------- worker -> driver
@@ -201,6 +203,17 @@ class CollectiveResult:
 
 
 @dataclass(frozen=True)
+class Preempt:
+    """A preemption notice: the run stops at ``deadline_ms`` (UNIX time in milliseconds) at the
+    latest; ``node_to_ranks``: the hosts going away and their ranks. Sent to a rank's notice
+    queue (``Keys.notices``), which its heartbeat thread reads while the function runs."""
+
+    deadline_ms: int | None
+    node_to_ranks: dict[str, list[int]]
+    reason: str
+
+
+@dataclass(frozen=True)
 class CheckpointsReply:
     """The run's reported checkpoints: ``(path, metrics)`` pairs, oldest first."""
 
@@ -223,6 +236,7 @@ class Kind:
     EXITED = b"X"  # :class:`WorkerExited`
     STATES = b"P"  # :class:`WorkerStates`
     FAILED = b"F"  # :class:`AgentFailed`, as UTF-8 text
+    PREEMPTED = b"R"  # :class:`AgentPreempted`: the agent got SIGTERM (its host is going away)
     ALIVE = b"A"  # no payload: the agent is still there (SSH hosts, at least every `ALIVE_S`)
 
 

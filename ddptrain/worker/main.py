@@ -210,6 +210,16 @@ def dumps_to_host(value: Any) -> bytes:
     return buffer.getvalue()
 
 
+def _on_notice(notice: Any) -> None:
+    """A notice of the driver's, read by the heartbeat thread while the function runs."""
+    if isinstance(notice, protocol.Preempt):
+        info = context.PreemptionInfo(notice.deadline_ms, dict(notice.node_to_ranks), notice.reason)
+        context._set_preemption(info)
+        _logger.warning("ddptrain rank %d: preemption notice (%s)", _state["spec"].rank, notice.reason)
+    else:
+        _logger.warning("ddptrain: unknown notice %r ignored", notice)
+
+
 def _execute(ch: channel.WorkerChannel, command: protocol.Execute) -> None:
     try:
         value = command.fn(*command.args, **command.kwargs)
@@ -286,6 +296,7 @@ def run(spec: protocol.WorkerSpec, boot: WorkerBoot, status_fd: int) -> int:
         ch = channel.WorkerChannel(store, keys, address.secret, rank)
         _state["channel"] = ch
         context._set_session(_make_session(spec, run_info, ch))
+        ch.on_notice = _on_notice
         ch.send(protocol.Hello(rank, os.getpid(), socket.gethostname()))
         ch.start_heartbeat(address.host, address.port)
     except BaseException as exc:
