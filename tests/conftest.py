@@ -54,6 +54,7 @@ SLOW_MODULES = {
     "test_docs_site",
     "test_examples",
     "test_failures",
+    "test_preemption",
     "test_hangs",
     "test_inspect_runs",
     "test_lightning",
