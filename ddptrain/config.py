@@ -48,7 +48,13 @@ class ScalingConfig:
 
     Args:
         num_workers: Number of worker processes. ``0`` runs the training function in the
-            driver process (Ray's local mode).
+            driver process (Ray's local mode). ``(min_workers, max_workers)``: an elastic run
+            (as Ray's): each attempt starts with as many workers as the capacity allows (this
+            machine's CPUs or GPUs; the slots of the hosts not left out), up to
+            ``max_workers``, and needs ``min_workers``. A host lost during an attempt is left
+            out of the next one, which resumes from the latest checkpoint with fewer workers.
+        elastic_resize_monitor_interval_s: An elastic run's interval (seconds) between
+            looks at whether hosts left out answer again.
         use_gpu: Give each worker its own CUDA device and use the NCCL backend.
         resources_per_worker: ``{"GPU": k}`` gives each worker ``k`` devices (``get_devices()``);
             ``{"CPU": n}`` sets ``OMP_NUM_THREADS=n`` in each worker unless you set it yourself.
@@ -65,7 +71,7 @@ class ScalingConfig:
         ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker=None, ...)
     """
 
-    num_workers: int = 1
+    num_workers: int | tuple[int, int] = 1
     use_gpu: bool = False
     resources_per_worker: dict[str, float] | None = None
     placement_strategy: str = "PACK"
@@ -78,12 +84,24 @@ class ScalingConfig:
     hosts: str | os.PathLike[str] | list[Any] | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.num_workers, tuple):
-            raise ConfigError(
-                f"`num_workers` must be an integer, got the range {self.num_workers!r}: "
-                "elastic training is not supported by ddptrain yet. Pass a fixed worker count."
-            )
-        _check_int("num_workers", self.num_workers, 0)
+        if isinstance(self.num_workers, (tuple, list)):
+            if len(self.num_workers) != 2:
+                raise ConfigError(
+                    f"`num_workers` as a range must be (min_workers, max_workers), got {self.num_workers!r}."
+                )
+            low, high = self.num_workers
+            _check_int("num_workers[0] (min_workers)", low, 1)
+            _check_int("num_workers[1] (max_workers)", high, 1)
+            if low > high:
+                raise ConfigError(
+                    f"`num_workers=(min_workers, max_workers)` needs min_workers <= max_workers, got {self.num_workers!r}."
+                )
+            self.num_workers = (low, high)
+        else:
+            _check_int("num_workers", self.num_workers, 0)
+        interval = self.elastic_resize_monitor_interval_s
+        if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not interval > 0:
+            raise ConfigError(f"`elastic_resize_monitor_interval_s` must be a number of seconds > 0, got {interval!r}.")
         if not isinstance(self.use_gpu, bool):
             raise ConfigError(f"`use_gpu` must be True or False, got {self.use_gpu!r}.")
         if self.use_tpu:
@@ -118,6 +136,21 @@ class ScalingConfig:
                 raise ConfigError(f"`resources_per_worker['GPU']` above 1 must be a whole number, got {gpus}.")
 
     @property
+    def elastic(self) -> bool:
+        """Whether ``num_workers`` is a ``(min_workers, max_workers)`` range."""
+        return isinstance(self.num_workers, tuple)
+
+    @property
+    def min_workers(self) -> int:
+        """The fewest workers an attempt may run with (``num_workers`` when it is fixed)."""
+        return self.num_workers[0] if isinstance(self.num_workers, tuple) else self.num_workers
+
+    @property
+    def max_workers(self) -> int:
+        """The most workers an attempt runs with (``num_workers`` when it is fixed)."""
+        return self.num_workers[1] if isinstance(self.num_workers, tuple) else self.num_workers
+
+    @property
     def num_gpus_per_worker(self) -> float:
         """GPUs each worker gets: 1 with ``use_gpu`` unless ``resources_per_worker`` says otherwise."""
         if not self.use_gpu:
@@ -147,8 +180,9 @@ class ScalingConfig:
     @property
     def total_resources(self) -> dict[str, float]:
         """Resources of the whole group, as Ray reports them: each worker's non-zero resources
-        times ``num_workers`` (``ScalingConfig(num_workers=2).total_resources == {"CPU": 2.0}``)."""
-        return {k: float(v * self.num_workers) for k, v in self._resources_per_worker_not_none.items()}
+        times ``num_workers`` (``ScalingConfig(num_workers=2).total_resources == {"CPU": 2.0}``);
+        an elastic run's upper bound, from ``max_workers``."""
+        return {k: float(v * self.max_workers) for k, v in self._resources_per_worker_not_none.items()}
 
     def _omp_num_threads(self) -> int:
         cpus = (self.resources_per_worker or {}).get("CPU")

@@ -210,7 +210,7 @@ class DataParallelTrainer(BaseTrainer):
         if self.scaling_config.num_workers == 0:
             return self._fit_local()
         self._check_before_start()
-        datasets = DatasetIngest(self.datasets, self.dataset_config, self.scaling_config.num_workers)
+        datasets = DatasetIngest(self.datasets, self.dataset_config, self.scaling_config.max_workers)
         from ddptrain.driver.controller import Controller  # imports torch, as `Run` below
 
         return Controller(self._new_run(self._payload(), datasets)).fit()
@@ -240,12 +240,12 @@ class DataParallelTrainer(BaseTrainer):
             ranks = _env.console_ranks()
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        unknown = sorted(r for r in ranks or () if r >= self.scaling_config.num_workers)
+        unknown = sorted(r for r in ranks or () if r >= self.scaling_config.max_workers)
         if unknown:
             _logger.warning(
                 "ddptrain: DDPTRAIN_CONSOLE_RANKS names rank(s) %s, but the run has %d worker(s)",
                 unknown,
-                self.scaling_config.num_workers,
+                self.scaling_config.max_workers,
             )
 
     def _fit_local(self) -> Result:

@@ -17,7 +17,10 @@ from ddptrain.torch import TorchConfig
     [
         ({"num_workers": -1}, "`num_workers` must be >= 0, got -1"),
         ({"num_workers": 2.5}, "`num_workers` must be an integer"),
-        ({"num_workers": (1, 4)}, "elastic training is not supported"),
+        ({"num_workers": (4, 2)}, "needs min_workers <= max_workers, got (4, 2)"),
+        ({"num_workers": (0, 2)}, "(min_workers)` must be >= 1, got 0."),
+        ({"num_workers": (1, 2, 3)}, "must be (min_workers, max_workers), got (1, 2, 3)"),
+        ({"num_workers": (1, 2), "elastic_resize_monitor_interval_s": 0}, "must be a number of seconds > 0, got 0"),
         ({"use_gpu": "yes"}, "`use_gpu` must be True or False"),
         ({"resources_per_worker": {"GPU": 1}}, "`use_gpu` is False"),
         ({"use_gpu": True, "resources_per_worker": {"GPU": 0}}, "at least part of a GPU"),
@@ -183,3 +186,11 @@ def test_pyarrow_uri_options_are_understood_or_refused_with_what_to_do() -> None
     assert "topsecret" not in str(info.value)
     plain = train.RunConfig(storage_path="s3://bucket/prefix")._remote()
     assert plain.display() == "s3://bucket/prefix" and plain.root == "bucket/prefix"
+
+
+def test_an_elastic_scaling_config_has_rays_bounds() -> None:
+    config = train.ScalingConfig(num_workers=(2, 6))
+    assert config.elastic and (config.min_workers, config.max_workers) == (2, 6)
+    assert config.total_resources == {"CPU": 6.0}  # the upper bound, from max_workers (as Ray)
+    fixed = train.ScalingConfig(num_workers=3)
+    assert not fixed.elastic and (fixed.min_workers, fixed.max_workers) == (3, 3)

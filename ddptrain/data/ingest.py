@@ -165,13 +165,17 @@ class DatasetIngest:
             )
         return [(rank * size, (rank + 1) * size) for rank in range(world)]
 
-    def shards(self, remote_ranks: Collection[int] = ()) -> dict[int, dict[str, ShardSpec]]:
+    def shards(self, remote_ranks: Collection[int] = (), world_size: int | None = None) -> dict[int, dict[str, ShardSpec]]:
         """Every rank's shard specs for a new start of the worker group.
 
         Args:
             remote_ranks: Ranks on other hosts than the driver: they cannot map its memory, so
                 their specs carry every column's values.
+            world_size: The new start's number of workers (an elastic run's changes between
+                starts; default: the one given at construction).
         """
+        if world_size is not None:
+            self._world_size = max(world_size, 1)
         specs: dict[int, dict[str, ShardSpec]] = {rank: {} for rank in range(self._world_size)}
         for name, dataset in self._start().items():
             split = self._split(name)

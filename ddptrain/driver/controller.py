@@ -82,10 +82,8 @@ class Controller:
 
     def _fit(self) -> Result:
         run = self.run
-        with run.opened(workers=run.scaling_config.num_workers) as index:  # makes run.plan, locked
-            _logger.info(
-                "ddptrain: run %r in %s with %d workers", run.name, run.location, run.scaling_config.num_workers
-            )
+        with run.opened() as index:  # makes run.plan, locked
+            _logger.info("ddptrain: run %r in %s with %d workers", run.name, run.location, run.plan.world_size)
             # A warm group from an earlier fit(), or new agents importing torch meanwhile.
             try:
                 self.group = take_warm(run.plan) or self._new_group(run.plan, self._start_agents(run.plan))

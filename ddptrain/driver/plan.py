@@ -36,17 +36,19 @@ class Plan:
     """
 
     def __init__(
-        self, scaling_config: ScalingConfig, env_vars: dict[str, str] | None = None, share_visible_gpus: bool = True
+        self,
+        scaling_config: ScalingConfig,
+        env_vars: dict[str, str] | None = None,
+        share_visible_gpus: bool = True,
+        left_out: frozenset[str] = frozenset(),
     ) -> None:
         self.scaling_config = scaling_config
         self.env_vars = dict(env_vars or {})
         self.share_visible_gpus = share_visible_gpus
         self.hostname = socket.gethostname()
+        self.left_out = left_out  # an elastic run's hosts that were lost: not in this plan
+        self.world_size = scaling_config.max_workers  # an elastic run's: what the capacity allows
         self.placement = self._placement()
-
-    @property
-    def world_size(self) -> int:
-        return self.scaling_config.num_workers
 
     @staticmethod
     def read_hosts(scaling_config: ScalingConfig) -> list[HostSpec] | None:
@@ -62,16 +64,50 @@ class Plan:
             return None
         hosts = [h if is_local(h) else with_ssh_config(h, _env.ssh_config_path()) for h in parse_hosts(raw)]
         if not scaling_config.use_gpu:  # placing needs no host's GPU count: check it now
-            place_workers(hosts, scaling_config.num_workers, scaling_config.placement_strategy)
+            place_workers(hosts, scaling_config.min_workers, scaling_config.placement_strategy)
         return hosts
 
     def _placement(self) -> Placement | None:
-        hosts = self.read_hosts(self.scaling_config)
+        config = self.scaling_config
+        hosts = self.read_hosts(config)
         if hosts is None:
+            if config.elastic:
+                self.world_size = self._elastic_size(self._local_capacity(), "this machine")
             return None
-        if self.scaling_config.use_gpu:  # a host without `slots` runs one worker per GPU
-            hosts = gpu_slots(hosts, self.scaling_config.num_gpus_per_worker)
-        return place_workers(hosts, self.scaling_config.num_workers, self.scaling_config.placement_strategy)
+        if config.elastic:
+            hosts = [h for h in hosts if h.name not in self.left_out]
+        if config.use_gpu:  # a host without `slots` runs one worker per GPU
+            hosts = gpu_slots(hosts, config.num_gpus_per_worker)
+        if config.elastic:
+            capacity = sum(h.slots if h.slots is not None else 1 for h in hosts)
+            where = "the hosts" + (f" not left out ({', '.join(sorted(self.left_out))} stopped answering)" if self.left_out else "")
+            self.world_size = self._elastic_size(capacity, where)
+        return place_workers(hosts, self.world_size, config.placement_strategy)
+
+    def _local_capacity(self) -> int:
+        """How many workers this machine holds: its GPUs (by ``num_gpus_per_worker``), or its
+        CPUs (by ``num_cpus_per_worker``)."""
+        config = self.scaling_config
+        if config.use_gpu:
+            import torch
+
+            return int(torch.cuda.device_count() // config.num_gpus_per_worker)
+        return int((os.cpu_count() or 1) // max(config.num_cpus_per_worker, 1))
+
+    def _elastic_size(self, capacity: int, where: str) -> int:
+        """An elastic run's world size: ``capacity`` up to ``max_workers``, at least ``min_workers``.
+
+        Raises:
+            LaunchError: The capacity is below ``min_workers``.
+        """
+        low, high = self.scaling_config.min_workers, self.scaling_config.max_workers
+        if capacity < low:
+            raise LaunchError(
+                f"`num_workers=({low}, {high})` needs at least {low} workers, but {where} hold {capacity}. "
+                "Bring hosts back (or add some), or lower min_workers.",
+                hosts=sorted(self.left_out),
+            )
+        return min(capacity, high)
 
     def check_gpus(self) -> None:
         """A local GPU group needs that many GPUs here (each host of a host list was checked
@@ -80,12 +116,12 @@ class Plan:
             return
         import torch
 
-        needed = self.scaling_config.num_gpus_per_worker * self.scaling_config.num_workers
+        needed = self.scaling_config.num_gpus_per_worker * self.world_size
         available = torch.cuda.device_count()
         if needed > available:
             raise ConfigError(
                 f"`ScalingConfig` asks for {needed:g} GPU(s) on this machine "
-                f"({self.scaling_config.num_workers} workers x {self.scaling_config.num_gpus_per_worker:g}), "
+                f"({self.world_size} workers x {self.scaling_config.num_gpus_per_worker:g}), "
                 f"but torch sees {available}. Lower `num_workers` or set `use_gpu=False`."
             )
 
@@ -116,6 +152,7 @@ class Plan:
         env = sorted(self.agent_env().items())
         return (
             repr(self.scaling_config),
+            self.world_size,
             self.share_visible_gpus,
             env,
             tuple(sys.path),
@@ -199,7 +236,7 @@ class Plan:
     ) -> tuple[WorkerSpec, ...]:
         """Each worker's rank, devices, torchrun-style environment and dataset shards
         (``attempt``: the run's attempt number, torchrun's ``TORCHELASTIC_RESTART_COUNT``)."""
-        world = self.scaling_config.num_workers
+        world = self.world_size
         nodes = self.nodes
         specs = []
         for node_rank, ranks in enumerate(nodes):
@@ -252,7 +289,7 @@ class Plan:
     def ranks_of_agent(self, first_rank: int | None) -> list[int]:
         """The ranks run by the agent whose first rank is ``first_rank`` (``None``: the only agent)."""
         if self.placement is None or first_rank is None:
-            return list(range(self.scaling_config.num_workers))
+            return list(range(self.world_size))
         node, _ = self.placement.node_of(first_rank)
         return self.placement.ranks[node]
 
@@ -264,7 +301,7 @@ class Plan:
 
     def rank_labels(self) -> dict[int, str]:
         if self.placement is None:
-            return {rank: f"rank{rank}" for rank in range(self.scaling_config.num_workers)}
+            return {rank: f"rank{rank}" for rank in range(self.world_size)}
         return {
             rank: f"{host.name}:rank{rank}"
             for host, ranks in zip(self.placement.hosts, self.placement.ranks, strict=True)

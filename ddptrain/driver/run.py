@@ -123,7 +123,7 @@ class Run:
         """Each rank's shard specs for a new start (datasets given as functions are built again)."""
         if self.datasets is None:
             return None
-        return self.datasets.shards(remote_ranks=self.plan.remote_ranks())
+        return self.datasets.shards(remote_ranks=self.plan.remote_ranks(), world_size=self.plan.world_size)
 
     def log_dir(self, attempt: int) -> Path:
         return self.layout.attempt_logs(attempt)
@@ -224,7 +224,7 @@ class Run:
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "argv": sys.argv,
-            "num_workers": self.scaling_config.num_workers,
+            "num_workers": self._plan.world_size if self._plan is not None else self.scaling_config.max_workers,
             "use_gpu": self.scaling_config.use_gpu,
             "hosts": self._host_names(),
             "backend_config": repr(self.backend_config),
@@ -248,7 +248,7 @@ class Run:
         self.storage.save_status(self._run_json, ended)
 
     @contextlib.contextmanager
-    def opened(self, *, workers: int, hosts: int | None = None) -> Iterator[int]:
+    def opened(self, *, workers: int | None = None, hosts: int | None = None) -> Iterator[int]:
         """The run, open for one ``fit()``: locked, an earlier run of its name picked up, its
         files written; yields the number of the first attempt.
 
@@ -273,6 +273,7 @@ class Run:
                 try:
                     self._prepare_dir()
                     index = self.first_attempt()
+                    workers = self.plan.world_size if workers is None else workers
                     self.progress.started(workers=workers, hosts=hosts, attempt=index, resume_from=self.latest_path)
                     yield index
                     failed = False

@@ -233,7 +233,7 @@ class Resources:
             return exc
         if hosts is not None:
             assert prepared.trainer is not None
-            workers = prepared.trainer.scaling_config.num_workers
+            workers = prepared.trainer.scaling_config.max_workers
             total = HostPool.total_slots(hosts)
             if workers > total:
                 listing = ", ".join(f"{h.name}={h.slots if h.slots is not None else 1}" for h in hosts)
@@ -264,7 +264,7 @@ class Resources:
             assert prepared.trainer is not None
             scaling = prepared.trainer.scaling_config
             given = self.hosts.take(
-                hosts, scaling.num_workers, scaling.placement_strategy, scaling.use_gpu, scaling.num_gpus_per_worker
+                hosts, scaling.max_workers, scaling.placement_strategy, scaling.use_gpu, scaling.num_gpus_per_worker
             )
             if given is None:
                 return None

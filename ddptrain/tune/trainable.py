@@ -106,10 +106,10 @@ class TrainerTrainable:
         scaling = trainer.scaling_config
         driver_cpus = self.driver_resources.get("CPU", 0)
         raw_hosts = scaling.hosts if scaling.hosts is not None else _env.hostfile()
-        if raw_hosts is not None and scaling.num_workers > 0:  # the workers run there: only the driver here
+        if raw_hosts is not None and scaling.max_workers > 0:  # the workers run there: only the driver here
             return PreparedTrial(cpus=driver_cpus, gpus=0.0, trainer=trainer, hosts=parse_hosts(raw_hosts))
-        cpus = scaling.num_workers * scaling.num_cpus_per_worker + driver_cpus
-        gpus = scaling.num_workers * scaling.num_gpus_per_worker
+        cpus = scaling.max_workers * scaling.num_cpus_per_worker + driver_cpus
+        gpus = scaling.max_workers * scaling.num_gpus_per_worker
         return PreparedTrial(cpus=cpus, gpus=gpus, trainer=trainer)
 
     def run(self, prepared: PreparedTrial, run_config: RunConfig, hosts: list[HostSpec] | None = None) -> Result:
