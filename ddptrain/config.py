@@ -94,7 +94,8 @@ class ScalingConfig:
             _check_int("num_workers[1] (max_workers)", high, 1)
             if low > high:
                 raise ConfigError(
-                    f"`num_workers=(min_workers, max_workers)` needs min_workers <= max_workers, got {self.num_workers!r}."
+                    "`num_workers=(min_workers, max_workers)` needs min_workers <= max_workers, "
+                    f"got {self.num_workers!r}."
                 )
             self.num_workers = (low, high)
         else:

@@ -24,7 +24,7 @@ from ddptrain.driver import preemption
 from ddptrain.driver.controller import Controller
 from ddptrain.driver.group_events import FailureSeen, TickDue
 from ddptrain.driver.run import Run
-from ddptrain.errors import RunPreemptedError, WorkerFailure, WorkerGroupError
+from ddptrain.errors import HostLostError, RunPreemptedError, WorkerFailure, WorkerGroupError
 from ddptrain.result import Result
 from ddptrain.wire import protocol
 
@@ -145,11 +145,11 @@ class Fakes:
         self.groups.append(group)
         return group
 
-    def fit(self, storage: str, max_failures: int) -> Result:
+    def fit(self, storage: str, max_failures: int, scaling_config: train.ScalingConfig | None = None) -> Result:
         run = Run(
             payload=b"",
             train_loop_config=None,
-            scaling_config=train.ScalingConfig(num_workers=2),
+            scaling_config=scaling_config or train.ScalingConfig(num_workers=2),
             run_config=train.RunConfig(
                 storage_path=storage, name="fake", failure_config=train.FailureConfig(max_failures=max_failures)
             ),
@@ -213,7 +213,7 @@ def test_a_failure_after_every_rank_returned_is_not_retried(storage: str) -> Non
 
 
 # ----------------------------------------------------------------- preemption notices, without processes
-@pytest.fixture()
+@pytest.fixture
 def no_notice() -> Any:
     preemption.clear()
     yield
@@ -224,7 +224,7 @@ def _notice(deadline_s: float) -> Any:
     return lambda: preemption.request_preemption("a test's notice", deadline_s=deadline_s)
 
 
-def test_a_preemption_notice_is_given_to_every_worker_and_ends_the_run_as_preempted(storage: str, no_notice: Any) -> None:
+def test_a_preemption_notice_reaches_every_worker_and_ends_the_run_as_preempted(storage: str, no_notice: Any) -> None:
     fakes = Fakes([_notice(0.0)], _succeeds())
     with pytest.raises(RunPreemptedError, match=r"'fake' was preempted \(a test's notice\).*from scratch") as caught:
         fakes.fit(storage, max_failures=5)
@@ -250,3 +250,44 @@ def test_a_second_notice_stops_the_run_at_once(storage: str, no_notice: Any) -> 
     with pytest.raises(RunPreemptedError):
         fakes.fit(storage, max_failures=0)
     assert fakes.groups[0].script == []  # stopped on the poll after the second notice, not at the deadline
+
+
+# ----------------------------------------------------------------- elastic world size, without processes
+THREE_HOSTS = ["h1 slots=2", "h2 slots=2", "h3 slots=2"]
+
+
+def _host_lost(host: str, rank: int) -> list[Any]:
+    error = HostLostError(host, 6.0, 5.0, [rank])
+    return [FailureSeen((WorkerFailure(rank=rank, host=host, pid=7, exitcode=None, exception=error),))]
+
+
+def _all_done(world_size: int) -> list[Any]:
+    return [protocol.Done(rank, cloudpickle.dumps(rank), None) for rank in range(world_size)]
+
+
+def test_an_elastic_run_leaves_a_lost_host_out_of_the_next_attempt(storage: str) -> None:
+    fakes = Fakes(_host_lost("h3", 4), _all_done(4))
+    elastic = train.ScalingConfig(num_workers=(2, 6), hosts=THREE_HOSTS)
+    result = fakes.fit(storage, max_failures=1, scaling_config=elastic)
+    assert [g.world_size for g in fakes.groups] == [6, 4] and result.return_values == [0, 1, 2, 3]
+    run = _run_json(storage)
+    assert run["status"] == "FINISHED" and run["num_workers"] == 4 and run["hosts"] == ["h1", "h2"]
+    [resize] = run["resizes"]
+    assert (resize["from"], resize["to"], resize["attempt"]) == (6, 4, 1) and "h3" in resize["why"]
+    assert [e["attempt"] for e in run["attempt_errors"]] == [0]  # the failure counted against max_failures (as Ray)
+
+
+def test_an_elastic_run_below_min_workers_ends_saying_what_it_needs(storage: str) -> None:
+    fakes = Fakes(_host_lost("h2", 2), _host_lost("h1", 0))
+    elastic = train.ScalingConfig(num_workers=(4, 6), hosts=THREE_HOSTS)
+    needs = r"needs at least 4 workers, but the hosts not left out \(h1, h2 stopped answering\) hold 2"
+    with pytest.raises(WorkerGroupError, match=needs):
+        fakes.fit(storage, max_failures=5, scaling_config=elastic)
+    assert [g.world_size for g in fakes.groups] == [6, 4]
+
+
+def test_a_fixed_size_run_retries_on_the_same_hosts(storage: str) -> None:
+    fakes = Fakes(_host_lost("h3", 4), _all_done(6))
+    fixed = train.ScalingConfig(num_workers=6, hosts=THREE_HOSTS)
+    fakes.fit(storage, max_failures=1, scaling_config=fixed)
+    assert [g.world_size for g in fakes.groups] == [6, 6] and "resizes" not in _run_json(storage)

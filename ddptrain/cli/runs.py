@@ -72,7 +72,10 @@ def run_summary(run: Path | RunView) -> dict[str, Any]:
         "error": info.get("error"),
         "upload_error": info.get("upload_error"),  # training ended, its last uploads to remote storage failed
         "attempt_errors": info.get("attempt_errors", []),
-        "preempted": info.get("preempted"),  # {"reason", "checkpoint"}: a rerun by name resumes it
+        "preempted": info.get("preempted"),
+        "resizes": info.get(
+            "resizes", []
+        ),  # an elastic run's world size changes  # {"reason", "checkpoint"}: a rerun by name resumes it
         "num_workers": info.get("num_workers"),
         "use_gpu": info.get("use_gpu"),
         "hosts": info.get("hosts"),
@@ -159,6 +162,8 @@ def main_show(run: str, as_json: bool) -> int:
         print(f"  error: {s['error']}")
     if s["upload_error"]:
         print(f"  upload failed: {s['upload_error']}")
+    for entry in s["resizes"]:
+        print(f"  world size {entry['from']} -> {entry['to']} at attempt {entry.get('attempt')}: {entry['why']}")
     if s["preempted"]:
         resume = s["preempted"]["checkpoint"] or "scratch (no checkpoint was reported)"
         print(f"  preempted: {s['preempted']['reason']}; run it again with the same name to resume from {resume}")

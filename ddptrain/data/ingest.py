@@ -165,7 +165,9 @@ class DatasetIngest:
             )
         return [(rank * size, (rank + 1) * size) for rank in range(world)]
 
-    def shards(self, remote_ranks: Collection[int] = (), world_size: int | None = None) -> dict[int, dict[str, ShardSpec]]:
+    def shards(
+        self, remote_ranks: Collection[int] = (), world_size: int | None = None
+    ) -> dict[int, dict[str, ShardSpec]]:
         """Every rank's shard specs for a new start of the worker group.
 
         Args:

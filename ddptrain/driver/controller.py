@@ -178,6 +178,7 @@ class Controller:
                 every rank returned, a disk is full, or the next group could not start).
         """
         assert self.group is not None
+        left = self._leave_out_lost(failed)
         if failed.retryable and self._next is None and self._budget_left(pending=1):
             self._start_next()
         self.group.shutdown()
@@ -194,7 +195,9 @@ class Controller:
             if self._next is not None:
                 plan, launcher = self._next
                 self._next = None
-                run.use_plan(plan)
+                run.use_plan(
+                    plan, index + 1, f"host(s) {', '.join(left)} left (lost in attempt {index})" if left else ""
+                )
                 self.group = self._new_group(plan, launcher)
         if self.group is None:
             run.ended(error=failures[0].headline())
@@ -211,6 +214,16 @@ class Controller:
         run.progress.restarting(index, failures[0].headline(), run.latest_path)
         run.save_status("RESTARTING", attempt=index)
         return index
+
+    def _leave_out_lost(self, failed: Failed) -> list[str]:
+        """An elastic run leaves the hosts lost in a failed attempt (stopped answering, or their
+        agent died) out of the next attempts; the names of those newly left out."""
+        if not self.run.scaling_config.elastic:
+            return []
+        lost = {f.host for f in failed.failures if isinstance(f.exception, LaunchError) and f.host}
+        new = sorted(lost - self.run.left_out)
+        self.run.left_out = self.run.left_out | lost
+        return new
 
     def _still_lost(self, failures: list[WorkerFailure]) -> list[str]:
         """The hosts that stopped answering in the failed attempt and that the next attempt's

@@ -80,7 +80,9 @@ class Plan:
             hosts = gpu_slots(hosts, config.num_gpus_per_worker)
         if config.elastic:
             capacity = sum(h.slots if h.slots is not None else 1 for h in hosts)
-            where = "the hosts" + (f" not left out ({', '.join(sorted(self.left_out))} stopped answering)" if self.left_out else "")
+            where = "the hosts" + (
+                f" not left out ({', '.join(sorted(self.left_out))} stopped answering)" if self.left_out else ""
+            )
             self.world_size = self._elastic_size(capacity, where)
         return place_workers(hosts, self.world_size, config.placement_strategy)
 
@@ -104,8 +106,7 @@ class Plan:
         if capacity < low:
             raise LaunchError(
                 f"`num_workers=({low}, {high})` needs at least {low} workers, but {where} hold {capacity}. "
-                "Bring hosts back (or add some), or lower min_workers.",
-                hosts=sorted(self.left_out),
+                "Bring hosts back (or add some), or lower min_workers."
             )
         return min(capacity, high)
 

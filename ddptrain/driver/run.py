@@ -95,6 +95,7 @@ class Run:
         # Workers on other hosts get the storage's credentials and endpoint from the driver.
         self._env_vars = {**self.storage.worker_env(), **run_config._env_vars()}
         self._plan: Plan | None = None  # made under the run's lock (``opened``): it may probe hosts
+        self.left_out: frozenset[str] = frozenset()  # an elastic run's lost hosts, not in the next plans
         self._lost_reports = 0  # reports the checkpoint index knows of but metrics.jsonl lost
         self._last_attempt = -1  # the highest attempt number in an earlier run's metrics
         self.progress = Progress(self.name, self.location)
@@ -154,7 +155,13 @@ class Run:
     def record_metrics(self, metrics: dict[str, Any], attempt: int) -> None:
         """Record rank 0's metrics of one report: one JSON line, written by :meth:`flush_metrics`."""
         self.metrics_history.append(metrics)
-        line = {"time": time.time(), "attempt": attempt, "metrics": storage.to_jsonable(metrics)}
+        world_size = self._plan.world_size if self._plan is not None else 1
+        line = {
+            "time": time.time(),
+            "attempt": attempt,
+            "world_size": world_size,
+            "metrics": storage.to_jsonable(metrics),
+        }
         self._metrics_lines.append((line, json.dumps(line) + "\n"))  # ASCII: its length is its size in bytes
 
     def flush_metrics(self) -> None:
@@ -315,7 +322,7 @@ class Run:
 
     def new_plan(self) -> Plan:
         """A placement plan for the next attempt (the host list is read again)."""
-        return Plan(self.scaling_config, self._env_vars, self.backend_config.shares_visible_gpus())
+        return Plan(self.scaling_config, self._env_vars, self.backend_config.shares_visible_gpus(), self.left_out)
 
     @property
     def plan(self) -> Plan:
@@ -324,10 +331,18 @@ class Run:
             raise RuntimeError("the run's plan is made when the run is opened (Run.opened)")
         return self._plan
 
-    def use_plan(self, plan: Plan) -> None:
-        """Run the next attempts on ``plan``."""
+    def use_plan(self, plan: Plan, attempt: int | None = None, why: str = "") -> None:
+        """Run the next attempts on ``plan``: an elastic run's world size may change (``why``),
+        which the console and ``run.json`` (``ddptrain show``) record with the ``attempt``."""
+        before = self._plan.world_size if self._plan is not None else None
         self._plan = plan
         self._run_json["hosts"] = self._host_names()
+        self._run_json["num_workers"] = plan.world_size
+        if before is not None and before != plan.world_size:
+            line = f"world size {before} -> {plan.world_size} from attempt {attempt}: {why}"
+            self.progress.say(f"ddptrain: {line}")
+            resizes = self._run_json.setdefault("resizes", [])
+            resizes.append({"attempt": attempt, "from": before, "to": plan.world_size, "why": why, "time": time.time()})
 
     def _host_names(self) -> list[str]:
         if self._plan is None or self._plan.placement is None:

@@ -65,11 +65,15 @@ def _checked_line(line: Any) -> dict[str, Any] | None:
         return None
     time: Any = line.get("time")
     attempt = line.get("attempt")
-    return {
+    checked = {
         "time": time if _number(time) and math.isfinite(time) else None,
         "attempt": attempt if isinstance(attempt, int) and not isinstance(attempt, bool) else None,
         "metrics": line["metrics"],
     }
+    world_size = line.get("world_size")  # the number of workers that made the report
+    if isinstance(world_size, int) and not isinstance(world_size, bool):
+        checked["world_size"] = world_size
+    return checked
 
 
 def _lines(

@@ -97,6 +97,13 @@ _FIELDS: dict[str, Callable[[Any], bool]] = {
     "argv": _are_texts,
     "backend_config": _is_text,
     "host": _is_text,
+    "resizes": lambda value: (
+        isinstance(value, list)
+        and all(
+            isinstance(r, dict) and _is_count(r.get("from")) and _is_count(r.get("to")) and _is_text(r.get("why"))
+            for r in value
+        )
+    ),
     "preempted": lambda value: (
         isinstance(value, dict)
         and _is_text(value.get("reason"))
