@@ -291,3 +291,25 @@ def test_a_fixed_size_run_retries_on_the_same_hosts(storage: str) -> None:
     fixed = train.ScalingConfig(num_workers=6, hosts=THREE_HOSTS)
     fakes.fit(storage, max_failures=1, scaling_config=fixed)
     assert [g.world_size for g in fakes.groups] == [6, 6] and "resizes" not in _run_json(storage)
+
+
+def _world(config: dict) -> None:
+    ctx = train.get_context()
+    shard = train.get_dataset_shard("train")
+    rows = sum(len(batch["id"]) for batch in shard.iter_batches(batch_size=64))
+    train.report({"world": ctx.get_world_size(), "rank_rows": rows})
+
+
+@pytest.mark.timeout(120)
+def test_an_elastic_local_run_starts_with_as_many_workers_as_this_machine_has_cpus(storage: str) -> None:
+    expected = min(3, os.cpu_count() or 1)
+    result = train.DataParallelTrainer(
+        _world,
+        scaling_config=train.ScalingConfig(num_workers=(1, 3)),
+        datasets={"train": train.data.range(60)},
+        run_config=train.RunConfig(name="elastic-local", storage_path=storage),
+    ).fit()
+    assert result.metrics == {"world": expected, "rank_rows": 60 // expected}  # shards split by the current size
+    lines = [json.loads(line) for line in (Path(storage) / "elastic-local" / "metrics.jsonl").read_text().splitlines()]
+    assert [line["world_size"] for line in lines] == [expected]
+    assert json.loads((Path(storage) / "elastic-local" / "run.json").read_text())["num_workers"] == expected
