@@ -135,6 +135,9 @@ class Fakes:
         self.scripts = list(scripts)
         self.log: list[str] = []
         self.groups: list[FakeGroup] = []
+        self.run: Run | None = None
+        self.watched: list[list[str]] = []  # the hosts each attempt's watch looked at
+        self.back: list[str] = []  # what the watches say answers again
 
     def start_agents(self, plan: Any) -> FakeAgents:
         self.log.append("agents started")
@@ -156,7 +159,29 @@ class Fakes:
             backend_config=BackendConfig(),
             dataset_config=train.DataConfig(),
         )
-        return Controller(run, start_agents=self.start_agents, new_group=self.new_group).fit()  # type: ignore[arg-type]
+        self.run = run
+        return Controller(
+            run,
+            start_agents=self.start_agents,  # type: ignore[arg-type]
+            new_group=self.new_group,  # type: ignore[arg-type]
+            new_watch=self.new_watch,
+        ).fit()
+
+    def new_watch(self, hosts: list[Any], interval_s: float) -> Any:
+        self.watched.append([h.name for h in hosts])
+        fakes = self
+
+        class Watch:
+            def start(self) -> Any:
+                return self
+
+            def back(self) -> list[str]:
+                return fakes.back
+
+            def stop(self) -> None:
+                pass
+
+        return Watch()
 
 
 def _fails(message: str = "boom", exception: BaseException | None = None) -> list[Any]:
@@ -313,3 +338,28 @@ def test_an_elastic_local_run_starts_with_as_many_workers_as_this_machine_has_cp
     lines = [json.loads(line) for line in (Path(storage) / "elastic-local" / "metrics.jsonl").read_text().splitlines()]
     assert [line["world_size"] for line in lines] == [expected]
     assert json.loads((Path(storage) / "elastic-local" / "run.json").read_text())["num_workers"] == expected
+
+
+def test_an_elastic_run_grows_back_at_the_next_checkpoint_once_a_left_out_host_answers(
+    storage: str, tmp_path: Path
+) -> None:
+    from test_attempt import staged
+
+    def checkpoint_round() -> None:  # every rank of the 4-worker group reports, rank 0 with files
+        assert fakes.run is not None
+        fakes.back = ["h3"]
+        reports = [
+            protocol.Report(r, 0, {"step": 5}, staged(fakes.run, tmp_path, 0, 0) if r == 0 else None, None)
+            for r in range(4)
+        ]
+        fakes.groups[1].script[0:0] = [TickDue(0.0), *reports]
+
+    fakes = Fakes(_host_lost("h3", 4), [checkpoint_round], _all_done(6))
+    elastic = train.ScalingConfig(num_workers=(2, 6), hosts=THREE_HOSTS, elastic_resize_monitor_interval_s=0.1)
+    result = fakes.fit(storage, max_failures=1, scaling_config=elastic)
+    assert [g.world_size for g in fakes.groups] == [6, 4, 6] and len(result.return_values) == 6
+    assert fakes.watched == [["h3"]]  # only while a host was left out
+    run = _run_json(storage)
+    assert [(r["from"], r["to"], r["attempt"]) for r in run["resizes"]] == [(6, 4, 1), (4, 6, 2)]
+    assert "h3 came back" in run["resizes"][1]["why"]
+    assert [e["attempt"] for e in run["attempt_errors"]] == [0]  # growing is not a failure: max_failures=1 held

@@ -43,7 +43,17 @@ from ddptrain.errors import LaunchError, WorkerFailure, is_disk_full
 from ddptrain.storage.base import RunStorage
 from ddptrain.wire import protocol
 
-__all__ = ["Attempt", "AttemptContext", "Failed", "GroupFailed", "Outcome", "Preempted", "ReportSink", "Succeeded"]
+__all__ = [
+    "Attempt",
+    "AttemptContext",
+    "Failed",
+    "GroupFailed",
+    "Outcome",
+    "Preempted",
+    "ReportSink",
+    "Resized",
+    "Succeeded",
+]
 
 _logger = logging.getLogger(__name__)
 _POLL_S = 0.5  # the longest wait for the group's next event
@@ -81,7 +91,17 @@ class Preempted:
     checkpoint: Checkpoint | None
 
 
-Outcome = Succeeded | Failed | Preempted
+@dataclass(frozen=True)
+class Resized:
+    """Hosts an elastic run had left out answer again (``hosts``): the attempt stopped at the
+    checkpoint committed since (``checkpoint``), for a larger group. Not a failure. The group
+    is alive: the controller stops it."""
+
+    hosts: tuple[str, ...]
+    checkpoint: Checkpoint
+
+
+Outcome = Succeeded | Failed | Preempted | Resized
 
 
 @dataclass(frozen=True)
@@ -147,6 +167,8 @@ class Attempt:
         group: The workers: not started yet, or warm from an earlier ``fit()``.
         keep: Leave the workers running when training succeeds (the group goes on warm).
         clock: ``time.monotonic`` (a test's fake clock).
+        watch: An elastic run's watch on the hosts it left out (``ddptrain.driver.elastic.HostWatch``):
+            once one answers again, the attempt stops at the next committed checkpoint.
     """
 
     def __init__(
@@ -156,6 +178,7 @@ class Attempt:
         group: WorkerGroup,
         keep: bool = False,
         clock: Callable[[], float] = time.monotonic,
+        watch: Any = None,
     ) -> None:
         self.context = context
         self.reports = reports
@@ -173,6 +196,9 @@ class Attempt:
         self.watch = Watch(context.run_dir, group.ask, group.where)
         self.notice: preemption.Notice | None = None  # the preemption notice the workers were given
         self.after_notice: Checkpoint | None = None  # a checkpoint committed since
+        self.watch_hosts = watch
+        self.back: tuple[str, ...] = ()  # hosts left out that answer again
+        self.after_back: Checkpoint | None = None  # a checkpoint committed since they do
 
     # ----------------------------------------------------------------- lifecycle
     def run(self) -> Outcome:
@@ -207,9 +233,9 @@ class Attempt:
                 failed = self._handle(group.poll(_POLL_S))
                 if failed is not None:
                     return self._failed(failed)
-                preempted = self._preempted()
-                if preempted is not None and len(group.done) < self.world_size:
-                    return preempted
+                stop = self._preempted() or self._resized()
+                if stop is not None and len(group.done) < self.world_size:
+                    return stop
             with group.observed(self._observe):
                 self._finish(backend)
             return Succeeded([self._load_return(rank) for rank in range(self.world_size)], self.keep)
@@ -261,6 +287,20 @@ class Attempt:
         if self.after_notice is not None or notice.expired():
             return Preempted(notice, self.after_notice)
         return None
+
+    def _resized(self) -> Resized | None:
+        """Stop for a larger group at the first checkpoint committed once hosts left out
+        answer again (the hosts' watch is polled, never called back)."""
+        if self.watch_hosts is None:
+            return None
+        if not self.back:
+            self.back = tuple(self.watch_hosts.back())
+            if self.back:
+                self.context.progress.say(
+                    f"ddptrain: host(s) {', '.join(self.back)} answer again; the group grows at the next checkpoint"
+                )
+            return None
+        return Resized(self.back, self.after_back) if self.after_back is not None else None
 
     def _tell_workers(self, notice: preemption.Notice) -> None:
         nodes: dict[str, list[int]] = {}
@@ -345,6 +385,8 @@ class Attempt:
                 checkpoint = self.reports.commit_checkpoint(staged, name, entries[0].metrics, index)
                 if self.notice is not None:
                     self.after_notice = checkpoint
+                if self.back:
+                    self.after_back = checkpoint
             for r in staged_ranks:
                 self.group.send(r, protocol.Ack(index, checkpoint.path if checkpoint else None, problem))
         self.reports.after_report([entry.metrics for entry in entries], checkpoint)

@@ -18,7 +18,8 @@ from typing import Any
 
 from ddptrain import _env
 from ddptrain.driver import preemption
-from ddptrain.driver.attempt import Attempt, Failed, Preempted, Succeeded
+from ddptrain.driver.attempt import Attempt, Failed, Preempted, Resized, Succeeded
+from ddptrain.driver.elastic import HostWatch
 from ddptrain.driver.plan import Plan
 from ddptrain.driver.run import Run
 from ddptrain.driver.warm import keeps_warm, put_warm, take_warm
@@ -33,6 +34,7 @@ from ddptrain.errors import (
     WorkerGroupError,
     is_disk_full,
 )
+from ddptrain.launch.hosts import HostSpec
 from ddptrain.launch.launcher import Launcher
 from ddptrain.result import Result
 
@@ -49,6 +51,8 @@ class Controller:
         start_agents: Starts the agents of a plan (``Plan.new_launcher``; a test's fake).
         new_group: Makes the worker group of a plan and its agents (``WorkerGroup``; a test's fake).
         clock: ``time.monotonic`` for the attempts (a test's fake clock).
+        new_watch: Watches an elastic run's left-out hosts during an attempt (``HostWatch``; a
+            test's fake).
     """
 
     def __init__(
@@ -58,8 +62,10 @@ class Controller:
         start_agents: Callable[[Plan], Launcher] = Plan.new_launcher,
         new_group: Callable[[Plan, Launcher], WorkerGroup] = WorkerGroup,
         clock: Callable[[], float] = time.monotonic,
+        new_watch: Callable[[list[HostSpec], float], Any] = HostWatch,
     ) -> None:
         self.run = run
+        self._new_watch = new_watch
         self._start_agents = start_agents
         self._new_group = new_group
         self._clock = clock
@@ -111,27 +117,73 @@ class Controller:
         while True:
             assert self.group is not None
             self.run.save_status("RUNNING", attempt=index)
+            watch = self._watch()
             attempt = Attempt(
                 self.run.attempt_context(index),
                 self.run,
                 self.group,
                 keep=keeps_warm(self.run.plan),
                 clock=self._clock,
+                watch=watch,
             )
             try:
                 outcome = attempt.run()
             except ChannelError as exc:  # the driver's own channel stopped: nothing to restart
                 self.run.ended(error=f"ChannelError: {str(exc).splitlines()[0]}")
                 raise
+            finally:
+                if watch is not None:
+                    watch.stop()
             if isinstance(outcome, Succeeded):
                 return outcome.return_values, outcome.keep_warm
+            if isinstance(outcome, Resized) and preemption.pending() is None:
+                index = self._grow(outcome, index)
+                continue
             notice = preemption.pending()
-            if isinstance(outcome, Preempted) or notice is not None:  # a failure in the window is not retried
+            if not isinstance(outcome, Failed) or notice is not None:  # a failure in the window is not retried
                 self._stop_preempted(outcome, notice or outcome.notice)  # type: ignore[union-attr]
             assert isinstance(outcome, Failed)
             index = self._restart(outcome, index)
 
-    def _stop_preempted(self, outcome: Failed | Preempted, notice: preemption.Notice) -> None:
+    def _watch(self) -> Any:
+        """An elastic run's watch on the hosts it left out, started (``None``: nothing to watch)."""
+        run = self.run
+        if not run.scaling_config.elastic or not run.left_out:
+            return None
+        hosts = [h for h in Plan.read_hosts(run.scaling_config) or [] if h.name in run.left_out]
+        return self._new_watch(hosts, run.scaling_config.elastic_resize_monitor_interval_s).start()
+
+    def _grow(self, resized: Resized, index: int) -> int:
+        """Hosts left out answer again: the next attempt runs on a larger group from the
+        checkpoint the last one stopped at. Not a failure (``max_failures`` is not spent); if
+        the larger group's agents cannot start, the hosts stay left out and the group restarts
+        at its size."""
+        assert self.group is not None
+        run = self.run
+        run.left_out = run.left_out - set(resized.hosts)
+        why = f"host(s) {', '.join(resized.hosts)} came back"
+        try:
+            plan = run.new_plan()
+            launcher = self._start_agents(plan)
+        except (LaunchError, ConfigError) as exc:
+            _logger.warning("ddptrain: host(s) %s answer but cannot run workers: %s", ", ".join(resized.hosts), exc)
+            run.left_out = run.left_out | set(resized.hosts)
+            why = "restarted at its size (the hosts that answered again could not start workers)"
+            plan = run.new_plan()
+            launcher = self._start_agents(plan)
+        self.group.shutdown()
+        self.group = None
+        run.clean_after_failure()
+        run.use_plan(plan, index + 1, why)
+        self.group = self._new_group(plan, launcher)
+        index += 1
+        run.progress.say(
+            f"ddptrain: attempt {index} starts from {resized.checkpoint.path} with {plan.world_size} workers"
+        )
+        run.save_status("RESTARTING", attempt=index)
+        return index
+
+    def _stop_preempted(self, outcome: Failed | Preempted | Resized, notice: preemption.Notice) -> None:
         """A preemption notice stopped the attempt (or it failed during the notice's window):
         the run is recorded as PREEMPTED, and ``fit()`` raises ``RunPreemptedError``."""
         assert self.group is not None
