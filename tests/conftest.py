@@ -50,6 +50,7 @@ SLOW_MODULES = {
     "test_dashboard",
     "test_data",
     "test_disk_full",
+    "test_elastic",
     "test_docs_examples",
     "test_docs_site",
     "test_examples",

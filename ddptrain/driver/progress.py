@@ -153,8 +153,11 @@ class Progress:
         start = resume_from or "scratch"
         self._say(f"ddptrain: attempt {attempt - 1} failed ({reason}); attempt {attempt} starts from {start}")
 
-    def say(self, line: str) -> None:
-        """A line of the driver's own on the console (a preemption notice, a resize)."""
+    def say(self, line: str, attempt: int | None = None) -> None:
+        """A line of the driver's own on the console (a preemption notice, a resize; ``attempt``:
+        the one that starts now)."""
+        if attempt is not None:
+            self._attempt = attempt
         self._say(line)
 
     def preempted(self, reason: str, checkpoint: str | None) -> None:
