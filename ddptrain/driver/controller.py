@@ -178,7 +178,7 @@ class Controller:
         self.group = self._new_group(plan, launcher)
         index += 1
         run.progress.say(
-            f"ddptrain: attempt {index} starts from {resized.checkpoint.path} with {plan.world_size} workers"
+            f"ddptrain: attempt {index} starts from {resized.checkpoint.path} with {plan.world_size} workers", index
         )
         run.save_status("RESTARTING", attempt=index)
         return index
