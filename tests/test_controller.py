@@ -24,7 +24,7 @@ from ddptrain.driver import preemption
 from ddptrain.driver.controller import Controller
 from ddptrain.driver.group_events import FailureSeen, TickDue
 from ddptrain.driver.run import Run
-from ddptrain.errors import HostLostError, RunPreemptedError, WorkerFailure, WorkerGroupError
+from ddptrain.errors import HostLostError, LaunchError, RunPreemptedError, WorkerFailure, WorkerGroupError
 from ddptrain.result import Result
 from ddptrain.wire import protocol
 
@@ -131,15 +131,19 @@ class FakeAgents:
 class Fakes:
     """Each attempt's group replays the next script; ``log`` says what happened, in order."""
 
-    def __init__(self, *scripts: list[Any]) -> None:
+    def __init__(self, *scripts: list[Any], unreachable: list[str] | None = None) -> None:
         self.scripts = list(scripts)
         self.log: list[str] = []
         self.groups: list[FakeGroup] = []
         self.run: Run | None = None
         self.watched: list[list[str]] = []  # the hosts each attempt's watch looked at
         self.back: list[str] = []  # what the watches say answers again
+        self.unreachable: list[str] = unreachable or []  # hosts whose agents cannot start
 
     def start_agents(self, plan: Any) -> FakeAgents:
+        down = [h.name for h in plan.placement.hosts if h.name in self.unreachable] if plan.placement else []
+        if down:
+            raise LaunchError(f"host {down[0]!r} does not answer", hosts=down)
         self.log.append("agents started")
         return FakeAgents(self.log)
 
@@ -363,3 +367,15 @@ def test_an_elastic_run_grows_back_at_the_next_checkpoint_once_a_left_out_host_a
     assert [(r["from"], r["to"], r["attempt"]) for r in run["resizes"]] == [(6, 4, 1), (4, 6, 2)]
     assert "h3 came back" in run["resizes"][1]["why"]
     assert [e["attempt"] for e in run["attempt_errors"]] == [0]  # growing is not a failure: max_failures=1 held
+
+
+def test_an_elastic_run_starts_without_the_hosts_that_do_not_answer(storage: str) -> None:
+    fakes = Fakes(_all_done(4))
+    fakes.unreachable = ["h2"]
+    elastic = train.ScalingConfig(num_workers=(2, 6), hosts=THREE_HOSTS)
+    fakes.fit(storage, max_failures=0, scaling_config=elastic)
+    assert [g.world_size for g in fakes.groups] == [4] and fakes.watched == [["h2"]]
+    run = _run_json(storage)
+    assert run["hosts"] == ["h1", "h3"] and "h2 left out (their agents could not start)" in run["resizes"][0]["why"]
+    with pytest.raises(LaunchError, match="does not answer"):  # a fixed size still needs every host
+        Fakes(_all_done(6), unreachable=["h2"]).fit(storage, 0, train.ScalingConfig(num_workers=6, hosts=THREE_HOSTS))

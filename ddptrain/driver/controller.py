@@ -92,7 +92,7 @@ class Controller:
             _logger.info("ddptrain: run %r in %s with %d workers", run.name, run.location, run.plan.world_size)
             # A warm group from an earlier fit(), or new agents importing torch meanwhile.
             try:
-                self.group = take_warm(run.plan) or self._new_group(run.plan, self._start_agents(run.plan))
+                self.group = take_warm(run.plan) or self._first_group(index)
             except LaunchError as exc:  # a host that cannot be reached: the run failed, it was not aborted
                 run.ended(error=f"LaunchError: {str(exc).splitlines()[0]}")
                 raise
@@ -110,6 +110,22 @@ class Controller:
                 if run.datasets is not None:
                     run.datasets.release()
         return run.result(return_values)
+
+    def _first_group(self, index: int) -> WorkerGroup:
+        """The first attempt's group. An elastic run leaves the hosts whose agents cannot start
+        out (they are watched like hosts lost later), down to ``min_workers``."""
+        run = self.run
+        while True:
+            try:
+                return self._new_group(run.plan, self._start_agents(run.plan))
+            except LaunchError as exc:
+                unreachable = set(exc.hosts) - run.left_out
+                if not run.scaling_config.elastic or not unreachable:
+                    raise
+                _logger.warning("ddptrain: leaving out host(s) %s: %s", ", ".join(sorted(unreachable)), exc)
+                run.left_out = run.left_out | unreachable
+                why = f"host(s) {', '.join(sorted(unreachable))} left out (their agents could not start)"
+                run.use_plan(run.new_plan(), index, why)  # raises LaunchError below min_workers
 
     def _attempts(self, index: int) -> tuple[list[Any], bool]:
         """Attempt after attempt from number ``index``: the return values of the one that
