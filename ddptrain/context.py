@@ -388,11 +388,11 @@ class _ChannelReports:
                     staged = persist_checkpoint(session, checkpoint, name, index, upload)
                 except BaseException as exc:
                     error = upload_error(session, exc, name, index)
-                    channel.send(protocol.Uploaded(rank, index, None, _pickled(error), _described(error)))
+                    channel.send_aside(protocol.Uploaded(rank, index, None, _pickled(error), _described(error)))
                     if error is exc:
                         raise
                     raise error from exc
-                channel.send(protocol.Uploaded(rank, index, staged))
+                channel.send_aside(protocol.Uploaded(rank, index, staged))
 
             announce = lambda: channel.send(protocol.Report(rank, index, metrics, None, dir_name, pending=True))  # noqa: E731
             session.uploads.submit(index, announce, in_background)
