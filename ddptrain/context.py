@@ -451,8 +451,8 @@ def persist_checkpoint(session: _Session, checkpoint: Checkpoint, name: str, ind
 def upload_error(session: _Session, error: BaseException, name: str, index: int) -> BaseException:
     """``error`` of a background upload, as the run's failure: a ``StorageError`` that names
     the store (and says what to do when the folder was gone)."""
-    if isinstance(error, StorageError) or not isinstance(error, Exception):
-        return error
+    if isinstance(error, StorageError) or not isinstance(error, OSError):
+        return error  # the store named already, or the user's mistake (a ValueError, say)
     where = session.storage.shown if session.storage is not None else session.run_dir
     hint = ""
     if isinstance(error, FileNotFoundError):

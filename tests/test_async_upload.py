@@ -94,7 +94,10 @@ def _in_place_loop(config: dict[str, Any]) -> None:
     os.makedirs(manual)
     Path(manual, "model").write_text("0")
     train.report(
-        {"step": 0}, checkpoint=train.Checkpoint(manual), checkpoint_dir_name="manual", checkpoint_upload_mode="NO_UPLOAD"
+        {"step": 0},
+        checkpoint=train.Checkpoint(manual),
+        checkpoint_dir_name="manual",
+        checkpoint_upload_mode="NO_UPLOAD",
     )
 
     def upload(checkpoint: train.Checkpoint, dir_name: str) -> train.Checkpoint:
@@ -103,7 +106,7 @@ def _in_place_loop(config: dict[str, Any]) -> None:
         Path(target, "uploaded_by").write_text("fn")
         return train.Checkpoint.from_directory(target)
 
-    for step, mode in ((1, ASYNC), (2, CheckpointUploadMode.SYNC)):
+    for step, mode in ((1, ASYNC), (2, CheckpointUploadMode.SYNC))[: config.get("steps", 2)]:
         d = tempfile.mkdtemp()
         Path(d, "model").write_text(str(step))
         train.report(
@@ -132,7 +135,7 @@ def test_a_checkpoint_put_elsewhere_is_refused_with_the_folder_to_use(tmp_path: 
     with pytest.raises(TrainingFailedError) as info:
         train.DataParallelTrainer(
             _in_place_loop,
-            train_loop_config={"target": str(elsewhere)},
+            train_loop_config={"target": str(elsewhere), "steps": 1},
             scaling_config=train.ScalingConfig(num_workers=1),
             run_config=train.RunConfig(name="run", storage_path=str(tmp_path)),
         ).fit()
@@ -176,7 +179,9 @@ def _slow_upload_loop(config: dict[str, Any]) -> dict[str, float]:
     for step in range(2):
         d = tempfile.mkdtemp()
         Path(d, "model").write_text(str(step))
-        train.report({"step": step}, checkpoint=train.Checkpoint(d), checkpoint_upload_mode=ASYNC, checkpoint_upload_fn=upload)
+        train.report(
+            {"step": step}, checkpoint=train.Checkpoint(d), checkpoint_upload_mode=ASYNC, checkpoint_upload_fn=upload
+        )
     times["second report returned"] = time.monotonic()
     return times
 
