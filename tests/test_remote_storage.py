@@ -806,7 +806,6 @@ def _ddptrain(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_the_cli_reads_a_run_on_remote_storage(s3: S3, tmp_path: Path) -> None:
-
     bucket = s3.bucket()
     TorchTrainer(
         _chatty,
