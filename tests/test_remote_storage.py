@@ -199,6 +199,8 @@ def _loop(config: dict[str, Any]) -> None:
         marker = config.get("marker")
         if rank == 1 and epoch == config.get("crash_at") and marker and not os.path.exists(marker):
             Path(marker).touch()
+            if config.get("mode") == "ASYNC":
+                train.get_all_reported_checkpoints()  # this rank's uploads so far are committed
             os.kill(os.getpid(), signal.SIGKILL)
         d = tempfile.mkdtemp()  # ASYNC deletes it once uploaded
         if rank == 0:
@@ -281,15 +283,22 @@ def test_a_killed_worker_restarts_from_the_remote_checkpoint(s3: S3, tmp_path: P
     marker = str(tmp_path / "crashed")
     result = _trainer(f"s3://{bucket}/exp", "crash", crash_at=2, marker=marker, max_failures=1, mode=mode).fit()
     assert (tmp_path / "crashed").exists()
-    # Rank 0's report of epoch 2 in attempt 0 is kept too (its round was cut short).
-    assert [m["epoch"] for m in result.metrics_history] == [0, 1, 2, 2, 3]
+    epochs = [m["epoch"] for m in result.metrics_history]
+    if mode == "SYNC":
+        # Rank 0's report of epoch 2 in attempt 0 is kept too (its round was cut short).
+        assert epochs == [0, 1, 2, 2, 3]
+    else:  # rank 0 does not wait for the uploads: it may have reported epoch 3 before the kill
+        assert epochs in ([0, 1, 2, 2, 3], [0, 1, 2, 3, 2, 3])
     assert result.metrics["resumed_from"] == 2
     run = f"{bucket}/exp/crash"
     tops = {p.split("/")[0] for p in s3.listing(run)}
-    # Kept: the best two by score, reports #2 (epoch 1) and #5 (epoch 3, also the latest);
-    # report #3, uploaded by rank 0 alone before the kill, was never committed and is gone.
+    # Kept: the best two by score, report #2 (epoch 1) and the last (epoch 3, also the latest);
+    # what rank 0 uploaded alone before the kill was never committed and is gone.
     run_files = {"checkpoints.json", "logs", "metrics.jsonl", "run.json", "trainer.pkl"}
-    assert tops == {"checkpoint_000002", "checkpoint_000005"} | run_files
+    latest = f"checkpoint_{len(epochs):06d}"
+    assert result.checkpoint.path == f"s3://{run}/{latest}"
+    assert tops == {"checkpoint_000002", latest} | run_files
+    assert _complete(s3, f"{run}/{latest}") and _complete(s3, f"{run}/checkpoint_000002")
     assert {"logs/attempt_0/rank_1.log", "logs/attempt_1/rank_1.log"} <= set(s3.listing(run))
 
 
