@@ -69,7 +69,9 @@ def training_loop(config: dict) -> list[dict[str, float]]:
                         f.write(block)
                 saving += time.perf_counter() - began
                 mode = train.CheckpointUploadMode.ASYNC if variant == "async" else train.CheckpointUploadMode.SYNC
-                train.report({"variant": variant, "step": step}, checkpoint=train.Checkpoint(d), checkpoint_upload_mode=mode)
+                train.report(
+                    {"variant": variant, "step": step}, checkpoint=train.Checkpoint(d), checkpoint_upload_mode=mode
+                )
                 if variant == "sync":
                     shutil.rmtree(d)
             elapsed = time.perf_counter() - start - saving
