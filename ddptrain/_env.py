@@ -74,6 +74,21 @@ def report_warn_interval_s() -> float:
     return _float("DDPTRAIN_REPORT_WARN_INTERVAL_S", 5.0)
 
 
+def max_pending_uploads() -> int:
+    """Checkpoint uploads (``CheckpointUploadMode.ASYNC``) a worker may have queued or running
+    before its next ``report()`` with a checkpoint waits for the oldest one."""
+    raw = os.environ.get("DDPTRAIN_MAX_PENDING_UPLOADS", "")
+    if raw == "":
+        return 2
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"`DDPTRAIN_MAX_PENDING_UPLOADS` must be a whole number >= 1, got {raw!r}.")
+    return value
+
+
 def stall_warn_s() -> float:
     """Seconds without any report or output from any rank before the driver warns, with every
     rank's process state and Python stack."""

@@ -12,13 +12,18 @@ import enum
 import logging
 import os
 import shutil
+import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+import cloudpickle
+
+from ddptrain import _env
 from ddptrain.checkpoint import Checkpoint
-from ddptrain.errors import DdpTrainError
+from ddptrain.errors import DdpTrainError, StorageError
 from ddptrain.storage import layout as storage
+from ddptrain.storage.uploads import CheckpointUploads
 from ddptrain.train_context import StorageContext, TrainContext
 from ddptrain.wire import protocol
 
@@ -46,12 +51,26 @@ _logger = logging.getLogger(__name__)
 
 
 class CheckpointUploadMode(enum.Enum):
-    """How ``report()`` persists a checkpoint. ddptrain always persists before ``report()``
-    returns; ``ASYNC`` only changes the default of ``delete_local_checkpoint_after_upload``."""
+    """How ``report()`` persists a checkpoint.
+
+    Members:
+        SYNC: ``report()`` returns once the checkpoint files are in the run's storage.
+        ASYNC: ``report()`` returns at once; a thread of the worker uploads the files, in report
+            order, and the driver commits the checkpoint once every rank's files are there. The
+            folder must not be changed or deleted until then (``tempfile.mkdtemp()``, not a
+            ``TemporaryDirectory`` that ends with the report); it is deleted after its upload by
+            default.
+        NO_UPLOAD: The checkpoint already is in the run's storage (the user wrote it there):
+            it is registered as it is.
+    """
 
     SYNC = "SYNC"
     ASYNC = "ASYNC"
     NO_UPLOAD = "NO_UPLOAD"
+
+    def default_delete_local_checkpoint_after_upload(self) -> bool:
+        """What ``delete_local_checkpoint_after_upload=None`` means: ``True`` for ``ASYNC``."""
+        return self is CheckpointUploadMode.ASYNC
 
 
 class CheckpointConsistencyMode(enum.Enum):
@@ -107,11 +126,11 @@ class ReportSink(Protocol):
         metrics: dict[str, Any],
         checkpoint: Checkpoint | None,
         dir_name: str | None,
-        upload_mode: Any,
-        delete_local: bool | None,
+        upload: Upload,
     ) -> None:
         """Persist report number ``session.report_index`` (checked by ``report()``); sets
-        ``session.checkpoint`` to the committed checkpoint, if one was passed."""
+        ``session.checkpoint`` to the committed checkpoint, if one was passed and committed
+        before this returns."""
 
     def reported_checkpoints(self, session: _Session, timeout_s: float | None) -> list[ReportedCheckpoint]:
         """The run's kept checkpoints (see :func:`get_all_reported_checkpoints`)."""
@@ -130,6 +149,7 @@ class _Session:
     dataset_shards: dict[str, Any] = field(default_factory=dict)
     devices: list[Any] = field(default_factory=list)
     storage: RunStorage | None = None  # where reported checkpoints go (``None``: no run)
+    uploads: CheckpointUploads | None = None  # its ASYNC uploads (made by the first one)
     report_index: int = 0
     collective_index: int = 0
     end_hooks: list[Callable[[bool], None]] = field(default_factory=list)  # see on_training_end
@@ -251,13 +271,54 @@ def _check_dir_name(name: str | None) -> None:
         storage.check_dir_name(name)
 
 
+@dataclass(frozen=True)
+class Upload:
+    """How a report's checkpoint is persisted (``report()``'s arguments, checked)."""
+
+    mode: CheckpointUploadMode = CheckpointUploadMode.SYNC
+    delete_local: bool = False
+    upload_fn: Callable[[Checkpoint, str], Checkpoint] | None = None
+
+
+def _check_upload(
+    checkpoint: Checkpoint | None, mode: Any, delete_local: bool | None, upload_fn: Any, run_dir: str | None
+) -> Upload:
+    if mode is None:
+        mode = CheckpointUploadMode.SYNC
+    try:
+        mode = CheckpointUploadMode(getattr(mode, "value", mode))  # Ray's enum works too
+    except ValueError:
+        raise ValueError(
+            f"`checkpoint_upload_mode` must be a CheckpointUploadMode (SYNC, ASYNC or NO_UPLOAD), got {mode!r}."
+        ) from None
+    if upload_fn is not None and not callable(upload_fn):
+        raise TypeError(
+            f"`checkpoint_upload_fn` must be a function (checkpoint, dir_name) -> Checkpoint, got {upload_fn!r}."
+        )
+    if upload_fn is not None and mode is CheckpointUploadMode.NO_UPLOAD:
+        raise ValueError(
+            "`checkpoint_upload_fn` uploads the checkpoint, `CheckpointUploadMode.NO_UPLOAD` says there is nothing "
+            "to upload: pass one of them."
+        )
+    if delete_local is None:
+        delete_local = mode.default_delete_local_checkpoint_after_upload()
+    if delete_local and checkpoint is not None and run_dir:
+        local, root = os.path.realpath(checkpoint.path), os.path.realpath(run_dir)
+        if os.path.commonpath([local, root]) in (local, root):
+            raise ValueError(
+                f"`delete_local_checkpoint_after_upload=True` would delete {checkpoint.path}, which is "
+                f"inside the run directory {run_dir} or contains it."
+            )
+    return Upload(mode, bool(delete_local), upload_fn)
+
+
 def report(
     metrics: dict[str, Any],
     checkpoint: Checkpoint | None = None,
     checkpoint_dir_name: str | None = None,
     checkpoint_upload_mode: Any = None,
     delete_local_checkpoint_after_upload: bool | None = None,
-    checkpoint_upload_fn: Any = None,
+    checkpoint_upload_fn: Callable[[Checkpoint, str], Checkpoint] | None = None,
     validation: Any = False,
 ) -> None:
     """Report metrics, and optionally a checkpoint, from every worker.
@@ -266,21 +327,37 @@ def report(
     become the run's metrics; every report is appended to ``metrics.jsonl`` in the run
     directory. Any subset of ranks may pass a checkpoint: their files are merged into one
     checkpoint folder (named by rank 0's ``checkpoint_dir_name``) under the run directory, and
-    ``report`` returns on those ranks once it is persisted, so the local folder may be deleted
-    right after. Metrics-only reports do not wait for the other ranks.
+    the checkpoint is committed (listed, kept by ``num_to_keep``, resumed from) only once every
+    one of those ranks' files is there. With ``SYNC`` (the default) ``report`` returns on those
+    ranks once it is committed, so the local folder may be deleted right after. With
+    ``ASYNC`` it returns at once and a thread of the worker uploads the files, in report
+    order, at most ``DDPTRAIN_MAX_PENDING_UPLOADS`` (2) at a time (a report beyond that
+    waits); **the folder must not be changed or deleted until its upload is done**, and it is
+    deleted after it by default. The worker waits for its uploads when the training function
+    returns; one that fails fails the run with a ``StorageError`` naming the store.
+    Metrics-only reports do not wait for the other ranks.
 
     Args:
         metrics: A dict of picklable values; torch tensors are refused.
         checkpoint: Files to persist with this report.
         checkpoint_dir_name: Folder name of the persisted checkpoint (default
             ``checkpoint_<report index>``).
-        checkpoint_upload_mode: Accepted for compatibility; persisting is always synchronous.
-        delete_local_checkpoint_after_upload: Delete the local folder once it is persisted.
-        checkpoint_upload_fn: Not supported.
-        validation: Not supported.
+        checkpoint_upload_mode: A :class:`CheckpointUploadMode`: ``SYNC`` (default), ``ASYNC``,
+            or ``NO_UPLOAD`` (the checkpoint already is the run's checkpoint folder
+            ``get_context().get_storage().build_checkpoint_path_from_name(checkpoint_dir_name)``).
+        delete_local_checkpoint_after_upload: Delete the local folder once it is uploaded
+            (default: ``True`` for ``ASYNC``, else ``False``). ddptrain may then move the folder
+            instead of copying it, on the same file system.
+        checkpoint_upload_fn: ``fn(checkpoint, checkpoint_dir_name) -> Checkpoint`` uploads the
+            files itself (in the background with ``ASYNC``); the checkpoint it returns must be
+            the run's checkpoint folder named ``checkpoint_dir_name`` (as for ``NO_UPLOAD``),
+            and is what gets committed.
+        validation: Not supported yet (asynchronous validation).
 
     Raises:
-        ValueError: ``metrics`` holds tensors, or the folder name is not a plain name.
+        ValueError: ``metrics`` holds tensors, the folder name is not a plain name, or a
+            checkpoint put in place is not the run's checkpoint folder.
+        StorageError: An earlier ``ASYNC`` upload of this worker failed.
         RuntimeError: Called outside a training function.
 
     Example:
@@ -293,17 +370,28 @@ def report(
     if checkpoint is not None and not isinstance(checkpoint, Checkpoint):
         raise TypeError(f"`checkpoint` must be a ddptrain.Checkpoint, got {type(checkpoint).__name__}.")
     _check_dir_name(checkpoint_dir_name)
-    if checkpoint_upload_fn is not None or validation:
-        raise NotImplementedError("`checkpoint_upload_fn` and `validation` are not supported by ddptrain.")
-    session.report_index += 1
-    session.sink.report(
-        session, metrics, checkpoint, checkpoint_dir_name, checkpoint_upload_mode, delete_local_checkpoint_after_upload
+    if validation:
+        raise NotImplementedError(
+            "`report(validation=...)` (asynchronous validation) is not supported by ddptrain yet: validate in "
+            "the training function and report the metrics."
+        )
+    upload = _check_upload(
+        checkpoint,
+        checkpoint_upload_mode,
+        delete_local_checkpoint_after_upload,
+        checkpoint_upload_fn,
+        session.run_dir,
     )
+    if session.uploads is not None:
+        session.uploads.check()  # an earlier ASYNC upload failed
+    session.report_index += 1
+    session.sink.report(session, metrics, checkpoint, checkpoint_dir_name, upload)
 
 
 class _ChannelReports:
     """A worker's reports: its checkpoint files staged (or uploaded), then sent to the driver,
-    which commits them and answers."""
+    which commits them and answers; with ``ASYNC`` the report goes at once, the files follow
+    from the upload thread (``protocol.Uploaded``) and nobody waits for the answer."""
 
     def report(
         self,
@@ -311,39 +399,47 @@ class _ChannelReports:
         metrics: dict[str, Any],
         checkpoint: Checkpoint | None,
         dir_name: str | None,
-        upload_mode: Any,
-        delete_local: bool | None,
+        upload: Upload,
     ) -> None:
-        assert session.channel is not None, "a worker's session has its channel"
-        if upload_mode == CheckpointUploadMode.ASYNC and delete_local is None:
-            delete_local = True  # Ray's default for ASYNC
-        if delete_local and checkpoint is not None and session.run_dir:
-            local, run_dir = os.path.realpath(checkpoint.path), os.path.realpath(session.run_dir)
-            if os.path.commonpath([local, run_dir]) in (local, run_dir):
-                raise ValueError(
-                    f"`delete_local_checkpoint_after_upload=True` would delete {checkpoint.path}, which is "
-                    f"inside the run directory {session.run_dir} or contains it."
-                )
-        rank = session.context.get_world_rank()
-        name = dir_name or f"checkpoint_{session.report_index:06d}"
-        staged = _stage_checkpoint(session, checkpoint, name) if checkpoint is not None else None
-        message = protocol.Report(rank, session.report_index, metrics, staged, dir_name)
+        channel = session.channel
+        assert channel is not None, "a worker's session has its channel"
+        rank, index = session.context.get_world_rank(), session.report_index
+        if checkpoint is None:
+            channel.send(protocol.Report(rank, index, metrics, None, dir_name))
+            return
+        name = dir_name or f"checkpoint_{index:06d}"
+        if upload.mode is CheckpointUploadMode.ASYNC:
+            if session.uploads is None:
+                session.uploads = CheckpointUploads(_env.max_pending_uploads())
+
+            def in_background() -> None:
+                try:
+                    staged = persist_checkpoint(session, checkpoint, name, index, upload)
+                except BaseException as exc:
+                    error = upload_error(session, exc, name, index)
+                    channel.send_aside(protocol.Uploaded(rank, index, None, _pickled(error), _described(error)))
+                    if error is exc:
+                        raise
+                    raise error from exc
+                channel.send_aside(protocol.Uploaded(rank, index, staged))
+
+            announce = lambda: channel.send(protocol.Report(rank, index, metrics, None, dir_name, pending=True))  # noqa: E731
+            session.uploads.submit(index, announce, in_background)
+            return
         # On a host that cannot see the run directory the staged files wait in a local cache,
         # and the driver copies them back over SSH before it commits the checkpoint.
-        if staged is None:
-            session.channel.send(message)
-            return
-        reply = session.call_driver(message)
+        staged = persist_checkpoint(session, checkpoint, name, index, upload)
+        reply = session.call_driver(protocol.Report(rank, index, metrics, staged, dir_name))
         assert isinstance(reply, protocol.Ack), reply
         if reply.problem or reply.path is None:  # the driver refused to commit it
             raise ValueError(reply.problem)
         session.checkpoint = session.checkpoint_at(reply.path)
-        if delete_local and checkpoint is not None:
-            shutil.rmtree(checkpoint.path, ignore_errors=True)
 
     def reported_checkpoints(self, session: _Session, timeout_s: float | None) -> list[ReportedCheckpoint]:
         if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))):
             raise TypeError(f"`timeout_s` must be a number of seconds or None, got {timeout_s!r}.")
+        if session.uploads is not None:
+            session.uploads.check()
         rank = session.context.get_world_rank()
         reply = session.call_driver(protocol.CheckpointsQuery(rank, session.report_index, timeout_s))
         assert isinstance(reply, protocol.CheckpointsReply), reply
@@ -353,12 +449,72 @@ class _ChannelReports:
 CHANNEL_REPORTS: ReportSink = _ChannelReports()  # a worker's sink (its session holds the channel)
 
 
-def _stage_checkpoint(session: _Session, checkpoint: Checkpoint, name: str) -> str:
-    """Put this rank's checkpoint files where the driver commits them from (the run's storage
-    decides: next to the run directory, a host's staging folder, or uploaded to the store)."""
-    assert session.storage is not None, "a worker's session in a run has the run's storage"
-    rank = session.context.get_world_rank()
-    return session.storage.stage(checkpoint.path, name, session.attempt, session.report_index, rank)
+def persist_checkpoint(session: _Session, checkpoint: Checkpoint, name: str, index: int, upload: Upload) -> str:
+    """Put this rank's checkpoint files of report ``index`` where the driver commits them
+    from (the run's storage decides: next to the run directory, a host's staging folder, or
+    uploaded to the store), or check that the user put them in place (``NO_UPLOAD``,
+    ``checkpoint_upload_fn``); then delete the local folder if asked. Returns the folder.
+
+    Raises:
+        ValueError: A checkpoint put in place is not the run's checkpoint folder ``name``.
+        FileNotFoundError: The local folder does not exist.
+        StorageError: The upload failed.
+    """
+    storage_ = session.storage
+    assert storage_ is not None, "a session in a run has the run's storage"
+    if upload.mode is CheckpointUploadMode.NO_UPLOAD:
+        return storage_.adopt(checkpoint, name, "The checkpoint reported with `CheckpointUploadMode.NO_UPLOAD`")
+    if upload.upload_fn is not None:
+        uploaded = upload.upload_fn(checkpoint, name)
+        if not isinstance(uploaded, Checkpoint):
+            raise TypeError(f"`checkpoint_upload_fn` must return a ddptrain.Checkpoint, got {uploaded!r}.")
+        staged = storage_.adopt(uploaded, name, "The checkpoint `checkpoint_upload_fn` returned")
+    else:
+        rank = session.context.get_world_rank()
+        staged = storage_.stage(checkpoint.path, name, session.attempt, index, rank, move=upload.delete_local)
+    if upload.delete_local:
+        shutil.rmtree(checkpoint.path, ignore_errors=True)
+    return staged
+
+
+def upload_error(session: _Session, error: BaseException, name: str, index: int) -> BaseException:
+    """``error`` of a background upload, as the run's failure: a ``StorageError`` that names
+    the store (and says what to do when the folder was gone)."""
+    if isinstance(error, StorageError) or not isinstance(error, OSError):
+        return error  # the store named already, or the user's mistake (a ValueError, say)
+    where = session.storage.shown if session.storage is not None else session.run_dir
+    hint = ""
+    if isinstance(error, FileNotFoundError):
+        hint = (
+            " With `CheckpointUploadMode.ASYNC` the checkpoint folder must not be deleted or changed until its "
+            "upload is done: make it with `tempfile.mkdtemp()`, not a `TemporaryDirectory` that ends with the report."
+        )
+    wrapped = StorageError(
+        f"Uploading checkpoint {name!r} of report #{index} to {where} failed: {type(error).__name__}: {error}.{hint}"
+    )
+    wrapped.__cause__ = error
+    return wrapped
+
+
+def _pickled(error: BaseException) -> bytes | None:
+    try:
+        return cloudpickle.dumps(error)
+    except Exception:
+        return None
+
+
+def _described(error: BaseException) -> str:
+    return "".join(traceback.format_exception(error))
+
+
+def finish_uploads(session: _Session) -> None:
+    """The training function returned: wait for this worker's ``ASYNC`` uploads.
+
+    Raises:
+        StorageError: One failed.
+    """
+    if session.uploads is not None:
+        session.uploads.wait()
 
 
 def on_training_end(hook: Callable[[bool], None]) -> None:

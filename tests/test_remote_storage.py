@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -198,18 +199,24 @@ def _loop(config: dict[str, Any]) -> None:
         marker = config.get("marker")
         if rank == 1 and epoch == config.get("crash_at") and marker and not os.path.exists(marker):
             Path(marker).touch()
+            if config.get("mode") == "ASYNC":
+                train.get_all_reported_checkpoints()  # this rank's uploads so far are committed
             os.kill(os.getpid(), signal.SIGKILL)
-        with tempfile.TemporaryDirectory() as d:
-            if rank == 0:
-                Path(d, "epoch").write_text(str(epoch))
-            Path(d, f"shard_{rank}.bin").write_bytes(os.urandom(1000))
-            score = [0.5, 0.9, 0.1, 0.7, 0.3, 0.8][epoch % 6]
-            train.report(
-                {"epoch": epoch, "score": score, "resumed_from": start},
-                checkpoint=train.Checkpoint.from_directory(d),
-                checkpoint_dir_name=config.get("dir_name"),
-            )
-            time.sleep(config.get("sleep", 0))
+        d = tempfile.mkdtemp()  # ASYNC deletes it once uploaded
+        if rank == 0:
+            Path(d, "epoch").write_text(str(epoch))
+        Path(d, f"shard_{rank}.bin").write_bytes(os.urandom(1000))
+        score = [0.5, 0.9, 0.1, 0.7, 0.3, 0.8][epoch % 6]
+        mode = config.get("mode", "SYNC")
+        train.report(
+            {"epoch": epoch, "score": score, "resumed_from": start},
+            checkpoint=train.Checkpoint.from_directory(d),
+            checkpoint_dir_name=config.get("dir_name"),
+            checkpoint_upload_mode=mode,
+        )
+        if mode == "SYNC":
+            shutil.rmtree(d)
+        time.sleep(config.get("sleep", 0))
 
 
 def _trainer(storage_path: str, name: str, **config: Any) -> TorchTrainer:
@@ -262,7 +269,6 @@ def test_fit_retention_resume_by_name_and_result_from_path(s3: S3) -> None:
     assert sorted(os.listdir(local)) == ["epoch", "shard_0.bin", "shard_1.bin"]
 
     # Resume by name, from another machine's point of view: the local working copy is gone.
-    import shutil
 
     shutil.rmtree(os.environ["DDPTRAIN_CACHE_DIR"])
     more = _trainer(f"s3://{bucket}/exp", "run", epochs=6).fit()
@@ -271,19 +277,28 @@ def test_fit_retention_resume_by_name_and_result_from_path(s3: S3) -> None:
     assert more.checkpoint.path == f"s3://{run}/checkpoint_000006"
 
 
-def test_a_killed_worker_restarts_from_the_remote_checkpoint(s3: S3, tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["SYNC", "ASYNC"])
+def test_a_killed_worker_restarts_from_the_remote_checkpoint(s3: S3, tmp_path: Path, mode: str) -> None:
     bucket = s3.bucket()
-    result = _trainer(f"s3://{bucket}/exp", "crash", crash_at=2, marker=str(tmp_path / "crashed"), max_failures=1).fit()
+    marker = str(tmp_path / "crashed")
+    result = _trainer(f"s3://{bucket}/exp", "crash", crash_at=2, marker=marker, max_failures=1, mode=mode).fit()
     assert (tmp_path / "crashed").exists()
-    # Rank 0's report of epoch 2 in attempt 0 is kept too (its round was cut short).
-    assert [m["epoch"] for m in result.metrics_history] == [0, 1, 2, 2, 3]
+    epochs = [m["epoch"] for m in result.metrics_history]
+    if mode == "SYNC":
+        # Rank 0's report of epoch 2 in attempt 0 is kept too (its round was cut short).
+        assert epochs == [0, 1, 2, 2, 3]
+    else:  # rank 0 does not wait for the uploads: it may have reported epoch 3 before the kill
+        assert epochs in ([0, 1, 2, 2, 3], [0, 1, 2, 3, 2, 3])
     assert result.metrics["resumed_from"] == 2
     run = f"{bucket}/exp/crash"
     tops = {p.split("/")[0] for p in s3.listing(run)}
-    # Kept: the best two by score, reports #2 (epoch 1) and #5 (epoch 3, also the latest);
-    # report #3, uploaded by rank 0 alone before the kill, was never committed and is gone.
+    # Kept: the best two by score, report #2 (epoch 1) and the last (epoch 3, also the latest);
+    # what rank 0 uploaded alone before the kill was never committed and is gone.
     run_files = {"checkpoints.json", "logs", "metrics.jsonl", "run.json", "trainer.pkl"}
-    assert tops == {"checkpoint_000002", "checkpoint_000005"} | run_files
+    latest = f"checkpoint_{len(epochs):06d}"
+    assert result.checkpoint.path == f"s3://{run}/{latest}"
+    assert tops == {"checkpoint_000002", latest} | run_files
+    assert _complete(s3, f"{run}/{latest}") and _complete(s3, f"{run}/checkpoint_000002")
     assert {"logs/attempt_0/rank_1.log", "logs/attempt_1/rank_1.log"} <= set(s3.listing(run))
 
 
@@ -609,7 +624,7 @@ def test_workers_on_ssh_hosts_upload_with_the_drivers_credentials(s3: S3, ssh) -
 
 KILL_SCRIPT = textwrap.dedent(
     """
-    import json, sys, tempfile
+    import json, shutil, sys, tempfile
     from pathlib import Path
     import ddptrain as train
 
@@ -624,24 +639,27 @@ KILL_SCRIPT = textwrap.dedent(
         steps = config["steps"]
         stop = start + int(steps[1:]) if steps.startswith("+") else int(steps)  # "+2": two more steps
         for step in range(start, stop):
-            with tempfile.TemporaryDirectory() as d:
-                for i in range(3):
-                    Path(d, f"rank{rank}_{i}.bin").write_bytes(b"x" * 2000)
-                if rank == 0:
-                    Path(d, "state.json").write_text(json.dumps({"step": step}))
-                train.report(
-                    {"step": step, "score": step % 3},
-                    checkpoint=train.Checkpoint.from_directory(d),
-                    checkpoint_dir_name=config["name"] or None,
-                )
+            d = tempfile.mkdtemp()  # ASYNC deletes it once uploaded
+            for i in range(3):
+                Path(d, f"rank{rank}_{i}.bin").write_bytes(b"x" * 2000)
+            if rank == 0:
+                Path(d, "state.json").write_text(json.dumps({"step": step}))
+            train.report(
+                {"step": step, "score": step % 3},
+                checkpoint=train.Checkpoint.from_directory(d),
+                checkpoint_dir_name=config["name"] or None,
+                checkpoint_upload_mode=config["mode"],
+            )
+            if config["mode"] == "SYNC":
+                shutil.rmtree(d)
             print("step", step, flush=True)
         return start
 
     if __name__ == "__main__":
-        storage, name, steps = sys.argv[1], sys.argv[2], sys.argv[3]
+        storage, name, steps, mode = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
         result = train.DataParallelTrainer(
             loop,
-            train_loop_config={"steps": steps, "name": name},
+            train_loop_config={"steps": steps, "name": name, "mode": mode},
             scaling_config=train.ScalingConfig(num_workers=2),
             run_config=train.RunConfig(
                 name="killed",
@@ -665,12 +683,18 @@ def _assert_store_consistent(s3: S3, run: str) -> int:
     return int(json.loads(s3.direct.cat_file(f"{run}/{index['latest']}/state.json"))["step"])
 
 
-@pytest.mark.parametrize("name", ["", "latest"], ids=["default names", "one replaced name"])
-def test_random_driver_kills_never_leave_a_half_checkpoint_on_the_store(s3: S3, tmp_path: Path, name: str) -> None:
-    """Two kills at random moments of the uploads with each naming scheme: the first in a fresh
-    run, the second in a run that resumed from the first kill's leftovers; then a run finishes.
-    (The moment a replacement is cut short is covered one by one below.) DDPTRAIN_SOAK_KILLS=25
-    for a soak run."""
+@pytest.mark.parametrize(
+    ("name", "mode"),
+    [("", "SYNC"), ("latest", "SYNC"), ("", "ASYNC")],
+    ids=["default names", "one replaced name", "ASYNC uploads"],
+)
+def test_random_driver_kills_never_leave_a_half_checkpoint_on_the_store(
+    s3: S3, tmp_path: Path, name: str, mode: str
+) -> None:
+    """Two kills at random moments of the uploads with each naming scheme (and with uploads in
+    the workers' background, ASYNC): the first in a fresh run, the second in a run that
+    resumed from the first kill's leftovers; then a run finishes. (The moment a replacement is
+    cut short is covered one by one below.) DDPTRAIN_SOAK_KILLS=25 for a soak run."""
     import random
 
     bucket = s3.bucket()
@@ -682,7 +706,7 @@ def test_random_driver_kills_never_leave_a_half_checkpoint_on_the_store(s3: S3, 
     seen = -1  # the latest committed step seen on the store so far
     for kill in range(int(os.environ.get("DDPTRAIN_SOAK_KILLS", "2"))):
         proc = subprocess.Popen(
-            [sys.executable, str(script), storage, name, "100000"],
+            [sys.executable, str(script), storage, name, "100000", mode],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -696,7 +720,7 @@ def test_random_driver_kills_never_leave_a_half_checkpoint_on_the_store(s3: S3, 
         seen = max(seen, _assert_store_consistent(s3, run))
     last = max(seen, _assert_store_consistent(s3, run))
     done = subprocess.run(
-        [sys.executable, str(script), storage, name, "+2"], capture_output=True, text=True, timeout=120
+        [sys.executable, str(script), storage, name, "+2", mode], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
     summary = json.loads(done.stdout.split("RESULT ", 1)[1])
@@ -791,8 +815,6 @@ def _ddptrain(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_the_cli_reads_a_run_on_remote_storage(s3: S3, tmp_path: Path) -> None:
-    import shutil
-
     bucket = s3.bucket()
     TorchTrainer(
         _chatty,

@@ -24,8 +24,7 @@ class _Recorder:
         metrics: dict[str, Any],
         checkpoint: Checkpoint | None,
         dir_name: str | None,
-        upload_mode: Any,
-        delete_local: bool | None,
+        upload: context.Upload,
     ) -> None:
         self.reports.append((session.report_index, metrics, checkpoint, dir_name))
         if checkpoint is not None:

@@ -17,9 +17,10 @@ implements.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -36,6 +37,7 @@ from ddptrain.driver.group_events import (
     MessagesHandled,
     StatesReported,
     TickDue,
+    failure_from_record,
 )
 from ddptrain.driver.watchdog import Watch
 from ddptrain.driver.worker_group import GroupFailed, WorkerGroup
@@ -138,7 +140,7 @@ class ReportSink(Protocol):
 
     def flush_metrics(self) -> None: ...
 
-    def name_problem(self, name: str) -> str | None: ...
+    def name_problem(self, name: str, staged: Sequence[str] = ()) -> str | None: ...
 
     def commit_checkpoint(self, staged: list[str], name: str, metrics: dict[str, Any], index: int) -> Checkpoint: ...
 
@@ -191,6 +193,10 @@ class Attempt:
         # calls in order), so the first of a kind is its oldest.
         self.rounds: dict[str, dict[int, _Round]] = {"report": {}, "collective": {}}
         self.staged_rounds: set[int] = set()  # open report rounds that a rank passed files to
+        # Report rounds every rank made, in report order, waiting for their ranks' background
+        # uploads (ASYNC) or for an earlier round to commit: (index, entries by rank).
+        self.to_commit: collections.deque[tuple[int, list[protocol.Report]]] = collections.deque()
+        self.uploaded: dict[int, dict[int, str]] = {}  # report index -> rank -> its uploaded folder
         # get_all_reported_checkpoints() calls waiting for earlier reports: (rank, index, deadline)
         self.checkpoint_waiters: list[tuple[int, int, float | None]] = []
         self.watch = Watch(context.run_dir, group.ask, group.where)
@@ -347,6 +353,8 @@ class Attempt:
                     if message.rank == 0:
                         self.reports.record_metrics(message.metrics, self.index)
                     self._add_to_round("report", message.index, message.rank, message)
+                elif isinstance(message, protocol.Uploaded):
+                    self._on_uploaded(message)
                 elif isinstance(message, protocol.Collective):
                     self._add_to_round("collective", message.index, message.rank, message)
                 elif isinstance(message, protocol.CheckpointsQuery):
@@ -374,21 +382,57 @@ class Attempt:
             for r in range(self.world_size):
                 self.group.send(r, protocol.CollectiveResult(index, round_.entries[0].data))
             return
-        entries: list[protocol.Report] = [round_.entries[r] for r in range(self.world_size)]
-        staged_ranks = [r for r, entry in enumerate(entries) if entry.staged]
+        self.to_commit.append((index, [round_.entries[r] for r in range(self.world_size)]))
+        self._commit_ready()
+
+    def _on_uploaded(self, message: protocol.Uploaded) -> None:
+        """A rank's background upload ended: its folder is recorded for the commit, or the
+        group fails with its error (a ``StorageError`` naming the store)."""
+        if message.staged is None:
+            record = protocol.FailureRecord(
+                time.time(), "ddptrain.errors.StorageError", message.text, message.text, message.error
+            )
+            error = failure_from_record(record)
+            raise self.group.fail([self.group.failure(message.rank, None, error, message.text)])
+        self.uploaded.setdefault(message.index, {})[message.rank] = message.staged
+        self._commit_ready()
+
+    def _commit_ready(self) -> None:
+        """Commit the report rounds whose files are all there, in report order (a round whose
+        uploads are still running holds back the rounds after it, with their callbacks)."""
+        while self.to_commit:
+            index, entries = self.to_commit[0]
+            uploaded = self.uploaded.get(index, {})
+            if any(entry.pending and entry.rank not in uploaded for entry in entries):
+                return
+            self.to_commit.popleft()
+            self.uploaded.pop(index, None)
+            self._commit(index, entries, uploaded)
+
+    def _commit(self, index: int, entries: list[protocol.Report], uploaded: dict[int, str]) -> None:
+        staged_of: dict[int, str] = {}
+        for entry in entries:
+            folder = uploaded[entry.rank] if entry.pending else entry.staged
+            if folder is not None:
+                staged_of[entry.rank] = folder
         checkpoint = None
-        if staged_ranks:
+        if staged_of:
+            ranks = sorted(staged_of)
             name = entries[0].dir_name or f"checkpoint_{index:06d}"
-            problem = self.reports.name_problem(name)
+            problem = self.reports.name_problem(name, [staged_of[r] for r in ranks])
             if problem is None:
-                staged = [self._collect(r, index, entries[r].staged) for r in staged_ranks]  # type: ignore[arg-type]
+                staged = [self._collect(r, index, staged_of[r]) for r in ranks]
                 checkpoint = self.reports.commit_checkpoint(staged, name, entries[0].metrics, index)
                 if self.notice is not None:
                     self.after_notice = checkpoint
                 if self.back:
                     self.after_back = checkpoint
-            for r in staged_ranks:
-                self.group.send(r, protocol.Ack(index, checkpoint.path if checkpoint else None, problem))
+            for r in ranks:
+                if not entries[r].pending:  # a SYNC rank waits for the answer
+                    self.group.send(r, protocol.Ack(index, checkpoint.path if checkpoint else None, problem))
+            waiting = [r for r in ranks if entries[r].pending]
+            if problem is not None and waiting:  # nobody waits to be told: the rank fails here
+                raise self.group.fail([self.group.failure(waiting[0], None, ValueError(problem))])
         self.reports.after_report([entry.metrics for entry in entries], checkpoint)
         self._answer_checkpoint_waiters()
 
@@ -398,7 +442,8 @@ class Attempt:
         if not self.checkpoint_waiters:
             return
         now = self.clock()
-        oldest = min(self.rounds["report"], default=None)  # the lowest index in flight
+        in_flight = [*self.rounds["report"], *(index for index, _ in self.to_commit)]
+        oldest = min(in_flight, default=None)  # the lowest index in flight
         waiting = []
         for rank, index, deadline in self.checkpoint_waiters:
             if oldest is not None and oldest <= index and (deadline is None or now < deadline):
@@ -476,6 +521,16 @@ class Attempt:
                 sorted(round_.entries),
                 missing,
             )
+        for index, entries in self.to_commit:
+            missing = sorted(e.rank for e in entries if e.pending and e.rank not in self.uploaded.get(index, {}))
+            _logger.warning(
+                "ddptrain: the checkpoint of report() call #%d was never committed: the upload of rank(s) %s "
+                "never ended.",
+                index,
+                missing,
+            )
         for rounds in self.rounds.values():
             rounds.clear()
         self.staged_rounds.clear()
+        self.to_commit.clear()
+        self.uploaded.clear()

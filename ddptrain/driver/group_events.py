@@ -56,7 +56,7 @@ _logger = logging.getLogger(__name__)
 _PUMP_S = 0.5
 _TICK_S = 0.1
 # What a run's attempt handles (``MessagesHandled.run``); the rest is the group's own.
-_RUN_MESSAGES = (protocol.Report, protocol.Collective, protocol.CheckpointsQuery)
+_RUN_MESSAGES = (protocol.Report, protocol.Uploaded, protocol.Collective, protocol.CheckpointsQuery)
 
 
 @dataclass(frozen=True)

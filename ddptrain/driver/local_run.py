@@ -45,14 +45,15 @@ class LocalReports:
         metrics: dict[str, Any],
         checkpoint: Checkpoint | None,
         dir_name: str | None,
-        upload_mode: Any,
-        delete_local: bool | None,
+        upload: context.Upload,
     ) -> None:
         """Persist report ``session.report_index``; ``session.checkpoint`` becomes the committed
-        checkpoint, if one was passed (``upload_mode`` and ``delete_local`` are not used here).
+        checkpoint, if one was passed. In this process an ``ASYNC`` upload is made before this
+        returns, as ``SYNC`` (there is no training process to free).
 
         Raises:
-            ValueError: ``dir_name`` cannot be a checkpoint of this run.
+            ValueError: ``dir_name`` cannot be a checkpoint of this run, or a checkpoint put
+                in place is not the run's checkpoint folder.
         """
         run, index = self.run, session.report_index
         committed = None
@@ -60,10 +61,14 @@ class LocalReports:
         run.flush_metrics()
         if checkpoint is not None:
             name = dir_name or f"checkpoint_{index:06d}"
-            problem = run.name_problem(name)
+            in_place = upload.mode is context.CheckpointUploadMode.NO_UPLOAD or upload.upload_fn is not None
+            problem = None if in_place else run.name_problem(name)
             if problem is not None:
                 raise ValueError(problem)
-            staged = run.storage.stage(checkpoint.path, name, self.attempt, index, 0)
+            staged = context.persist_checkpoint(session, checkpoint, name, index, upload)
+            problem = run.name_problem(name, [staged]) if in_place else None
+            if problem is not None:
+                raise ValueError(problem)
             committed = run.commit_checkpoint([staged], name, metrics, index)
         run.after_report([metrics], committed)
         if committed is not None:

@@ -17,7 +17,7 @@ import socket
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -190,9 +190,9 @@ class Run:
         latest = self.latest_checkpoint
         return latest.path if latest is not None else None
 
-    def name_problem(self, name: str) -> str | None:
-        """Why a checkpoint may not be committed as ``name``, or ``None`` when it may."""
-        return self.storage.name_problem(name)
+    def name_problem(self, name: str, staged: Sequence[str] = ()) -> str | None:
+        """Why a checkpoint may not be committed as ``name`` from ``staged``, or ``None`` when it may."""
+        return self.storage.name_problem(name, staged)
 
     def commit_checkpoint(self, staged: list[str], name: str, metrics: dict[str, Any], index: int) -> Checkpoint:
         """Commit staged files as checkpoint ``name``, record it, and apply retention."""

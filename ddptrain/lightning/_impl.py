@@ -277,6 +277,7 @@ def build_classes(package: str, module_name: str) -> dict[str, Any]:
                 context.report(metrics)
                 return
             folder = tempfile.mkdtemp(prefix="ddptrain_lightning_")
+            handed_over = False  # ASYNC: the upload deletes the folder once it is done
             try:
                 path = str(Path(folder, CHECKPOINT_NAME))
                 with _own_path(trainer.strategy, path):
@@ -284,9 +285,12 @@ def build_classes(package: str, module_name: str) -> dict[str, Any]:
                 wrote = any(Path(folder).iterdir())  # DDP: rank 0 only; sharded: every rank
                 checkpoint = Checkpoint.from_directory(folder) if wrote else None
                 context.report(metrics, checkpoint=checkpoint, checkpoint_upload_mode=self.checkpoint_upload_mode)
+                mode = getattr(self.checkpoint_upload_mode, "value", self.checkpoint_upload_mode)
+                handed_over = checkpoint is not None and mode == "ASYNC"
                 trainer.strategy.barrier()
             finally:
-                shutil.rmtree(folder, ignore_errors=True)
+                if not handed_over:
+                    shutil.rmtree(folder, ignore_errors=True)
 
     class _ResumeCheck(pl.callbacks.Callback):
         """Added by ``prepare_trainer``: warns when ``fit`` would not resume from the checkpoint

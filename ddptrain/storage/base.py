@@ -18,6 +18,7 @@ the small files and uploads them).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Sequence
@@ -179,28 +180,72 @@ class RunStorage(ABC):
             metrics_file.close()
 
     # ----------------------------------------------------------------- checkpoints
-    def name_problem(self, name: str) -> str | None:
-        """Why a checkpoint may not be committed as ``name``, or ``None`` when it may."""
+    def name_problem(self, name: str, staged: Sequence[str] = ()) -> str | None:
+        """Why a checkpoint may not be committed as ``name`` from ``staged``, or ``None`` when
+        it may. A folder the user put in place already (``NO_UPLOAD``, ``checkpoint_upload_fn``:
+        one of ``staged`` is the checkpoint's own folder) must not replace a committed one."""
         try:
             target = layout.safe_child(self.run_dir, name)
         except ValueError as exc:
             return str(exc)
-        if target.exists() and not self.checkpoints.is_committed(name):
+        in_place = any(self.is_final(folder, name) for folder in staged)
+        if in_place and self.checkpoints.is_committed(name):
+            return (
+                f"checkpoint {name!r} is already committed: a checkpoint put in place by the user "
+                "(`NO_UPLOAD`, `checkpoint_upload_fn`) needs a new `checkpoint_dir_name` each report."
+            )
+        if not in_place and target.exists() and not self.checkpoints.is_committed(name):
             return (
                 f"`checkpoint_dir_name` {name!r} names a folder of the run directory that is not a "
                 "checkpoint of this run; choose another name."
             )
         return None
 
-    def stage(self, source: str, name: str, attempt: int, index: int, rank: int) -> str:
+    def final_path(self, name: str) -> str:
+        """Where checkpoint ``name`` of this run is committed (as ``Checkpoint.path`` gives it)."""
+        return str(layout.safe_child(self.run_dir, name))
+
+    def is_final(self, path: str, name: str) -> bool:
+        """Whether ``path`` is the folder checkpoint ``name`` is committed as."""
+        return os.path.realpath(path) == os.path.realpath(self.final_path(name))
+
+    def adopt(self, checkpoint: Checkpoint, name: str, what: str) -> str:
+        """Register a checkpoint the user put in place (``NO_UPLOAD``, or what
+        ``checkpoint_upload_fn`` returned): returns its folder, to commit as it is.
+
+        Raises:
+            ValueError: It is not the folder of checkpoint ``name`` in this run's storage, or
+                that folder does not exist; ``what`` names where it came from.
+        """
+        final = self.final_path(name)
+        if not self.is_final(checkpoint.path, name) or (checkpoint.filesystem is not None and not self.is_remote):
+            raise ValueError(
+                f"{what} is at {checkpoint.path}, but a checkpoint that is not uploaded by ddptrain must "
+                f"already be the run's checkpoint folder {final} "
+                "(`ddptrain.get_context().get_storage().build_checkpoint_path_from_name(checkpoint_dir_name)`)."
+            )
+        if not self.folder_exists(final):
+            raise ValueError(f"{what} names {final}, which does not exist (nothing was uploaded there).")
+        return final
+
+    @property
+    def is_remote(self) -> bool:
+        return False
+
+    def folder_exists(self, path: str) -> bool:
+        return os.path.isdir(path)
+
+    def stage(self, source: str, name: str, attempt: int, index: int, rank: int, move: bool = False) -> str:
         """Put one rank's checkpoint files of report ``index`` where the driver commits them
-        from (a worker's side, or local mode); returns where they went.
+        from (a worker's side, or local mode); returns where they went. ``move``: the folder
+        is the run's now (``delete_local_checkpoint_after_upload``), so it may be moved rather
+        than copied when that is possible.
 
         Raises:
             FileNotFoundError: ``source`` is not a folder.
             DiskFullError: The disk is full; nothing staged is left.
         """
-        return layout.stage_files(self.run_dir, source, attempt, index, rank)
+        return layout.stage_files(self.run_dir, source, attempt, index, rank, move=move)
 
     def collect(self, rank: int, attempt: int, index: int, staged: str, transfer: FileTransfer | None) -> str:
         """The staged folder of ``rank`` as the driver commits it (see ``CopyBackRunStorage``)."""

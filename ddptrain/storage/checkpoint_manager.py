@@ -153,7 +153,7 @@ class CheckpointManager:
             raise
         self._record(entry)
         intent.unlink()
-        storage.remove_staged(staged)
+        storage.remove_staged([folder for folder in staged if Path(folder).resolve() != final])
         return self._checkpoint(entry)
 
     def _doomed(self, entry: _Entry) -> list[_Entry]:

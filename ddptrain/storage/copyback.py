@@ -11,6 +11,7 @@ launcher's ``LaunchError`` naming the host: the rank failed.
 
 from __future__ import annotations
 
+from ddptrain.checkpoint import Checkpoint
 from ddptrain.config import CheckpointConfig
 from ddptrain.storage import layout
 from ddptrain.storage.base import FileTransfer
@@ -38,11 +39,19 @@ class CopyBackRunStorage(LocalRunStorage):
         super().__init__(where, checkpoint_config)
         self.local_cache = local_cache
 
-    def stage(self, source: str, name: str, attempt: int, index: int, rank: int) -> str:
+    def stage(self, source: str, name: str, attempt: int, index: int, rank: int, move: bool = False) -> str:
         """Stage in the run directory, or in the host's staging folder when the host cannot
         see it (the driver copies the files back before it commits them)."""
         folder = self.run_dir if self.local_cache is None else self.local_cache
-        return layout.stage_files(folder, source, attempt, index, rank)
+        return layout.stage_files(folder, source, attempt, index, rank, move=move)
+
+    def adopt(self, checkpoint: Checkpoint, name: str, what: str) -> str:
+        if self.local_cache is not None:
+            raise ValueError(
+                f"{what}: this host cannot see the run directory {self.run_dir}, so ddptrain must copy "
+                "the checkpoint back; use `CheckpointUploadMode.SYNC` or `ASYNC` without `checkpoint_upload_fn`."
+            )
+        return super().adopt(checkpoint, name, what)
 
     def collect(self, rank: int, attempt: int, index: int, staged: str, transfer: FileTransfer | None) -> str:
         """The staged folder of ``rank`` on this machine: copied back through ``transfer`` when

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import posixpath
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -94,14 +95,34 @@ class FsspecRunStorage(RunStorage):
             self.mirror.push_file(layout.RunLayout.RUN_JSON)
 
     # ----------------------------------------------------------------- checkpoints
-    def name_problem(self, name: str) -> str | None:
+    def name_problem(self, name: str, staged: Sequence[str] = ()) -> str | None:
         try:
             layout.safe_child(self.run_dir, name)
         except ValueError as exc:
             return str(exc)
+        if any(self.is_final(folder, name) for folder in staged) and self.checkpoints.is_committed(name):
+            return (
+                f"checkpoint {name!r} is already committed: a checkpoint put in place by the user "
+                "(`NO_UPLOAD`, `checkpoint_upload_fn`) needs a new `checkpoint_dir_name` each report."
+            )
         return None
 
-    def stage(self, source: str, name: str, attempt: int, index: int, rank: int) -> str:
+    def final_path(self, name: str) -> str:
+        layout.check_dir_name(name)
+        return posixpath.join(self.run_path, name)
+
+    def is_final(self, path: str, name: str) -> bool:
+        path = path.split("://", 1)[1] if "://" in path else path
+        return posixpath.normpath(path) == self.final_path(name)
+
+    @property
+    def is_remote(self) -> bool:
+        return True
+
+    def folder_exists(self, path: str) -> bool:
+        return self.remote.exists(path)
+
+    def stage(self, source: str, name: str, attempt: int, index: int, rank: int, move: bool = False) -> str:
         """Upload one rank's checkpoint files to the store (see ``upload_checkpoint``).
 
         Raises:

@@ -218,8 +218,10 @@ def naming_full_disk(path: str | Path) -> Iterator[None]:
         raise error from exc
 
 
-def stage_files(run_dir: str, source: str, attempt: int, report_index: int, rank: int) -> str:
+def stage_files(run_dir: str, source: str, attempt: int, report_index: int, rank: int, move: bool = False) -> str:
     """Copy one rank's checkpoint files into the staging area; returns the staged folder.
+    ``move``: the caller gives ``source`` up, so it is renamed instead when it is on the same
+    file system (no bytes copied).
 
     Raises:
         DiskFullError: The run directory's file system is full; nothing staged is left.
@@ -230,6 +232,13 @@ def stage_files(run_dir: str, source: str, attempt: int, report_index: int, rank
     if target.exists():
         shutil.rmtree(target)
     partial = target.with_name(f".{target.name}.{uuid.uuid4().hex}")
+    if move:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.rename(source, target)
+            return str(target)
+        except OSError:  # another file system (or a mount point): copy
+            pass
     try:
         with naming_full_disk(target):  # measures the free space before the cleanup below
             target.parent.mkdir(parents=True, exist_ok=True)

@@ -180,21 +180,24 @@ class Outbox:
         """How many messages were pushed to ``key`` so far (their pushes returned)."""
         return self._pushed.get(key, 0)
 
-    def push(self, key: str, obj: Any, *, plain_pickle: bool = False) -> None:
+    def push(self, key: str, obj: Any, *, plain_pickle: bool = False, store: dist.TCPStore | None = None) -> None:
+        """Push ``obj`` to ``key`` (through ``store``: another connection to the same store, for
+        a thread that must not wait for the one blocked in a pop; the numbering is shared)."""
         payload = _pickle(obj, plain_pickle)
+        store = store if store is not None else self.store
         with self._lock:
             number = self._numbers.get(key, 0)
             self._numbers[key] = number + 1
             if self._logs is not None and key == self._logs.to_driver:
-                self._append(number, payload)
+                self._append(store, number, payload)
             else:
                 aad = key.encode()
                 for part, parts, piece in split(payload):
                     record = seal(self.secret, aad, self.sender, number, part, parts, 0, piece)
-                    self.store.queue_push(key, record)
+                    store.queue_push(key, record)
             self._pushed[key] = number + 1
 
-    def _append(self, number: int, payload: bytes) -> None:
+    def _append(self, store: dist.TCPStore, number: int, payload: bytes) -> None:
         assert self._logs is not None
         aad = self._logs.log_aad
         now = time.monotonic()
@@ -209,7 +212,7 @@ class Outbox:
             )
             flags = END_OF_SEGMENT if ends else 0
             record = seal(self.secret, aad, self.sender, number, part, parts, flags, piece, LENGTH)
-            self.store.append(self._segment_key, record)  # type: ignore[attr-defined]
+            store.append(self._segment_key, record)  # type: ignore[attr-defined]
             if ends:
                 self._segment += 1
                 self._segment_records = self._segment_bytes = 0
@@ -217,7 +220,7 @@ class Outbox:
             else:
                 self._segment_records += 1
                 self._segment_bytes += size
-        self.store.append(self._logs.wake, b"")  # type: ignore[attr-defined]
+        store.append(self._logs.wake, b"")  # type: ignore[attr-defined]
 
 
 class Inbox:
@@ -292,15 +295,29 @@ class WorkerChannel:
         self._inbox = Inbox(store, secret, keys.to_worker(rank))
         self._warnings = RateLimitedWarnings(_logger, f"ddptrain rank {rank}")
         self.on_notice: Callable[[Any], None] | None = None  # called in the heartbeat thread
+        self._address: tuple[str, int] | None = None  # the store's, for other connections
+        self._aside: dist.TCPStore | None = None  # see send_aside
+        self._aside_lock = threading.Lock()
 
     def send(self, obj: Any) -> None:
         """Send a sealed message to the driver."""
         self._outbox.push(self.keys.to_driver, obj, plain_pickle=True)
 
+    def send_aside(self, obj: Any) -> None:
+        """Send a message from another thread than the one that receives (a background
+        upload's): over a connection of its own, since the main one may be blocked in a pop,
+        in the same order as :meth:`send`'s messages."""
+        with self._aside_lock:
+            if self._aside is None:
+                assert self._address is not None, "start_heartbeat names the store first"
+                self._aside = connect(*self._address, timeout_s=30)
+        self._outbox.push(self.keys.to_driver, obj, plain_pickle=True, store=self._aside)
+
     def start_heartbeat(self, host: str, port: int, interval_s: float = HEARTBEAT_S) -> None:
         """Every ``interval_s``, tell the driver how many messages this rank has sent, over a
         connection of its own (the main one may be blocked in a pop). A message someone removed
         from the store is then noticed within two beats, even the last one."""
+        self._address = (host, port)
         store = connect(host, port, timeout_s=30)
         beats = Outbox(store, self.secret, self.rank | BEAT_SENDER, logs=self.keys)
         notices = Inbox(store, self.secret, self.keys.notices(self.rank))

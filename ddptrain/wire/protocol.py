@@ -64,11 +64,12 @@ __all__ = [
     "Hello",
     "Preempt",
     "Report",
+    "Uploaded",
     "Train",
     "VERSION",
 ]
 
-VERSION = 8  # 6: BeginRun; 7: RunInfo.storage, a StorageSpec; 8: Preempt
+VERSION = 9  # 6: BeginRun; 7: RunInfo.storage, a StorageSpec; 8: Preempt; 9: Report.pending, Uploaded
 
 
 # ----------------------------------------------------------------- worker -> driver
@@ -114,6 +115,20 @@ class Report:
     metrics: dict[str, Any]
     staged: str | None  # the folder the rank's checkpoint files were staged in
     dir_name: str | None  # ``checkpoint_dir_name``
+    pending: bool = False  # its checkpoint files are being uploaded: an ``Uploaded`` follows
+
+
+@dataclass(frozen=True)
+class Uploaded:
+    """The background upload of a rank's checkpoint of report ``index`` (``Report.pending``)
+    ended: its files are in ``staged``, or it failed (``error``: the pickled exception, if it
+    pickles; ``text``: its message and traceback)."""
+
+    rank: int
+    index: int
+    staged: str | None
+    error: bytes | None = None
+    text: str = ""
 
 
 @dataclass(frozen=True)

@@ -235,6 +235,8 @@ def _train(user: dict[str, Any]) -> Any:
     try:
         with backend_config.train_func_context():
             value = fn(user["train_loop_config"]) if user["takes_config"] else fn()
+        if context._session is not None:
+            context.finish_uploads(context._session)  # the run is done once its checkpoints are
         failed = False
         return value
     finally:
