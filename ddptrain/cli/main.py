@@ -20,7 +20,7 @@ from ddptrain.cli import runs as inspect_runs
 from ddptrain.cli.stack import stack_command
 from ddptrain.errors import DdpTrainError
 from ddptrain.launch.fanout import each_host
-from ddptrain.launch.hosts import HostSpec, is_local, parse_hosts, with_ssh_config
+from ddptrain.launch.hosts import SLURM, HostSpec, is_local, parse_hosts, with_ssh_config
 from ddptrain.launch.ssh_connect import connect, run_program
 from ddptrain.ray_compat import install as install_ray_compat
 from ddptrain.wire.boot import PIN, import_pins, versions
@@ -172,7 +172,9 @@ def run_script(script: str, args: list[str], hostfile: str | None = None) -> int
     if not os.path.isfile(script):
         print(f"ddptrain run: no such script: {script}", file=sys.stderr)
         return 2
-    if hostfile is not None:
+    if hostfile == SLURM:  # the allocation's nodes (read at fit())
+        _env.set_script_hostfile(SLURM)
+    elif hostfile is not None:
         if not os.path.isfile(hostfile):
             print(f"ddptrain run: no such host file: {hostfile}", file=sys.stderr)
             return 2
@@ -205,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument(
         "--hosts",
         metavar="FILE",
-        help="host file for the script's trainers, over $DDPTRAIN_HOSTFILE (not for programs the script starts)",
+        help="host file for the script's trainers, over $DDPTRAIN_HOSTFILE (not for programs the script starts); "
+        "`slurm`: the nodes of the SLURM allocation it runs in",
     )
     run.add_argument("script", help="the Python script")
     run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
