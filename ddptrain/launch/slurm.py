@@ -294,8 +294,8 @@ class SrunConnection:
 
     def probe(self) -> bool:
         # Nothing on the node answers cheaply before the agent speaks: the step is there while
-        # srun runs (srun notices a node or step that goes away).
-        return self._proc is not None and self._proc.poll() is None
+        # srun runs (srun notices a node or step that goes away). Before `open`, nothing is gone.
+        return self._proc is None or self._proc.poll() is None
 
     def write(self, data: bytes) -> None:
         proc = self._proc
