@@ -141,7 +141,8 @@ def test_a_killed_driver_leaves_nothing_on_the_nodes(slurm, script: Path, tmp_pa
     # The allocation outlives the driver (`; sleep`): what ends its agents and workers is ddptrain's
     # own doing (the end of their stdin, the driver's heartbeats), not the end of the job.
     pid_file = tmp_path / "driver.pid"
-    command = f"{sys.executable} {script} {storage} long & echo $! > {pid_file}; wait; sleep 60"
+    shell_pid = tmp_path / "shell.pid"
+    command = f"echo $$ > {shell_pid}; {sys.executable} {script} {storage} long & echo $! > {pid_file}; wait; sleep 60"
     proc = subprocess.Popen(
         ["salloc", "-N2", "--ntasks-per-node=2", "sh", "-c", command],
         env={**os.environ, **_env()},
@@ -160,7 +161,14 @@ def test_a_killed_driver_leaves_nothing_on_the_nodes(slurm, script: Path, tmp_pa
         assert not left, slurm.describe(left)
         print(f"nodes clean {time.monotonic() - killed:.1f} s after the driver's SIGKILL")
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        for pids in (shell_pid, pid_file):  # salloc runs its command in a process group of its own
+            if pids.exists():
+                try:
+                    os.killpg(int(pids.read_text()), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        os.killpg(proc.pid, signal.SIGKILL)
+        slurm.run(["scancel", "--user=root"])  # and the allocation salloc held
         proc.communicate(timeout=30)
 
 
