@@ -172,6 +172,17 @@ def test_a_killed_driver_leaves_nothing_on_the_nodes(slurm, script: Path, tmp_pa
         proc.communicate(timeout=30)
 
 
+def test_ddptrain_check_slurm_reports_each_node(slurm) -> None:
+    done = slurm.run(
+        ["salloc", "-N2", sys.executable, "-m", "ddptrain", "check", "slurm"], timeout_s=120, env=_env()
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    rows = [line for line in output.splitlines() if line.startswith(("n0 ", "n1 "))]
+    assert len(rows) == 2 and all("srun ok" in row and row.rstrip().endswith("yes") for row in rows), output
+    assert "all hosts are ready" in output
+
+
 def test_a_dead_node_fails_the_run_naming_it(slurm, script: Path, tmp_path: Path) -> None:
     """Last in the module: the node stays dead."""
     storage = tmp_path / "runs"

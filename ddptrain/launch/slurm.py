@@ -43,7 +43,16 @@ from ddptrain.wire.agent_events import AgentEvent
 from ddptrain.wire.boot import agent_command, import_pins
 from ddptrain.wire.protocol import ALIVE_S, Bootstrap
 
-__all__ = ["SlurmLauncher", "allocation_hosts", "expand_nodelist", "srun_command", "tasks_per_node"]
+__all__ = [
+    "SlurmLauncher",
+    "allocation_hosts",
+    "expand_nodelist",
+    "node_address",
+    "prestart_command",
+    "route_source",
+    "srun_command",
+    "tasks_per_node",
+]
 
 _logger = logging.getLogger(__name__)
 
@@ -233,7 +242,7 @@ def srun_command(node: str, program: list[str]) -> list[str]:
     ]
 
 
-def _prestart(python: str, program: list[str]) -> list[str]:
+def prestart_command(python: str, program: list[str]) -> list[str]:
     """``program`` started as on an SSH host: its environment read from stdin first (``PRESTART``)."""
     return [python, "-I", "-S", "-c", one_line(PRESTART), *program]
 
@@ -257,7 +266,7 @@ class SrunConnection:
         self.agent_pid: int | None = None
         self.pid_known = threading.Event()
         self._node = node
-        self._argv = srun_command(node, _prestart(python, agent_command(python, import_pins())))
+        self._argv = srun_command(node, prestart_command(python, agent_command(python, import_pins())))
         self._frame = env_frame(env)
         self._proc: subprocess.Popen[bytes] | None = None
 
