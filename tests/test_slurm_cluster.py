@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = r'''
+SCRIPT = r"""
 import os, signal, socket, sys, tempfile, time
 import ddptrain
 from ddptrain import Checkpoint, FailureConfig, RunConfig, ScalingConfig
@@ -56,7 +56,7 @@ trainer = TorchTrainer(
 )
 result = trainer.fit()
 print("RESULT", result.metrics, result.checkpoint.path, flush=True)
-'''
+"""
 
 
 @pytest.fixture
@@ -173,9 +173,7 @@ def test_a_killed_driver_leaves_nothing_on_the_nodes(slurm, script: Path, tmp_pa
 
 
 def test_ddptrain_check_slurm_reports_each_node(slurm) -> None:
-    done = slurm.run(
-        ["salloc", "-N2", sys.executable, "-m", "ddptrain", "check", "slurm"], timeout_s=120, env=_env()
-    )
+    done = slurm.run(["salloc", "-N2", sys.executable, "-m", "ddptrain", "check", "slurm"], timeout_s=120, env=_env())
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
     rows = [line for line in output.splitlines() if line.startswith(("n0 ", "n1 "))]

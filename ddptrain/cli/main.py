@@ -20,8 +20,8 @@ from ddptrain.cli import runs as inspect_runs
 from ddptrain.cli.stack import stack_command
 from ddptrain.errors import DdpTrainError
 from ddptrain.launch.fanout import each_host
-from ddptrain.launch.hosts import SLURM, HostSpec, is_local, parse_hosts, with_ssh_config
 from ddptrain.launch.host_scripts import env_frame
+from ddptrain.launch.hosts import SLURM, HostSpec, is_local, parse_hosts, with_ssh_config
 from ddptrain.launch.slurm import allocation_hosts, node_address, prestart_command, route_source, srun_command
 from ddptrain.launch.ssh_connect import connect, run_program
 from ddptrain.ray_compat import install as install_ray_compat

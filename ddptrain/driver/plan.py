@@ -18,8 +18,8 @@ from ddptrain.config import ScalingConfig
 from ddptrain.errors import ConfigError, LaunchError
 from ddptrain.launch.fanout import each_host
 from ddptrain.launch.hosts import SLURM, HostSpec, Placement, is_local, parse_hosts, place_workers, with_ssh_config
-from ddptrain.launch.slurm import SlurmLauncher, allocation_hosts
 from ddptrain.launch.launcher import GroupLauncher, HostLauncher, Launcher, LocalLauncher
+from ddptrain.launch.slurm import SlurmLauncher, allocation_hosts
 from ddptrain.launch.ssh import SSHLauncher, gpu_slots
 from ddptrain.wire.protocol import Bootstrap, RunInfo, StoreAddress, WorkerSpec
 

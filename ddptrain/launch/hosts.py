@@ -214,7 +214,9 @@ def with_ssh_config(host: HostSpec, config_path: str | None = None) -> HostSpec:
 def is_local(host: HostSpec) -> bool:
     """Whether ``host`` is this machine, to be run without SSH (a SLURM node never is: its
     agent runs as a job step even on the batch host)."""
-    return not host.srun and host.port is None and host.user is None and host.name in ("localhost", socket.gethostname())
+    return (
+        not host.srun and host.port is None and host.user is None and host.name in ("localhost", socket.gethostname())
+    )
 
 
 @dataclass(frozen=True)

@@ -206,7 +206,7 @@ def node_address(node: str) -> str:
     except (OSError, subprocess.TimeoutExpired):
         pass
     try:
-        return socket.getaddrinfo(node, None, type=socket.SOCK_STREAM)[0][4][0]
+        return str(socket.getaddrinfo(node, None, type=socket.SOCK_STREAM)[0][4][0])
     except OSError as exc:
         raise LaunchError(f"node {node!r}: neither `scontrol show node` nor DNS gives its address ({exc}).") from None
 
