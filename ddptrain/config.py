@@ -14,7 +14,7 @@ from typing import Any, Literal
 from ddptrain import _env
 from ddptrain.callbacks import UserCallback
 from ddptrain.errors import ConfigError, ConfigTypeError
-from ddptrain.launch.hosts import parse_hosts
+from ddptrain.launch.hosts import SLURM, parse_hosts
 from ddptrain.storage import remote
 
 __all__ = [
@@ -65,6 +65,8 @@ class ScalingConfig:
             :class:`~ddptrain.hosts.HostSpec`, to run the workers on those hosts over SSH.
             Default: the host file of ``ddptrain run --hosts FILE`` in the script it runs, else
             ``$DDPTRAIN_HOSTFILE`` if set, else this machine only. See ``ddptrain.hosts``.
+            ``"slurm"``: the nodes of the SLURM allocation the script runs in, each node's agent
+            started with ``srun`` (see docs/slurm.md); never chosen automatically.
 
     Example:
         >>> ScalingConfig(num_workers=2, use_gpu=False)
@@ -113,7 +115,7 @@ class ScalingConfig:
                 f"`placement_strategy` must be one of {', '.join(_PLACEMENT_STRATEGIES)}, "
                 f"got {self.placement_strategy!r}."
             )
-        if self.hosts is not None:
+        if self.hosts is not None and self.hosts != SLURM:  # the allocation is read at fit()
             parse_hosts(self.hosts)  # a bad host file is an error now, not at fit()
         resources = self.resources_per_worker
         if resources is not None:

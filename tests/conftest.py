@@ -63,6 +63,7 @@ SLOW_MODULES = {
     "test_ray_compat",
     "test_raysgd",
     "test_raysgd_examples",
+    "test_slurm_cluster",
     "test_ssh",
     "test_store_security",
     "test_torch_utils",
@@ -193,6 +194,39 @@ def ssh(_ssh_servers, monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
             pass
     if left:
         pytest.fail(f"processes started over SSH were left behind: {left}")
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """A real SLURM cluster (``tests/slurm.py``): munged, slurmctld and nodes n0, n1 of 2 CPUs,
+    shared by the tests of one module; everything it ran is gone when the module ends."""
+    from slurm import SlurmCluster, why_no_slurm
+
+    reason = why_no_slurm()
+    if reason:
+        if os.environ.get("DDPTRAIN_REQUIRE_SLURM") == "1":
+            pytest.fail(f"DDPTRAIN_REQUIRE_SLURM=1 but {reason}")
+        pytest.skip(reason)
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"), nodes=2, cpus=2, tag_var=TAG_VAR)
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.fixture
+def slurm(slurm_cluster, monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
+    """The module's SLURM cluster, with ``SLURM_CONF`` set; fails the test if anything it ran on
+    the nodes is still there afterwards."""
+    for key, value in slurm_cluster.env.items():
+        monkeypatch.setenv(key, value)
+    yield slurm_cluster
+    left = slurm_cluster.wait_nodes_clean(15.0)
+    if left:
+        described = slurm_cluster.describe(left)
+        slurm_cluster.run(["scancel", "--full", "--user=root"])
+        slurm_cluster.wait_nodes_clean(10.0)
+        pytest.fail(f"processes were left on the SLURM nodes:\n{described}")
 
 
 _ISOLATED = iter(range(1000))

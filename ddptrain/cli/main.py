@@ -20,7 +20,9 @@ from ddptrain.cli import runs as inspect_runs
 from ddptrain.cli.stack import stack_command
 from ddptrain.errors import DdpTrainError
 from ddptrain.launch.fanout import each_host
-from ddptrain.launch.hosts import HostSpec, is_local, parse_hosts, with_ssh_config
+from ddptrain.launch.host_scripts import env_frame
+from ddptrain.launch.hosts import SLURM, HostSpec, is_local, parse_hosts, with_ssh_config
+from ddptrain.launch.slurm import allocation_hosts, node_address, prestart_command, route_source, srun_command
 from ddptrain.launch.ssh_connect import connect, run_program
 from ddptrain.ray_compat import install as install_ray_compat
 from ddptrain.wire.boot import PIN, import_pins, versions
@@ -79,6 +81,9 @@ def _probe(host: HostSpec, port: int) -> dict[str, Any]:
         proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
         return _parse(proc.stdout, proc.stderr, "local")
 
+    if host.srun:  # as `SlurmLauncher`: a job step on the node, the driver's python and directory
+        return _probe_node(host.name, port)
+
     # As `Run.new_launcher` and `SSHLauncher`: the host's python and working directory, through
     # the same shell step, with the forwarded environment.
     python = host.python or sys.executable
@@ -90,6 +95,27 @@ def _probe(host: HostSpec, port: int) -> dict[str, Any]:
         return _parse(out, err, "ok")
     finally:
         client.close()
+
+
+def _probe_node(node: str, port: int) -> dict[str, Any]:
+    """Run the probe on a node of the SLURM allocation, as a job step started as its agent is."""
+    address = _env.driver_address() or route_source(node_address(node))
+    program = [sys.executable, "-c", _PROBE, address, str(port)]
+    try:
+        proc = subprocess.run(
+            srun_command(node, prestart_command(sys.executable, program)),
+            input=env_frame(_env.forwarded_env()),
+            capture_output=True,
+            timeout=120,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return {"ssh": "srun: FAILED: no answer in 120 s"}
+    out, err = proc.stdout.decode(errors="replace"), proc.stderr.decode(errors="replace")
+    if proc.returncode != 0 and "DDPTRAIN_CHECK" not in out:
+        tail = (err.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        return {"ssh": f"srun: FAILED: {tail}"}
+    return _parse(out, err, "srun ok")
 
 
 def _parse(stdout: str, stderr: str, ssh: str) -> dict[str, Any]:
@@ -172,7 +198,9 @@ def run_script(script: str, args: list[str], hostfile: str | None = None) -> int
     if not os.path.isfile(script):
         print(f"ddptrain run: no such script: {script}", file=sys.stderr)
         return 2
-    if hostfile is not None:
+    if hostfile == SLURM:  # the allocation's nodes (read at fit())
+        _env.set_script_hostfile(SLURM)
+    elif hostfile is not None:
         if not os.path.isfile(hostfile):
             print(f"ddptrain run: no such host file: {hostfile}", file=sys.stderr)
             return 2
@@ -205,12 +233,15 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument(
         "--hosts",
         metavar="FILE",
-        help="host file for the script's trainers, over $DDPTRAIN_HOSTFILE (not for programs the script starts)",
+        help="host file for the script's trainers, over $DDPTRAIN_HOSTFILE (not for programs the script starts); "
+        "`slurm`: the nodes of the SLURM allocation it runs in",
     )
     run.add_argument("script", help="the Python script")
     run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     check = sub.add_parser("check", help="check SSH, Python, versions, GPUs, disk and the driver port on every host")
-    check.add_argument("hostfile", nargs="?", help="host file (default: $DDPTRAIN_HOSTFILE)")
+    check.add_argument(
+        "hostfile", nargs="?", help="host file, or `slurm`: the allocation's nodes (default: $DDPTRAIN_HOSTFILE)"
+    )
     stack = sub.add_parser("stack", help="print every rank's Python stack and process state of a live run")
     stack.add_argument("run", help="the run directory, or a run name under $DDPTRAIN_STORAGE_PATH")
     run_help = "a run directory or URI (s3://bucket/prefix/name), or a run name under $DDPTRAIN_STORAGE_PATH"
@@ -272,7 +303,10 @@ def main(argv: list[str] | None = None) -> int:
     if not source:
         parser.error("give a host file, or set DDPTRAIN_HOSTFILE")
     try:
-        hosts = [h if is_local(h) else with_ssh_config(h, _env.ssh_config_path()) for h in parse_hosts(source)]
+        if source == SLURM:
+            hosts = allocation_hosts()
+        else:
+            hosts = [h if is_local(h) else with_ssh_config(h, _env.ssh_config_path()) for h in parse_hosts(source)]
     except DdpTrainError as exc:
         print(f"ddptrain check: {exc}", file=sys.stderr)
         return 2

@@ -17,8 +17,9 @@ from ddptrain import _env, ray_compat
 from ddptrain.config import ScalingConfig
 from ddptrain.errors import ConfigError, LaunchError
 from ddptrain.launch.fanout import each_host
-from ddptrain.launch.hosts import HostSpec, Placement, is_local, parse_hosts, place_workers, with_ssh_config
+from ddptrain.launch.hosts import SLURM, HostSpec, Placement, is_local, parse_hosts, place_workers, with_ssh_config
 from ddptrain.launch.launcher import GroupLauncher, HostLauncher, Launcher, LocalLauncher
+from ddptrain.launch.slurm import SlurmLauncher, allocation_hosts
 from ddptrain.launch.ssh import SSHLauncher, gpu_slots
 from ddptrain.wire.protocol import Bootstrap, RunInfo, StoreAddress, WorkerSpec
 
@@ -62,7 +63,11 @@ class Plan:
         raw = scaling_config.hosts if scaling_config.hosts is not None else _env.hostfile()
         if raw is None:
             return None
-        hosts = [h if is_local(h) else with_ssh_config(h, _env.ssh_config_path()) for h in parse_hosts(raw)]
+        if raw == SLURM:
+            gpus = scaling_config.num_gpus_per_worker
+            hosts = allocation_hosts(use_gpu=scaling_config.use_gpu, gpus_per_worker=gpus or 1.0)
+        else:
+            hosts = [h if is_local(h) else with_ssh_config(h, _env.ssh_config_path()) for h in parse_hosts(raw)]
         if not scaling_config.use_gpu:  # placing needs no host's GPU count: check it now
             place_workers(hosts, scaling_config.min_workers, scaling_config.placement_strategy)
         return hosts
@@ -187,11 +192,15 @@ class Plan:
         return env
 
     def new_launcher(self) -> Launcher:
-        """Start the agents of one group: one local process, or one per host over SSH."""
+        """Start the agents of one group: one local process, or one per host over SSH, or one
+        per node of the SLURM allocation with ``srun``."""
         if self.placement is None:
             return LocalLauncher(self.agent_env())
 
         def start(host: HostSpec) -> tuple[HostLauncher, str]:
+            if host.srun:
+                node = SlurmLauncher(host.name, self.agent_env(remote=True, host=host), sys.executable, os.getcwd())
+                return node, node.local_address
             if is_local(host):
                 return LocalLauncher(self.agent_env(host=host)), "127.0.0.1"
             python = host.python or sys.executable

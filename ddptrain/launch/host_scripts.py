@@ -13,7 +13,9 @@ the environment is imported), and are passed as one line (:func:`one_line`).
   the SSH connection arrived on (the server address in ``SSH_CONNECTION``): gloo otherwise
   binds to what the host name resolves to, and falls back to 127.0.0.1 where it does not
   resolve, which the other hosts cannot reach. A loopback address (a tunnel on the host) or
-  an address no interface holds as its primary one leaves both unset.
+  an address no interface holds as its primary one leaves both unset. A stdout that is a
+  terminal (``srun --unbuffered`` gives the step one, see ``ddptrain.launch.slurm``) is put in
+  raw mode, so the agent's binary frames pass through it unchanged.
 - :data:`STORAGE_PREP` runs before a run starts on a host: it removes the staging folders of
   runs whose agent is gone (their driver was killed before it could remove them), says whether
   the host sees the run directory and, if not, creates this run's staging folder, private
@@ -73,6 +75,9 @@ if len(server) == 4 and not (b"GLOO_SOCKET_IFNAME" in env and b"NCCL_SOCKET_IFNA
     if name:
         env.setdefault(b"GLOO_SOCKET_IFNAME", name.encode())
         env.setdefault(b"NCCL_SOCKET_IFNAME", name.encode())
+if os.isatty(1):
+    import tty
+    tty.setraw(1)
 os.write(1, b"ddptrain-pid %d\n" % os.getpid())
 os.execvpe(sys.argv[1], sys.argv[1:], env)
 """

@@ -30,6 +30,7 @@ from typing import Any
 from ddptrain.errors import ConfigError
 
 __all__ = [
+    "SLURM",
     "HostSpec",
     "Placement",
     "gpus_needed",
@@ -39,6 +40,9 @@ __all__ = [
     "place_workers",
     "slots_for_gpus",
 ]
+
+# `hosts="slurm"`: the nodes of the SLURM allocation this process runs in (``ddptrain.launch.slurm``).
+SLURM = "slurm"
 
 _OPTIONS = ("slots", "user", "port", "python", "workdir", "key", "gpus")
 
@@ -59,6 +63,8 @@ class HostSpec:
         gpus: GPU ids the workers may use with ``use_gpu`` (host file: ``gpus=0,1,3``), as the
             host numbers them; ``None``: every GPU of the host. Their agent gets
             ``CUDA_VISIBLE_DEVICES`` set to these ids, overriding ``RunConfig`` env vars there.
+        srun: A node of the SLURM allocation this process runs in (``hosts="slurm"``): its agent
+            is started as a job step with ``srun``, not over SSH (``ddptrain.launch.slurm``).
     """
 
     name: str
@@ -70,6 +76,7 @@ class HostSpec:
     key: str | None = None
     address: str | None = None
     gpus: tuple[int, ...] | None = None
+    srun: bool = False
 
     def __post_init__(self) -> None:
         if self.gpus is None:
@@ -205,8 +212,11 @@ def with_ssh_config(host: HostSpec, config_path: str | None = None) -> HostSpec:
 
 
 def is_local(host: HostSpec) -> bool:
-    """Whether ``host`` is this machine, to be run without SSH."""
-    return host.port is None and host.user is None and host.name in ("localhost", socket.gethostname())
+    """Whether ``host`` is this machine, to be run without SSH (a SLURM node never is: its
+    agent runs as a job step even on the batch host)."""
+    return (
+        not host.srun and host.port is None and host.user is None and host.name in ("localhost", socket.gethostname())
+    )
 
 
 @dataclass(frozen=True)

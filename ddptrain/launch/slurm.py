@@ -1,0 +1,482 @@
+"""Running a group on the nodes of the SLURM allocation this process runs in (driver side).
+
+``ScalingConfig(hosts="slurm")`` (or ``DDPTRAIN_HOSTFILE=slurm``, ``ddptrain run --hosts slurm``)
+takes the nodes from the job's environment: ``SLURM_JOB_NODELIST`` expanded as ``scontrol show
+hostnames`` does (:func:`expand_nodelist`), workers per node from the allocation
+(:func:`allocation_hosts`). There is no auto-detection: a script that runs inside an allocation
+but is not told ``hosts="slurm"`` runs on the machine it is on, as anywhere else.
+
+Each node's agent is one job step, started with ``srun --overlap --nodes=1 --ntasks=1 -w NODE``
+(never SSH: many clusters forbid it between compute nodes). The step's stdin, stdout and stderr
+are the pipe to the agent, as a local process's or an SSH channel's (:class:`SrunConnection`;
+``AgentSession`` does the rest): the environment goes over stdin first
+(``host_scripts.PRESTART``), then the bootstrap; heartbeats go both ways, so a node that dies or
+whose step the scheduler kills is noticed within ``DDPTRAIN_SSH_HEARTBEAT_TIMEOUT_S``, and the
+agent stops its workers when the driver's heartbeats stop or its stdin closes (the driver died:
+``srun`` passes the end of its stdin on to the step).
+
+The driver runs where the script runs (the batch host under ``sbatch``, the login side under
+``salloc``); its store listens on the address this machine routes to the nodes from
+(``DDPTRAIN_DRIVER_ADDRESS`` overrides it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import threading
+from collections.abc import Callable, Mapping
+from typing import IO
+
+from ddptrain import _env
+from ddptrain.errors import ConfigError, HostLostError, LaunchError
+from ddptrain.launch.agent_session import AgentSession, OutputSink
+from ddptrain.launch.host_scripts import PID_LINE, PRESTART, STAGING_PREFIX, STORAGE_PREP, env_frame, one_line
+from ddptrain.launch.hosts import HostSpec, slots_for_gpus
+from ddptrain.wire.agent_events import AgentEvent
+from ddptrain.wire.boot import agent_command, import_pins
+from ddptrain.wire.protocol import ALIVE_S, Bootstrap
+
+__all__ = [
+    "SlurmLauncher",
+    "allocation_hosts",
+    "expand_nodelist",
+    "node_address",
+    "prestart_command",
+    "route_source",
+    "srun_command",
+    "tasks_per_node",
+]
+
+_logger = logging.getLogger(__name__)
+
+_SCONTROL_TIMEOUT_S = 30.0
+
+
+# --------------------------------------------------------------------- the allocation
+def _split_top(text: str) -> list[str]:
+    """``text`` split at the commas outside brackets."""
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        if char == "[":
+            depth += 1
+        elif char == "]":
+            depth -= 1
+            if depth < 0:
+                raise ValueError("']' without '['")
+        elif char == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    if depth:
+        raise ValueError("'[' without ']'")
+    parts.append(text[start:])
+    return parts
+
+
+def _expand_range(body: str) -> list[str]:
+    """``01-03,7`` -> ``["01", "02", "03", "7"]``: each range keeps its first number's width."""
+    out = []
+    for part in body.split(","):
+        low, sep, high = part.partition("-")
+        if not low.isdigit() or (sep and not high.isdigit()):
+            raise ValueError(f"bad range {part!r}")
+        if not sep:
+            out.append(low)
+            continue
+        if int(high) < int(low):
+            raise ValueError(f"range {part!r} runs backwards")
+        out += [str(n).zfill(len(low)) for n in range(int(low), int(high) + 1)]
+    return out
+
+
+def _expand_one(item: str) -> list[str]:
+    """One host expression: a name with any number of ``[ranges]`` (their cartesian product)."""
+    match = re.search(r"\[([^\[\]]*)\]", item)
+    if match is None:
+        if "[" in item or "]" in item:
+            raise ValueError(f"unbalanced brackets in {item!r}")
+        return [item]
+    head, tail = item[: match.start()], item[match.end() :]
+    return [head + n + rest for n in _expand_range(match.group(1)) for rest in _expand_one(tail)]
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """The host names of a SLURM node list, in order, as ``scontrol show hostnames`` prints them:
+    ``n[0-3,7],gpu-a[01-02]`` -> ``n0 n1 n2 n3 n7 gpu-a01 gpu-a02``.
+
+    Raises:
+        ConfigError: The list is malformed.
+    """
+    try:
+        names = [name for item in _split_top(nodelist.strip()) if item for name in _expand_one(item)]
+    except ValueError as exc:
+        raise ConfigError(f"cannot read the SLURM node list {nodelist!r}: {exc}.") from None
+    if not names:
+        raise ConfigError(f"the SLURM node list is empty ({nodelist!r}).")
+    return names
+
+
+def tasks_per_node(text: str, nodes: int) -> list[int]:
+    """SLURM's per-node counts (``SLURM_TASKS_PER_NODE``, ``SLURM_JOB_CPUS_PER_NODE``):
+    ``2(x3),1`` -> ``[2, 2, 2, 1]``; a single number applies to every node.
+
+    Raises:
+        ConfigError: Malformed, or not one count per node.
+    """
+    counts: list[int] = []
+    for part in text.split(","):
+        match = re.fullmatch(r"\s*(\d+)\s*(?:\(x(\d+)\))?\s*", part)
+        if match is None:
+            raise ConfigError(f"cannot read the SLURM per-node count {text!r} (expected e.g. `2(x3),1`).")
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    if len(counts) == 1:
+        counts *= nodes
+    if len(counts) != nodes:
+        raise ConfigError(f"the SLURM per-node count {text!r} gives {len(counts)} counts for {nodes} nodes.")
+    return counts
+
+
+def _gpus_on_node(env: Mapping[str, str]) -> int | None:
+    """GPUs the allocation gives each node: ``SLURM_GPUS_ON_NODE``, else ``SLURM_JOB_GPUS``'s ids."""
+    if env.get("SLURM_GPUS_ON_NODE", "").strip().isdigit():
+        return int(env["SLURM_GPUS_ON_NODE"])
+    ids = [i for i in env.get("SLURM_JOB_GPUS", "").split(",") if i.strip()]
+    return len(ids) if ids else None
+
+
+def allocation_hosts(
+    env: Mapping[str, str] | None = None, use_gpu: bool = False, gpus_per_worker: float = 1.0
+) -> list[HostSpec]:
+    """The nodes of the SLURM job this process runs in, with their slots (workers).
+
+    Slots per node: ``SLURM_NTASKS_PER_NODE`` (``--ntasks-per-node``); else, with ``use_gpu``,
+    one per ``gpus_per_worker`` of the node's GPUs (``SLURM_GPUS_ON_NODE`` / ``SLURM_JOB_GPUS``);
+    else ``SLURM_TASKS_PER_NODE`` (``--ntasks``, e.g. ``2(x3),1``); else ``SLURM_CPUS_ON_NODE``.
+
+    Raises:
+        ConfigError: Not inside an allocation, or its variables are malformed.
+    """
+    env = os.environ if env is None else env
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not nodelist:
+        raise ConfigError(
+            '`hosts="slurm"` runs on the nodes of a SLURM allocation, but this process is not in one '
+            "(SLURM_JOB_NODELIST is not set). Run the script in an `sbatch` script or an `salloc` shell, "
+            'or give a host file instead of "slurm".'
+        )
+    nodes = expand_nodelist(nodelist)
+    explicit = env.get("SLURM_NTASKS_PER_NODE", "").strip()
+    gpus = _gpus_on_node(env) if use_gpu else None
+    if explicit:
+        slots = tasks_per_node(explicit, len(nodes))
+    elif gpus is not None:
+        slots = [slots_for_gpus(gpus, gpus_per_worker)] * len(nodes)
+    elif env.get("SLURM_TASKS_PER_NODE"):
+        slots = tasks_per_node(env["SLURM_TASKS_PER_NODE"], len(nodes))
+    elif env.get("SLURM_CPUS_ON_NODE"):
+        slots = tasks_per_node(env["SLURM_CPUS_ON_NODE"], len(nodes))
+    else:
+        slots = [1] * len(nodes)
+    return [HostSpec(name=node, slots=count, srun=True) for node, count in zip(nodes, slots, strict=True)]
+
+
+def node_address(node: str) -> str:
+    """The address SLURM reaches ``node`` at (its ``NodeAddr``), else what its name resolves to.
+
+    Raises:
+        LaunchError: Neither is known.
+    """
+    try:
+        out = subprocess.run(
+            ["scontrol", "-o", "show", "node", node],
+            capture_output=True,
+            text=True,
+            timeout=_SCONTROL_TIMEOUT_S,
+            check=False,
+        ).stdout
+        match = re.search(r"\bNodeAddr=(\S+)", out)
+        if match:
+            return match.group(1)
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    try:
+        return str(socket.getaddrinfo(node, None, type=socket.SOCK_STREAM)[0][4][0])
+    except OSError as exc:
+        raise LaunchError(f"node {node!r}: neither `scontrol show node` nor DNS gives its address ({exc}).") from None
+
+
+def route_source(address: str) -> str:
+    """This machine's address on the route to ``address``: where that host reaches it back."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((address, 6818))  # UDP: picks the route, sends nothing
+        return str(probe.getsockname()[0])
+
+
+# --------------------------------------------------------------------- the agent's step
+def srun_command(node: str, program: list[str]) -> list[str]:
+    """The ``srun`` command that runs ``program`` as a one-task job step on ``node``.
+
+    ``--overlap``: the step shares the allocation's CPUs with the batch script and the other
+    steps; ``--kill-on-bad-exit``: a task that fails ends the step; ``--unbuffered``: the output
+    passes through as it comes, not line by line (the agent's frames are binary);
+    ``--input=all``: stdin goes to the task, and its end too.
+    """
+    return [
+        "srun",
+        "--overlap",
+        "--nodes=1",
+        "--ntasks=1",
+        f"--nodelist={node}",
+        "--kill-on-bad-exit=1",
+        "--unbuffered",
+        "--input=all",
+        "--job-name=ddptrain-agent",
+        *program,
+    ]
+
+
+def prestart_command(python: str, program: list[str]) -> list[str]:
+    """``program`` started as on an SSH host: its environment read from stdin first (``PRESTART``)."""
+    return [python, "-I", "-S", "-c", one_line(PRESTART), *program]
+
+
+class SrunConnection:
+    """The pipe to an agent that runs as a job step: ``srun``'s stdin, stdout and stderr.
+    The agent first prints its pid on a line of its own.
+
+    Args:
+        node: The node.
+        python: Python executable on the node.
+        env: Environment variables of the agent and its workers, on top of the driver's
+            (``srun`` passes the driver's environment on); sent over stdin, never on a command line.
+
+    Raises:
+        ConfigError: A variable of ``env`` cannot be passed (see ``env_frame``).
+    """
+
+    def __init__(self, node: str, python: str, env: dict[str, str]) -> None:
+        self.where = f"on node {node!r}"
+        self.agent_pid: int | None = None
+        self.pid_known = threading.Event()
+        self._node = node
+        self._argv = srun_command(node, prestart_command(python, agent_command(python, import_pins())))
+        self._frame = env_frame(env)
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def open(self) -> None:
+        try:
+            self._proc = subprocess.Popen(
+                self._argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,  # a Ctrl-C in the terminal is the driver's to handle, not srun's
+            )
+        except OSError as exc:
+            raise LaunchError(f"node {self._node!r}: cannot run srun: {exc}") from None
+        assert self._proc.stdin is not None and self._proc.stdout is not None and self._proc.stderr is not None
+        self.stdout: IO[bytes] = self._proc.stdout
+        self.stderr: IO[bytes] = self._proc.stderr
+        try:
+            self._proc.stdin.write(self._frame)
+            self._proc.stdin.flush()
+        except OSError:
+            pass  # it ended already; `start` reports how
+        threading.Thread(target=self._read_pid, name=f"ddptrain-srun-{self._node}", daemon=True).start()
+
+    def _read_pid(self) -> None:
+        try:
+            line = self.stdout.readline()
+            if line.startswith(PID_LINE):
+                self.agent_pid = int(line[len(PID_LINE) :])
+        except (OSError, ValueError):
+            pass
+        finally:
+            self.pid_known.set()
+
+    def probe(self) -> bool:
+        # Nothing on the node answers cheaply before the agent speaks: the step is there while
+        # srun runs (srun notices a node or step that goes away). Before `open`, nothing is gone.
+        return self._proc is None or self._proc.poll() is None
+
+    def write(self, data: bytes) -> None:
+        proc = self._proc
+        if proc is None or proc.stdin is None or proc.poll() is not None:
+            raise BrokenPipeError("the agent's step has ended")
+        try:
+            proc.stdin.write(data)
+            proc.stdin.flush()
+        except ValueError:  # closed at shutdown
+            raise BrokenPipeError("the agent's stdin is closed") from None
+
+    def wait_ready(self) -> None:
+        self.pid_known.wait()
+
+    def exit_code(self) -> int | None:
+        if self._proc is None:
+            return None
+        try:
+            return self._proc.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def _signal(self, sig: int) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            try:
+                self._proc.send_signal(sig)
+            except ProcessLookupError:
+                pass
+
+    def close(self, grace_s: float) -> None:
+        proc = self._proc
+        if proc is None:
+            return
+        try:
+            if proc.stdin is not None:
+                proc.stdin.close()  # the agent's stdin ends: it stops whatever is left
+        except OSError:
+            pass
+        # srun ends when the step does; SIGTERM makes it end the step, SIGKILL (it can ignore
+        # SIGTERM once its daemons are gone) leaves the step to its agent's heartbeat check.
+        for sig, wait_s in ((None, grace_s + 2.0), (signal.SIGTERM, 3.0), (signal.SIGKILL, 3.0)):
+            if sig is not None:
+                _logger.warning("ddptrain: srun of the agent %s did not end; sending it %s", self.where, sig.name)
+                self._signal(sig)
+            try:
+                proc.wait(timeout=wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                try:
+                    pipe.close()
+                except OSError:
+                    pass
+
+    def abort(self) -> None:
+        # The node stopped answering: srun goes, which ends every read and write on it; the
+        # agent stops its workers once the driver's heartbeats stop.
+        self._signal(signal.SIGKILL)
+
+
+class SlurmLauncher:
+    """Runs one node's workers under an agent started as a job step (see the module docstring).
+
+    Args:
+        node: The node's name in the allocation.
+        env: Environment variables of the agent and its workers (on top of the driver's).
+        python: Python executable on the node (the driver's: the nodes of an allocation share
+            its software).
+        workdir: Working directory of the workers.
+    """
+
+    def __init__(self, node: str, env: dict[str, str], python: str, workdir: str | None) -> None:
+        self.node = node
+        self.workdir = workdir
+        self.python = python
+        self._lost_after_s = _env.ssh_heartbeat_timeout_s()
+        self.local_address = _env.driver_address() or route_source(node_address(node))
+        self._connection = SrunConnection(node, python, env)
+        label = f"ddptrain agent {node}"
+        self._session = AgentSession(self._connection, ALIVE_S, label, lost_after_s=self._lost_after_s)
+        try:
+            self._session.open()
+        except Exception as exc:
+            self._session.shutdown(0)
+            raise LaunchError(f"node {node!r}: cannot start the ddptrain agent: {exc}.", hosts=[node]) from None
+        self._closed = False
+
+    def lost_error(self) -> HostLostError | None:
+        lost = self._session.lost
+        return None if lost is None else HostLostError(self.node, lost.silent_s, lost.timeout_s)
+
+    def start(self, bootstrap: Bootstrap, sink: OutputSink, on_event: Callable[[AgentEvent], None]) -> None:
+        """Hand the node's share of the bootstrap to its agent (see ``AgentSession.start``).
+
+        Raises:
+            HostLostError: The node stopped answering before its agent got its work.
+            LaunchError: The agent is gone.
+        """
+        bootstrap = dataclasses.replace(bootstrap, cwd=self.workdir, heartbeat_s=self._lost_after_s)
+        try:
+            self._session.start(bootstrap, sink, on_event)
+        except LaunchError:
+            lost = self.lost_error()
+            if lost is not None:
+                raise lost from None
+            raise
+
+    def prepare_storage(self, probe: str, run_id: str) -> str | None:
+        """``None`` when the node sees the run directory (checked on the node, in a step of its
+        own, as on an SSH host).
+
+        Raises:
+            LaunchError: The node does not see it (copying checkpoints back through a step is not
+                there yet), or the check failed.
+        """
+        if not self._connection.pid_known.wait(_env.worker_start_timeout_s()):
+            raise LaunchError(f"the ddptrain agent on node {self.node!r} did not start in time", hosts=[self.node])
+        if self._connection.agent_pid is None:
+            return None  # the agent did not start: `start` reports why
+        cache = STAGING_PREFIX + run_id
+        program = [self.python, "-I", "-S", "-c", one_line(STORAGE_PREP)]
+        program += [probe, run_id, cache, str(self._connection.agent_pid), f"{socket.gethostname()} pid {os.getpid()}"]
+        try:
+            done = subprocess.run(
+                srun_command(self.node, program),
+                capture_output=True,
+                text=True,
+                timeout=_env.storage_timeout_s(),
+                stdin=subprocess.DEVNULL,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            raise LaunchError(
+                f"node {self.node!r}: checking whether it sees the run directory took over "
+                f"{_env.storage_timeout_s():g} s (DDPTRAIN_STORAGE_TIMEOUT_S)",
+                hosts=[self.node],
+            ) from None
+        try:
+            answer = json.loads(done.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            raise LaunchError(
+                f"node {self.node!r}: checking whether it sees the run directory failed "
+                f"(exit status {done.returncode}): {done.stderr.strip()[-500:]}",
+                hosts=[self.node],
+            ) from None
+        if "error" in answer:
+            raise LaunchError(f"node {self.node!r}: {answer['error']}", hosts=[self.node])
+        if answer.get("shared"):
+            return None
+        raise LaunchError(
+            f"node {self.node!r} does not see the run directory ({os.path.dirname(probe)}). On SLURM, "
+            "put `RunConfig(storage_path=...)` on a file system every node mounts (your home or a shared "
+            "scratch), or a cloud URI.",
+            hosts=[self.node],
+        )
+
+    def push_dir(self, local: str, remote: str) -> None:
+        raise LaunchError(f"node {self.node!r}: copying files to a node that does not see the run directory")
+
+    def fetch_dir(self, rank: int, remote: str, local: str) -> None:
+        raise LaunchError(f"node {self.node!r}: copying files from a node that does not see the run directory")
+
+    def ask(self, command: bytes) -> None:
+        self._session.ask(command)
+
+    def bind_address(self) -> str:
+        return self.local_address
+
+    def shutdown(self, grace_s: float) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._session.shutdown(grace_s)

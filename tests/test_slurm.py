@@ -1,0 +1,94 @@
+"""Reading a SLURM allocation: the node list expander (against real ``scontrol show hostnames``
+outputs), slots per node, and ``hosts="slurm"`` outside an allocation. No cluster needed."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from ddptrain import ScalingConfig
+from ddptrain.driver.plan import Plan
+from ddptrain.errors import ConfigError
+from ddptrain.launch.slurm import allocation_hosts, expand_nodelist, tasks_per_node
+
+# `scontrol show hostnames LIST` of slurm-wlm 22.05.8 (Debian 12), recorded.
+SCONTROL = {
+    "n[0-3,7],gpu-a[01-02]": "n0 n1 n2 n3 n7 gpu-a01 gpu-a02",
+    "r[1-2]n[01-02]": "r1n01 r1n02 r2n01 r2n02",
+    "n[3,1],n1": "n3 n1 n1",
+    "a,b[9-11]": "a b9 b10 b11",
+    "n[1-010]": "n1 n2 n3 n4 n5 n6 n7 n8 n9 n10",
+    "n[08-11]": "n08 n09 n10 n11",
+    "node-1": "node-1",
+    "n[0-1]": "n0 n1",
+}
+
+
+@pytest.mark.parametrize("nodelist", sorted(SCONTROL))
+def test_nodelist_expands_as_scontrol_does(nodelist: str, tmp_path) -> None:
+    assert expand_nodelist(nodelist) == SCONTROL[nodelist].split()
+    if shutil.which("scontrol"):  # and against the real one, where installed
+        conf = tmp_path / "slurm.conf"
+        conf.write_text("ClusterName=x\nSlurmctldHost=localhost\n")
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "SLURM_CONF": str(conf)},
+            check=True,
+        ).stdout
+        assert expand_nodelist(nodelist) == out.split()
+
+
+@pytest.mark.parametrize("bad", ["n[0-", "n0-1]", "n[a-b]", "n[3-1]", ""])
+def test_malformed_nodelist_is_a_clear_error(bad: str) -> None:
+    with pytest.raises(ConfigError, match="SLURM node list"):
+        expand_nodelist(bad)
+
+
+def test_tasks_per_node_forms() -> None:
+    assert tasks_per_node("2(x3),1", 4) == [2, 2, 2, 1]
+    assert tasks_per_node("4", 3) == [4, 4, 4]
+    assert tasks_per_node("1(x2)", 2) == [1, 1]
+    with pytest.raises(ConfigError, match="gives 2 counts for 3 nodes"):
+        tasks_per_node("2(x2)", 3)
+    with pytest.raises(ConfigError, match="expected e.g."):
+        tasks_per_node("2x", 1)
+
+
+def test_slots_from_the_allocation() -> None:
+    job = {"SLURM_JOB_NODELIST": "n[0-2]", "SLURM_TASKS_PER_NODE": "2(x2),1", "SLURM_CPUS_ON_NODE": "8"}
+    hosts = allocation_hosts(job)
+    assert [(h.name, h.slots, h.srun) for h in hosts] == [("n0", 2, True), ("n1", 2, True), ("n2", 1, True)]
+    assert [h.slots for h in allocation_hosts({**job, "SLURM_NTASKS_PER_NODE": "3"})] == [3, 3, 3]
+    gpus = {**job, "SLURM_GPUS_ON_NODE": "4"}
+    assert [h.slots for h in allocation_hosts(gpus, use_gpu=True, gpus_per_worker=2)] == [2, 2, 2]
+    assert [h.slots for h in allocation_hosts({**job, "SLURM_JOB_GPUS": "0,1,3"}, use_gpu=True)] == [3, 3, 3]
+    assert [h.slots for h in allocation_hosts(gpus)] == [2, 2, 1]  # CPU workers: the tasks
+    only_cpus = {"SLURM_JOB_NODELIST": "c1,c2", "SLURM_CPUS_ON_NODE": "4"}
+    assert [h.slots for h in allocation_hosts(only_cpus)] == [4, 4]
+
+
+def test_hosts_slurm_outside_an_allocation_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in list(os.environ):
+        if key.startswith("SLURM_"):
+            monkeypatch.delenv(key)
+    config = ScalingConfig(num_workers=2, hosts="slurm")  # the allocation is read at fit()
+    with pytest.raises(ConfigError, match="not in one .SLURM_JOB_NODELIST is not set.*sbatch.*salloc"):
+        Plan.read_hosts(config)
+    monkeypatch.setenv("DDPTRAIN_HOSTFILE", "slurm")
+    with pytest.raises(ConfigError, match="SLURM_JOB_NODELIST is not set"):
+        Plan.read_hosts(ScalingConfig(num_workers=2))
+
+
+def test_hosts_slurm_places_workers_on_the_allocation(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "n[0-1]")
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "2(x2)")
+    monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)
+    plan = Plan(ScalingConfig(num_workers=4, hosts="slurm"))
+    assert plan.rank_labels() == {0: "n0:rank0", 1: "n0:rank1", 2: "n1:rank2", 3: "n1:rank3"}
+    with pytest.raises(ConfigError, match="needs 5 slots, but the hosts have 4"):
+        Plan(ScalingConfig(num_workers=5, hosts="slurm"))

@@ -1,0 +1,210 @@
+"""Runs inside a real SLURM allocation (``tests/slurm.py``: slurmctld and nodes n0, n1 in their
+own network namespaces): 2 nodes x 2 workers through ``salloc`` and ``sbatch``, a worker killed
+(restart), a driver killed and a node killed (nothing left, a clear error naming the node).
+The tests share one cluster; the node-killing test runs last."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SCRIPT = r"""
+import os, signal, socket, sys, tempfile, time
+import ddptrain
+from ddptrain import Checkpoint, FailureConfig, RunConfig, ScalingConfig
+from ddptrain.torch import TorchTrainer
+
+storage, mode = sys.argv[1], sys.argv[2]
+
+def loop(config):
+    import torch, torch.distributed as dist
+    ctx = ddptrain.get_context()
+    rank = ctx.get_world_rank()
+    total = torch.ones(1) * (rank + 1)
+    dist.all_reduce(total)
+    print(f"rank {rank} on {socket.gethostname()} sum={total.item():g}", flush=True)
+    start = 0
+    if ddptrain.get_checkpoint() is not None:
+        with ddptrain.get_checkpoint().as_directory() as d:
+            start = int(open(os.path.join(d, "step")).read()) + 1
+    steps = 1000 if mode == "long" else 3
+    for step in range(start, steps):
+        if mode == "kill" and rank == 3 and step == 1 and ctx.get_experiment_name() and start == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if mode == "long" and rank == 0 and step == 0:
+            open(os.path.join(storage, "running"), "w").close()
+        with tempfile.TemporaryDirectory() as d:
+            checkpoint = None
+            if rank == 0:
+                open(os.path.join(d, "step"), "w").write(str(step))
+                checkpoint = Checkpoint.from_directory(d)
+            ddptrain.report({"step": step, "sum": total.item(), "host": socket.gethostname()}, checkpoint=checkpoint)
+        if mode == "long":
+            time.sleep(0.2)
+
+trainer = TorchTrainer(
+    loop,
+    scaling_config=ScalingConfig(num_workers=4, hosts="slurm"),
+    run_config=RunConfig(name="run", storage_path=storage, failure_config=FailureConfig(max_failures=1)),
+)
+result = trainer.fit()
+print("RESULT", result.metrics, result.checkpoint.path, flush=True)
+"""
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> Path:
+    path = tmp_path / "train.py"
+    path.write_text(SCRIPT)
+    return path
+
+
+def _env(**extra: str) -> dict[str, str]:
+    # Short knobs: a lost node is noticed within 3 s, a run's teardown waits 2 s.
+    return {"DDPTRAIN_SSH_HEARTBEAT_TIMEOUT_S": "3", "DDPTRAIN_SHUTDOWN_GRACE_S": "2", **extra}
+
+
+def _check_run(storage: Path, output: str) -> None:
+    run = storage / "run"
+    metrics = [json.loads(line)["metrics"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics][-3:] == [0, 1, 2]
+    assert {m["sum"] for m in metrics} == {10.0}  # 1 + 2 + 3 + 4: all four ranks in one group
+    assert (run / "checkpoint_000003" / "step").read_text() == "2"  # on the driver's disk
+    logs = sorted((run / "logs").glob("attempt_*/rank_*.log"))
+    text = {log.name: log.read_text() for log in logs}
+    for rank, node in ((0, "n0"), (1, "n0"), (2, "n1"), (3, "n1")):
+        assert any(f"rank {rank} on {node} sum=10" in t for name, t in text.items() if name == f"rank_{rank}.log")
+        assert f"[{node}:rank{rank}]" in output  # the console names the node of each line
+    assert "RESULT {'step': 2" in output
+
+
+def test_two_nodes_through_salloc(slurm, script: Path, tmp_path: Path) -> None:
+    storage = tmp_path / "runs"
+    started = time.monotonic()
+    done = slurm.run(
+        ["salloc", "-N2", "--ntasks-per-node=2", sys.executable, str(script), str(storage), "plain"],
+        timeout_s=180,
+        env=_env(),
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    _check_run(storage, output)
+    print(f"salloc run: {time.monotonic() - started:.1f} s")
+
+
+def test_two_nodes_through_sbatch(slurm, script: Path, tmp_path: Path) -> None:
+    storage = tmp_path / "runs"
+    batch = tmp_path / "job.sh"
+    out = tmp_path / "job.out"
+    batch.write_text(
+        f"#!/bin/sh\n#SBATCH --nodes=2 --ntasks-per-node=2 --output={out}\n"
+        f"exec {sys.executable} {script} {storage} plain\n"
+    )
+    done = slurm.run(["sbatch", "--wait", str(batch)], timeout_s=180, env=_env())
+    output = out.read_text() if out.exists() else ""
+    assert done.returncode == 0, done.stdout + done.stderr + output
+    _check_run(storage, output)
+
+
+def test_a_killed_worker_restarts_the_group(slurm, script: Path, tmp_path: Path) -> None:
+    storage = tmp_path / "runs"
+    done = slurm.run(
+        ["salloc", "-N2", "--ntasks-per-node=2", sys.executable, str(script), str(storage), "kill"],
+        timeout_s=180,
+        env=_env(),
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "rank 3" in output and "SIGKILL" in output
+    assert (storage / "run" / "logs" / "attempt_1").is_dir()  # a second attempt ran
+    assert "RESULT {'step': 2" in output
+
+
+def _wait_running(storage: Path, proc: subprocess.Popen[str], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not (storage / "running").exists():
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() < deadline, "the workers did not start"
+        time.sleep(0.1)
+
+
+def test_a_killed_driver_leaves_nothing_on_the_nodes(slurm, script: Path, tmp_path: Path) -> None:
+    storage = tmp_path / "runs"
+    storage.mkdir()
+    # The allocation outlives the driver (`; sleep`): what ends its agents and workers is ddptrain's
+    # own doing (the end of their stdin, the driver's heartbeats), not the end of the job.
+    pid_file = tmp_path / "driver.pid"
+    shell_pid = tmp_path / "shell.pid"
+    command = f"echo $$ > {shell_pid}; {sys.executable} {script} {storage} long & echo $! > {pid_file}; wait; sleep 60"
+    proc = subprocess.Popen(
+        ["salloc", "-N2", "--ntasks-per-node=2", "sh", "-c", command],
+        env={**os.environ, **_env()},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _wait_running(storage, proc, 120)
+        assert len(slurm.node_processes("n1")) >= 3  # slurmstepd, the agent, its workers
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        killed = time.monotonic()
+        left = slurm.wait_nodes_clean(15)
+        # slurmstepd of the salloc's own `sh` is on no node (it runs on this side): only ours count
+        assert not left, slurm.describe(left)
+        print(f"nodes clean {time.monotonic() - killed:.1f} s after the driver's SIGKILL")
+    finally:
+        for pids in (shell_pid, pid_file):  # salloc runs its command in a process group of its own
+            if pids.exists():
+                try:
+                    os.killpg(int(pids.read_text()), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        os.killpg(proc.pid, signal.SIGKILL)
+        slurm.run(["scancel", "--user=root"])  # and the allocation salloc held
+        proc.communicate(timeout=30)
+
+
+def test_ddptrain_check_slurm_reports_each_node(slurm) -> None:
+    done = slurm.run(["salloc", "-N2", sys.executable, "-m", "ddptrain", "check", "slurm"], timeout_s=120, env=_env())
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    rows = [line for line in output.splitlines() if line.startswith(("n0 ", "n1 "))]
+    assert len(rows) == 2 and all("srun ok" in row and row.rstrip().endswith("yes") for row in rows), output
+    assert "all hosts are ready" in output
+
+
+def test_a_dead_node_fails_the_run_naming_it(slurm, script: Path, tmp_path: Path) -> None:
+    """Last in the module: the node stays dead."""
+    storage = tmp_path / "runs"
+    storage.mkdir()
+    proc = subprocess.Popen(
+        ["salloc", "-N2", "--ntasks-per-node=2", sys.executable, str(script), str(storage), "long"],
+        env={**os.environ, **slurm.env, **_env()},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _wait_running(storage, proc, 120)
+        slurm.kill_node("n1")
+        killed = time.monotonic()
+        output, _ = proc.communicate(timeout=60)
+        took = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode != 0
+    assert "n1" in output.split("Training failed", 1)[-1], output
+    assert "node 'n1'" in output or "host n1" in output, output
+    assert took < 30, f"the run ended {took:.1f} s after n1 died"
+    print(f"run failed {took:.1f} s after the node died")
