@@ -684,17 +684,18 @@ def _assert_store_consistent(s3: S3, run: str) -> int:
 
 
 @pytest.mark.parametrize(
-    ("name", "mode"),
-    [("", "SYNC"), ("latest", "SYNC"), ("", "ASYNC")],
-    ids=["default names", "one replaced name", "ASYNC uploads"],
+    ("name", "modes"),
+    [("", ("SYNC", "ASYNC")), ("latest", ("ASYNC", "SYNC"))],
+    ids=["default names", "one replaced name"],
 )
 def test_random_driver_kills_never_leave_a_half_checkpoint_on_the_store(
-    s3: S3, tmp_path: Path, name: str, mode: str
+    s3: S3, tmp_path: Path, name: str, modes: tuple[str, str]
 ) -> None:
-    """Two kills at random moments of the uploads with each naming scheme (and with uploads in
-    the workers' background, ASYNC): the first in a fresh run, the second in a run that
-    resumed from the first kill's leftovers; then a run finishes. (The moment a replacement is
-    cut short is covered one by one below.) DDPTRAIN_SOAK_KILLS=25 for a soak run."""
+    """Two kills at random moments of the uploads with each naming scheme, one with uploads in
+    the training thread (SYNC), one with uploads in the workers' background (ASYNC): the first
+    in a fresh run, the second in a run that resumed from the first kill's leftovers; then a run
+    finishes (in the second kill's mode). (The moment a replacement is cut short is covered one
+    by one below.) DDPTRAIN_SOAK_KILLS=25 for a soak run."""
     import random
 
     bucket = s3.bucket()
@@ -706,7 +707,7 @@ def test_random_driver_kills_never_leave_a_half_checkpoint_on_the_store(
     seen = -1  # the latest committed step seen on the store so far
     for kill in range(int(os.environ.get("DDPTRAIN_SOAK_KILLS", "2"))):
         proc = subprocess.Popen(
-            [sys.executable, str(script), storage, name, "100000", mode],
+            [sys.executable, str(script), storage, name, "100000", modes[kill % 2]],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -720,7 +721,7 @@ def test_random_driver_kills_never_leave_a_half_checkpoint_on_the_store(
         seen = max(seen, _assert_store_consistent(s3, run))
     last = max(seen, _assert_store_consistent(s3, run))
     done = subprocess.run(
-        [sys.executable, str(script), storage, name, "+2", mode], capture_output=True, text=True, timeout=120
+        [sys.executable, str(script), storage, name, "+2", modes[1]], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
     summary = json.loads(done.stdout.split("RESULT ", 1)[1])
