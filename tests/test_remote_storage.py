@@ -1058,7 +1058,7 @@ def test_a_run_without_checkpoints_fails_when_its_store_stops_answering(
     """Only the driver talks to the store (metrics, run.json, logs): an upload that gets no
     answer for the bound fails the run with a StorageError naming the store and the local copy,
     which has every report; `ddptrain show` of the copy says ERRORED and why."""
-    monkeypatch.setenv("DDPTRAIN_STORAGE_TIMEOUT_S", "3")
+    monkeypatch.setenv("DDPTRAIN_STORAGE_TIMEOUT_S", "5")  # 3 s: the first probe timed out on a loaded machine
     bucket = s3.bucket()
     stall = _CutAfter(s3.proxy, 3, stall=True)
     try:
@@ -1071,9 +1071,9 @@ def test_a_run_without_checkpoints_fails_when_its_store_stops_answering(
         s3.proxy.restore()
     local = _local_copy(tmp_path, "plain")
     message = str(info.value)
-    assert info.value.timed_out and f"s3://{bucket}/exp did not answer for 3 s while uploading" in message, message
+    assert info.value.timed_out and f"s3://{bucket}/exp did not answer for 5 s while uploading" in message, message
     assert f"local copy {local} " in message, message
-    assert took < 20, took  # at most 2 s to the next upload, the bound, the teardown, a busy machine
+    assert took < 25, took  # at most 2 s to the next upload, the bound, the teardown, a busy machine
     reported = _steps((local / "metrics.jsonl").read_bytes())
     assert reported == list(range(len(reported))) and len(reported) > 3
     assert len(stored) < len(reported)

@@ -515,7 +515,7 @@ def test_ddptrain_check_names_a_host_whose_network_goes_away_while_probed(make_n
     assert "FAILED: the connection was lost while the program ran there" in n1, proc.stdout
     assert next(line for line in proc.stdout.splitlines() if line.startswith("n0 ")).endswith("yes")
     assert proc.returncode == 1
-    assert took < 30, f"ddptrain check took {took:.0f} s"  # the probe's read timeout would be 120 s
+    assert took < 45, f"ddptrain check took {took:.0f} s"  # a read timeout: 120 s (32 s seen under load)
 
 
 def reads_its_shard() -> list:
