@@ -272,8 +272,8 @@ def test_a_slurm_warning_preempts_requeues_and_resumes(slurm, script: Path, tmp_
         assert sub.proc.poll() is None and time.monotonic() < deadline, sub.output
         time.sleep(0.1)
     (storage / "running").unlink()
-    # What SLURM does at `--signal=B:TERM@S`: SIGTERM to the batch shell only
-    done = slurm.run(["scancel", "--signal=TERM", "--batch", job])
+    # What SLURM does at `--signal=B:USR1@S`: SIGUSR1 to the batch shell only
+    done = slurm.run(["scancel", "--signal=USR1", "--batch", job])
     assert done.returncode == 0, done.stderr
     assert sub.wait(240) == 0, sub.output
     out = sub.output

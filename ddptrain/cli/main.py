@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         "ddptrain submit [sbatch options...] -- script.py [args...]",
         description="Write a batch script that runs SCRIPT on the job's nodes (hosts='slurm'), submit it "
         "with sbatch (the options before `--` are sbatch's), print its output as it runs, and exit with "
-        "its exit status. Ctrl-C cancels the job. SLURM's warning signal (--signal=B:TERM@120 unless "
+        "its exit status. Ctrl-C cancels the job. SLURM's warning signal (--signal=B:USR1@120 unless "
         "options say otherwise) stops the run with a final checkpoint and requeues the job, which resumes it.",
         add_help=False,
     )

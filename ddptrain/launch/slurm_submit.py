@@ -5,9 +5,9 @@ user's script under the allocation with ``DDPTRAIN_HOSTFILE=slurm`` (so ``hosts=
 default of its trainers), submits it with ``sbatch``, prints the job's output as it grows, and
 returns the script's exit status. Ctrl-C cancels the job (``scancel``).
 
-Preemption and time limits: the job asks SLURM for ``SIGTERM`` to the batch shell
-``SlurmConfig.signal_s`` seconds before its end (``--signal=B:TERM@S``). The batch shell passes it
-on to the driver, whose ``fit()`` takes a SIGTERM as a preemption notice (the workers see
+Preemption and time limits: the job asks SLURM for ``SIGUSR1`` to the batch shell
+``SlurmConfig.signal_s`` seconds before its end (``--signal=B:USR1@S``). The batch shell passes it
+on to the driver as SIGTERM, which ``fit()`` takes as a preemption notice (the workers see
 ``get_preemption_info()`` and may report a final checkpoint; ``run.json`` says PREEMPTED). When the
 driver then ends without success, the batch shell requeues the job (``scontrol requeue``, the job
 is submitted with ``--requeue``); the requeued job runs the script again, and its trainers resume
@@ -68,7 +68,7 @@ class SlurmConfig:
         job_name: The job's name (``--job-name``); also the start of the run name the job's
             trainers use when their ``RunConfig`` gives none (``<job_name>-<job id>``).
         signal_s: Seconds before the time limit (or a preemption) at which SLURM warns the job
-            with SIGTERM: the run gets a preemption notice, reports a final checkpoint, and the
+            with SIGUSR1: the run gets a preemption notice, reports a final checkpoint, and the
             job is requeued. ``0``: no warning, no requeue.
         extra: More ``sbatch`` options as on its command line, e.g. ``["--account=abc", "--qos=low"]``.
         output_dir: Where the batch script and the job's output file go (default
@@ -120,13 +120,14 @@ class SlurmConfig:
         if self.time is not None:
             options.append(f"--time={self.time}")
         if self.signal_s:
-            options += [f"--signal=B:TERM@{self.signal_s}", "--requeue"]
+            options += [f"--signal=B:USR1@{self.signal_s}", "--requeue"]
         return options
 
 
 # The batch script's body. The driver runs in the background so that the shell can pass
 # SLURM's warning signal on to it (bash runs a trap only between commands: `wait` returns at
-# once when the signal comes, and is called again until the driver has ended).
+# once when the signal comes, and is called again until the driver has ended). The warning is
+# USR1, not TERM: `scancel` (Ctrl-C) sends TERM, and a cancelled job must not requeue itself.
 _BODY = """\
 # Written by `ddptrain submit`: runs the script on the job's nodes (hosts="slurm").
 cd {workdir} || exit 1
@@ -135,8 +136,9 @@ export DDPTRAIN_RUN_NAME="${{DDPTRAIN_RUN_NAME:-{job_name}-$SLURM_JOB_ID}}"
 echo "ddptrain submit: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST (run $DDPTRAIN_RUN_NAME, start ${{SLURM_RESTART_COUNT:-0}})"
 warned=0
 driver=
-trap 'warned=1; echo "ddptrain submit: SLURM warning signal: preempting run $DDPTRAIN_RUN_NAME"; \
-[ -n "$driver" ] && kill -TERM "$driver" 2>/dev/null' TERM
+trap 'warned=1; echo "ddptrain submit: SLURM warning signal (USR1): preempting run $DDPTRAIN_RUN_NAME"; \
+[ -n "$driver" ] && kill -TERM "$driver" 2>/dev/null' USR1
+trap '[ -n "$driver" ] && kill -TERM "$driver" 2>/dev/null' TERM
 {command} &
 driver=$!
 while :; do
