@@ -60,7 +60,11 @@ trainer = TorchTrainer(
     scaling_config=ScalingConfig(
         num_workers=(2, 4) if mode == "elastic" else 4, hosts=None if mode == "preempt" else "slurm"
     ),
-    run_config=RunConfig(name=None if mode == "preempt" else "run", storage_path=storage, failure_config=FailureConfig(max_failures=1)),
+    run_config=RunConfig(
+        name=None if mode == "preempt" else "run",  # preempt: DDPTRAIN_RUN_NAME, from `ddptrain submit`
+        storage_path=storage,
+        failure_config=FailureConfig(max_failures=1),
+    ),
 )
 result = trainer.fit()
 print("RESULT", result.metrics, result.checkpoint.path, flush=True)

@@ -133,7 +133,8 @@ _BODY = """\
 cd {workdir} || exit 1
 export DDPTRAIN_HOSTFILE=slurm
 export DDPTRAIN_RUN_NAME="${{DDPTRAIN_RUN_NAME:-{job_name}-$SLURM_JOB_ID}}"
-echo "ddptrain submit: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST (run $DDPTRAIN_RUN_NAME, start ${{SLURM_RESTART_COUNT:-0}})"
+echo "ddptrain submit: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST" \
+    "(run $DDPTRAIN_RUN_NAME, start ${{SLURM_RESTART_COUNT:-0}})"
 warned=0
 driver=
 trap 'warned=1; echo "ddptrain submit: SLURM warning signal (USR1): preempting run $DDPTRAIN_RUN_NAME"; \
@@ -248,7 +249,10 @@ def _follow(job_id: str, tail: _Tail, clock: Callable[[], float] = time.monotoni
             status = int(code) if code.isdigit() else 1
             if state != "COMPLETED" or status:
                 why = f" ({reason})" if reason not in ("None", "") else ""
-                _say(f"job {job_id} ended: {state}{why}, exit status {status}" + (f", signal {sig}" if sig not in ("", "0") else ""))
+                _say(
+                    f"job {job_id} ended: {state}{why}, exit status {status}"
+                    + (f", signal {sig}" if sig not in ("", "0") else "")
+                )
             if sig not in ("", "0") and not status:
                 status = 128 + int(sig) if sig.isdigit() else 1
             return status if state == "COMPLETED" or status else 1
