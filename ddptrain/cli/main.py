@@ -241,6 +241,9 @@ def submit_command(argv: list[str]) -> int:
     except DdpTrainError as exc:
         print(f"ddptrain submit: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # a second Ctrl-C while the job is being cancelled
+        print("ddptrain submit: interrupted; check the job with `squeue --me`", file=sys.stderr)
+        return 130
 
 
 def main(argv: list[str] | None = None) -> int:

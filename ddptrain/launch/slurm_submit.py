@@ -234,8 +234,18 @@ def _follow(job_id: str, tail: _Tail, clock: Callable[[], float] = time.monotoni
     """Print the job's output until it has ended (through its requeues); its exit status."""
     said: tuple[str, str] | None = None
     said_at = 0.0
+    unreachable_since: float | None = None
     while True:
-        job = _job(job_id)
+        try:
+            job = _job(job_id)
+        except LaunchError as exc:  # slurmctld busy or restarting: the job goes on; so do we
+            if unreachable_since is None or clock() - unreachable_since > _PENDING_REMIND_S:
+                _say(f"cannot ask SLURM about job {job_id} ({exc}); trying again (Ctrl-C cancels the job)")
+                unreachable_since = clock()
+            tail.pump()
+            time.sleep(_POLL_S)
+            continue
+        unreachable_since = None
         if job is not None and job.get("StdOut") and tail.path is None:
             tail.path = job["StdOut"]
         tail.pump()
