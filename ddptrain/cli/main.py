@@ -224,10 +224,15 @@ _SUBMIT_USAGE = "usage: ddptrain submit [sbatch options...] -- script.py [args..
 
 def submit_command(argv: list[str]) -> int:
     """``ddptrain submit [sbatch options...] -- script.py [args...]``: the job's exit status."""
+    if "--" not in argv and argv[:1] and not argv[0].startswith("-"):  # no sbatch option: the script
+        argv = ["--", *argv]
     if "--" not in argv:
-        if argv[:1] in (["-h"], ["--help"]):
-            print(_SUBMIT_USAGE + "\n\nSee docs/slurm.md ('From a login node').")
-            return 0
+        if argv[:1] in (["-h"], ["--help"]):  # as argparse's --help
+            print(
+                f"{_SUBMIT_USAGE}\n\nThe options before `--` are sbatch's; `--signal` of your own turns off the "
+                "warning and the requeue. See docs/slurm.md ('From a login node')."
+            )
+            raise SystemExit(0)
         print(f"{_SUBMIT_USAGE}\nddptrain submit: put `--` between sbatch's options and the script.", file=sys.stderr)
         return 2
     split = argv.index("--")
