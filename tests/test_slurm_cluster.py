@@ -245,7 +245,14 @@ def test_submit_follows_the_job_and_exits_with_its_status(slurm, script: Path, t
     folder = tmp_path / ".ddptrain" / "slurm"
     assert {oct(p.stat().st_mode & 0o777) for p in folder.glob("*.sbatch")} == {"0o600"}
     assert oct(folder.stat().st_mode & 0o777) == "0o700"
-    failing = _Submit(["--", "/bin/sh", "-c", "echo from the job; exit 3"], tmp_path)
+    # held in the queue: said, with the job id and SLURM's reason, until it is released
+    failing = _Submit(["--hold", "--", "/bin/sh", "-c", "echo from the job; exit 3"], tmp_path)
+    job = failing.job_id(60)
+    deadline = time.monotonic() + 30
+    while f"job {job} is pending in the queue (JobHeldUser)" not in failing.output:
+        assert failing.proc.poll() is None and time.monotonic() < deadline, failing.output
+        time.sleep(0.1)
+    slurm.run(["scontrol", "release", job])
     assert failing.wait(60) == 3, failing.output
     assert "from the job" in failing.output and "exit status 3" in failing.output
 
