@@ -48,6 +48,7 @@ from ddptrain.errors import (
     WorkerError,
     WorkerGroupError,
 )
+from ddptrain.launch.slurm_submit import SlurmConfig, submit
 from ddptrain.result import Result
 
 TRAIN_DATASET_KEY = "train"
@@ -80,6 +81,7 @@ __all__ = [
     "Result",
     "RunConfig",
     "ScalingConfig",
+    "SlurmConfig",
     "StorageContext",
     "TRAIN_DATASET_KEY",
     "TrainContext",
@@ -98,5 +100,6 @@ __all__ = [
     "get_preemption_info",
     "report",
     "reuse_workers",
+    "submit",
     "__version__",
 ]

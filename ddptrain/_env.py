@@ -196,6 +196,16 @@ def script_hostfile() -> str | None:
     return _script_hostfile
 
 
+def run_name() -> str | None:
+    """The name of runs whose ``RunConfig`` gives none (``DDPTRAIN_RUN_NAME``; ``ddptrain submit``'s
+    batch script sets it to ``<job name>-<job id>``, which a requeued job keeps). ``None``: a fresh
+    ``ddptrain_run-<timestamp>``."""
+    raw = (os.environ.get("DDPTRAIN_RUN_NAME") or "").strip()
+    if "/" in raw or raw in (".", ".."):
+        raise ValueError(f"`DDPTRAIN_RUN_NAME` must be a plain folder name without '/', got {raw!r}.")
+    return raw or None
+
+
 def hostfile() -> str | None:
     """The host file of multi-host runs: ``ddptrain run --hosts FILE``'s in the script's processes,
     else ``DDPTRAIN_HOSTFILE`` (``None``: this machine only)."""

@@ -292,7 +292,8 @@ class RunConfig:
     """Where a run's results go and how it behaves.
 
     Args:
-        name: Run name, the folder under ``storage_path``. Default: ``ddptrain_run-<timestamp>``.
+        name: Run name, the folder under ``storage_path``. Default: ``DDPTRAIN_RUN_NAME`` if set,
+            else ``ddptrain_run-<timestamp>``.
         storage_path: Folder for runs (``~`` expanded, ``Path`` accepted), or a URI such as
             ``s3://bucket/prefix`` (any scheme fsspec resolves; needs e.g. ``ddptrain[s3]``).
             Default: ``~/ddptrain_results`` (or ``$DDPTRAIN_STORAGE_PATH``).

@@ -19,6 +19,8 @@ carries the tag (SLURM exports the submitter's environment), so the check sees i
 ``close`` kills everything inside the test bed's namespaces, then the daemons, then deletes the
 namespaces and the bridge: nothing is left behind.
 
+``cred_expire=20`` (default 120 s): a requeued job waits that long before it starts again.
+
 Learnt from ``shared/reference/slurm-testbed.md``: ``nsenter --net``, never ``ip netns exec`` (which
 remounts /sys and hides the cgroup tree slurmd needs); slurmctld needs its own host name ``ctl``;
 srun and slurmstepd without their daemons ignore SIGTERM, so stopping ends with SIGKILL.
@@ -45,7 +47,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={root}/munge/munge.socket
+AuthInfo=socket={root}/munge/munge.socket,cred_expire=20
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool/%n
 SlurmctldPidFile={root}/run/slurmctld.pid

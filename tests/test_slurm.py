@@ -4,6 +4,7 @@ outputs), slots per node, and ``hosts="slurm"`` outside an allocation. No cluste
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 
@@ -92,3 +93,54 @@ def test_hosts_slurm_places_workers_on_the_allocation(monkeypatch: pytest.Monkey
     assert plan.rank_labels() == {0: "n0:rank0", 1: "n0:rank1", 2: "n1:rank2", 3: "n1:rank3"}
     with pytest.raises(ConfigError, match="needs 5 slots, but the hosts have 4"):
         Plan(ScalingConfig(num_workers=5, hosts="slurm"))
+
+
+# --------------------------------------------------------------------- ddptrain submit's parts
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"nodes": 0}, "`SlurmConfig(nodes=...)` must be an integer >= 1, got 0"),
+        ({"workers_per_node": "4"}, "`SlurmConfig(workers_per_node=...)` must be an integer >= 1, got '4'"),
+        ({"job_name": "a b"}, "`SlurmConfig(job_name=...)` must be 1-64 letters"),
+        ({"extra": ["--output=x.log"]}, "leave out '--output=x.log'"),
+        ({"extra": "--qos=low"}, "must be a list of sbatch options"),
+    ],
+)
+def test_slurm_config_rejects_bad_input(kwargs: dict[str, object], message: str) -> None:
+    from ddptrain import SlurmConfig
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        SlurmConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_the_batch_script_passes_hostile_arguments_intact(tmp_path) -> None:
+    """The batch script run by bash (as SLURM's batch host runs it), with a command and a working
+    directory full of shell syntax: the program gets its arguments as given."""
+    from ddptrain import SlurmConfig
+    from ddptrain.launch.slurm_submit import batch_script
+
+    workdir = tmp_path / "wörk dir $HOME 'q' \"d\" `x`"
+    workdir.mkdir()
+    hostile = ["a b", "$HOME", "'", '"', "`id`", "; echo pwned", "ü"]
+    script = batch_script(
+        SlurmConfig(nodes=2), ["/bin/sh", "-c", 'printf "<%s>" "$@"; pwd', "sh", *hostile], str(workdir), "out"
+    )
+    assert "#SBATCH --nodes=2" in script and "#SBATCH --signal=B:USR1@120" in script and "#SBATCH --requeue" in script
+    env = {"PATH": os.environ["PATH"], "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "n0"}
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, timeout=30, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "".join(f"<{a}>" for a in hostile) in done.stdout
+    assert done.stdout.rstrip().endswith(str(workdir))
+    assert "run ddptrain-77" in done.stdout  # DDPTRAIN_RUN_NAME: job name and id
+
+
+def test_run_name_from_the_environment(monkeypatch, tmp_path) -> None:
+    from ddptrain import RunConfig
+    from ddptrain.storage.location import RunLocation
+
+    monkeypatch.setenv("DDPTRAIN_RUN_NAME", "ddptrain-77")
+    assert RunLocation.of(RunConfig(storage_path=str(tmp_path))).name == "ddptrain-77"
+    assert RunLocation.of(RunConfig(name="mine", storage_path=str(tmp_path))).name == "mine"
+    monkeypatch.setenv("DDPTRAIN_RUN_NAME", "../up")
+    with pytest.raises(ValueError, match="plain folder name"):
+        RunLocation.of(RunConfig(storage_path=str(tmp_path)))

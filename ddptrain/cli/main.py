@@ -23,6 +23,7 @@ from ddptrain.launch.fanout import each_host
 from ddptrain.launch.host_scripts import env_frame
 from ddptrain.launch.hosts import SLURM, HostSpec, is_local, parse_hosts, with_ssh_config
 from ddptrain.launch.slurm import allocation_hosts, node_address, prestart_command, route_source, srun_command
+from ddptrain.launch.slurm_submit import SlurmConfig, submit
 from ddptrain.launch.ssh_connect import connect, run_program
 from ddptrain.ray_compat import install as install_ray_compat
 from ddptrain.wire.boot import PIN, import_pins, versions
@@ -218,6 +219,38 @@ def run_script(script: str, args: list[str], hostfile: str | None = None) -> int
     return 0
 
 
+_SUBMIT_USAGE = "usage: ddptrain submit [sbatch options...] -- script.py [args...]"
+
+
+def submit_command(argv: list[str]) -> int:
+    """``ddptrain submit [sbatch options...] -- script.py [args...]``: the job's exit status."""
+    if "--" not in argv and argv[:1] and not argv[0].startswith("-"):  # no sbatch option: the script
+        argv = ["--", *argv]
+    if "--" not in argv:
+        if argv[:1] in (["-h"], ["--help"]):  # as argparse's --help
+            print(
+                f"{_SUBMIT_USAGE}\n\nThe options before `--` are sbatch's; `--signal` of your own turns off the "
+                "warning and the requeue. See docs/slurm.md ('From a login node')."
+            )
+            raise SystemExit(0)
+        print(f"{_SUBMIT_USAGE}\nddptrain submit: put `--` between sbatch's options and the script.", file=sys.stderr)
+        return 2
+    split = argv.index("--")
+    options, command = argv[:split], argv[split + 1 :]
+    if not command:
+        print(f"{_SUBMIT_USAGE}\nddptrain submit: no script after `--`.", file=sys.stderr)
+        return 2
+    signal_s = 0 if any(o.startswith("--signal") for o in options) else 120  # the user's own warning
+    try:
+        return submit(command, SlurmConfig(signal_s=signal_s, extra=options))
+    except DdpTrainError as exc:
+        print(f"ddptrain submit: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # a second Ctrl-C while the job is being cancelled
+        print("ddptrain submit: interrupted; check the job with `squeue --me`", file=sys.stderr)
+        return 130
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``ddptrain`` console script."""
     parser = argparse.ArgumentParser(prog="ddptrain", description="ddptrain tools")
@@ -238,6 +271,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     run.add_argument("script", help="the Python script")
     run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    sub.add_parser(
+        "submit",
+        help="submit a script to SLURM from a login node and follow its output: "
+        "ddptrain submit [sbatch options...] -- script.py [args...]",
+        description="Write a batch script that runs SCRIPT on the job's nodes (hosts='slurm'), submit it "
+        "with sbatch (the options before `--` are sbatch's), print its output as it runs, and exit with "
+        "its exit status. Ctrl-C cancels the job. SLURM's warning signal (--signal=B:USR1@120 unless "
+        "options say otherwise) stops the run with a final checkpoint and requeues the job, which resumes it.",
+        add_help=False,
+    )
     check = sub.add_parser("check", help="check SSH, Python, versions, GPUs, disk and the driver port on every host")
     check.add_argument(
         "hostfile", nargs="?", help="host file, or `slurm`: the allocation's nodes (default: $DDPTRAIN_HOSTFILE)"
@@ -278,6 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     dash.add_argument("storage", nargs="?", help="storage folder (default: $DDPTRAIN_STORAGE_PATH)")
     dash.add_argument("--port", type=int, default=dashboard.DEFAULT_PORT)
     dash.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["submit"]:
+        return submit_command(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "dashboard":
         return dashboard.serve(args.storage or _env.default_storage_path(), args.host, args.port)

@@ -11,6 +11,7 @@ disk, are never retried.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -75,6 +76,7 @@ class Controller:
         self.group: WorkerGroup | None = None
         self._next: tuple[Plan, Launcher] | None = None  # the next attempt's, started on a failure
         self._next_error: Exception | None = None  # why they could not start
+        self._dead_nodes: list[str] = []  # a fixed-size SLURM run's nodes lost in the last attempt
 
     def fit(self) -> Result:
         """Run the attempts; the Result of the one that succeeded.
@@ -166,7 +168,11 @@ class Controller:
         run = self.run
         if not run.scaling_config.elastic or not run.left_out:
             return None
-        hosts = [h for h in Plan.read_hosts(run.scaling_config) or [] if h.name in run.left_out]
+        # A SLURM node lost mid-run is not watched: SLURM takes a failed node out of the job (or
+        # ends the job), so it does not come back to this allocation.
+        hosts = [h for h in Plan.read_hosts(run.scaling_config) or [] if h.name in run.left_out and not h.srun]
+        if not hosts:
+            return None
         return self._new_watch(hosts, run.scaling_config.elastic_resize_monitor_interval_s).start()
 
     def _grow(self, resized: Resized, index: int) -> int:
@@ -247,6 +253,9 @@ class Controller:
         """
         assert self.group is not None
         left = self._leave_out_lost(failed)
+        self._dead_nodes = [] if self.run.scaling_config.elastic else self._lost_slurm_nodes(list(failed.failures))
+        if self._dead_nodes:  # a fixed-size run cannot go on without them: no new attempt on them
+            failed = dataclasses.replace(failed, retryable=False)
         if failed.retryable and self._next is None and self._budget_left(pending=1):
             self._start_next()
         self.group.shutdown()
@@ -293,6 +302,14 @@ class Controller:
         self.run.left_out = self.run.left_out | lost
         return new
 
+    def _lost_slurm_nodes(self, failures: list[WorkerFailure]) -> list[str]:
+        """The nodes of a SLURM allocation that stopped answering in the failed attempt: SLURM
+        takes a failed node out of the job or ends the job, so no later attempt can use them."""
+        lost = {f.exception.host for f in failures if isinstance(f.exception, HostLostError)}
+        if not lost:
+            return []
+        return sorted(h.name for h in Plan.read_hosts(self.run.scaling_config) or [] if h.srun and h.name in lost)
+
     def _still_lost(self, failures: list[WorkerFailure]) -> list[str]:
         """The hosts that stopped answering in the failed attempt and that the next attempt's
         agents could not reach during the teardown: they had one connect timeout to come back,
@@ -312,6 +329,14 @@ class Controller:
             error.args = (
                 f"{error.args[0]}\nA file system is full: the group was not restarted (FailureConfig does not "
                 "apply, every attempt would fail the same way until space is freed).",
+            )
+        elif self._dead_nodes:
+            names = ", ".join(repr(name) for name in self._dead_nodes)
+            error.args = (
+                f"{error.args[0]}\nNode {names} of the SLURM allocation stopped answering: the run was not "
+                f"restarted, it needs all its {self.run.plan.world_size} workers. Give `num_workers=(min, max)` "
+                "to go on without a lost node (and `--no-kill` to sbatch/salloc, so that SLURM keeps the job), "
+                "or run again in a new allocation to resume.",
             )
         elif self._next_error is not None:
             error.args = (f"{error.args[0]}\nThe next attempt could not start: {self._next_error}",)

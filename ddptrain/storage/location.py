@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ddptrain import _env
 from ddptrain.result import read_metric_lines
 from ddptrain.storage.layout import RunLayout
 from ddptrain.storage.remote import RemoteRoot
@@ -59,10 +60,10 @@ class RunLocation:
         remote = run_config._remote()
         if remote is None:
             storage_path = str(run_config._storage_root())
-            name = run_config.name or _fresh_name(storage_path)
+            name = run_config.name or _env.run_name() or _fresh_name(storage_path)
             run_dir = os.path.join(storage_path, name)
             return cls(name, storage_path, run_dir, run_dir, None)
-        name = run_config.name or _fresh_name(remote.display(), remote)
+        name = run_config.name or _env.run_name() or _fresh_name(remote.display(), remote)
         return cls(name, remote.display(), remote.cache_dir(name), remote.shown(remote.path(name)), remote)
 
 
