@@ -139,6 +139,104 @@ def test_a_killed_worker_restarts_the_group(slurm, script: Path, tmp_path: Path)
     assert "RESULT {'step': 2" in output
 
 
+COPY_BACK = r"""
+import glob, os, signal, sys, tempfile
+import ddptrain
+from ddptrain import Checkpoint, FailureConfig, RunConfig, ScalingConfig
+from ddptrain.torch import TorchTrainer
+
+def loop(config):
+    ctx = ddptrain.get_context()
+    rank, start = ctx.get_world_rank(), 0
+    if ddptrain.get_checkpoint() is not None:  # on n1 too: pushed into the node's staging folder
+        with ddptrain.get_checkpoint().as_directory() as d:
+            assert sorted(os.listdir(d)) == ["rank0", "rank1", "rank2", "rank3"], os.listdir(d)
+            start = int(open(os.path.join(d, "rank%d" % rank)).read()) + 1
+    for step in range(start, 3):
+        if rank == 3 and step == 1 and start == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        with tempfile.TemporaryDirectory() as d:
+            open(os.path.join(d, "rank%d" % rank), "w").write(str(step))
+            ddptrain.report({"step": step}, checkpoint=Checkpoint.from_directory(d))
+
+result = TorchTrainer(
+    loop,
+    scaling_config=ScalingConfig(num_workers=4, hosts="slurm"),
+    run_config=RunConfig(name="run", storage_path=sys.argv[1], failure_config=FailureConfig(max_failures=1)),
+).fit()
+print("RESULT", result.metrics, result.checkpoint.path, flush=True)
+"""
+
+
+def test_checkpoints_of_a_node_without_the_run_directory_are_copied_back_and_pushed_for_a_resume(
+    slurm, tmp_path: Path
+) -> None:
+    """n1 has a folder of its own where the driver keeps the run (a private mount in its mount
+    namespace): its ranks' checkpoint files come back to the driver through job steps, the
+    checkpoint to resume from goes to n1 the same way, and n1's staging folder is removed."""
+    storage = tmp_path / "runs"
+    storage.mkdir()
+    script = tmp_path / "copy_back.py"
+    script.write_text(COPY_BACK)
+    pid = str(slurm.slurmd_pid("n1"))
+    mounted = subprocess.run(["nsenter", "-t", pid, "-m", "mount", "-t", "tmpfs", "tmpfs", str(storage)], check=False)
+    assert mounted.returncode == 0
+    try:
+        done = slurm.run(
+            ["salloc", "-N2", "--ntasks-per-node=2", sys.executable, str(script), str(storage)],
+            timeout_s=180,
+            env=_env(),
+        )
+    finally:
+        subprocess.run(["nsenter", "-t", pid, "-m", "umount", str(storage)], check=False)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "SIGKILL" in output and (storage / "run" / "logs" / "attempt_1").is_dir()  # resumed once
+    index = json.loads((storage / "run" / "checkpoints.json").read_text())
+    last = storage / "run" / index["latest"]  # on the driver's disk, with n1's ranks' files
+    assert {f.name: f.read_text() for f in last.iterdir()} == {f"rank{r}": "2" for r in range(4)}
+    assert f"RESULT {{'step': 2}} {last}" in output
+    assert not list(Path("/tmp").glob(f"ddptrain-{_run_id(storage)}*"))  # n1's staging folder is gone
+
+
+NODE_FILES = r"""
+import os, sys
+from ddptrain.errors import LaunchError
+from ddptrain.launch.slurm_files import NodeFiles
+root = sys.argv[1]
+files = NodeFiles("n1", sys.executable)
+os.makedirs(os.path.join(root, "out", "sub"))
+open(os.path.join(root, "out", "sub", "a.bin"), "wb").write(bytes(range(256)) * 64)
+files.push_dir(os.path.join(root, "out"), os.path.join(root, "there"))
+files.fetch_dir(os.path.join(root, "there"), os.path.join(root, "back"))
+print("round trip", open(os.path.join(root, "back", "sub", "a.bin"), "rb").read() == bytes(range(256)) * 64,
+      os.path.exists(os.path.join(root, "there")))
+os.makedirs(os.path.join(root, "evil"))
+os.symlink("/etc/passwd", os.path.join(root, "evil", "link"))
+try:
+    files.fetch_dir(os.path.join(root, "evil"), os.path.join(root, "taken"))
+except LaunchError as exc:
+    print("refused:", exc, os.listdir(os.path.join(root, "taken")))
+"""
+
+
+def test_node_files_copy_bytes_unchanged_and_refuse_a_link(slurm, tmp_path: Path) -> None:
+    """A copy to a node and back keeps every byte value (the step's pipes are not a terminal)
+    and removes the node's folder; a node that sends a link (or any name that is not a plain
+    file or folder) is refused before anything of it is written."""
+    script = tmp_path / "files.py"
+    script.write_text(NODE_FILES)
+    done = slurm.run(["salloc", "-N2", sys.executable, str(script), str(tmp_path)], timeout_s=120, env=_env())
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "round trip True False" in done.stdout, done.stdout + done.stderr
+    assert "refused: node 'n1' sent 'link'" in done.stdout and "not a plain file" in done.stdout, done.stdout
+    assert done.stdout.rstrip().endswith("[]")  # nothing of it in the target folder
+
+
+def _run_id(storage: Path) -> str:
+    return json.loads((storage / "run" / "run.json").read_text())["run_id"]
+
+
 def _wait_running(storage: Path, proc: subprocess.Popen[str], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not (storage / "running").exists():

@@ -17,7 +17,8 @@ agent stops its workers when the driver's heartbeats stop or its stdin closes (t
 
 The driver runs where the script runs (the batch host under ``sbatch``, the login side under
 ``salloc``); its store listens on the address this machine routes to the nodes from
-(``DDPTRAIN_DRIVER_ADDRESS`` overrides it).
+(``DDPTRAIN_DRIVER_ADDRESS`` overrides it). A node that does not see the run directory keeps
+its checkpoint files in a staging folder, copied back through job steps (``slurm_files``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from ddptrain.errors import ConfigError, HostLostError, LaunchError
 from ddptrain.launch.agent_session import AgentSession, OutputSink
 from ddptrain.launch.host_scripts import PID_LINE, PRESTART, STAGING_PREFIX, STORAGE_PREP, env_frame, one_line
 from ddptrain.launch.hosts import HostSpec, slots_for_gpus
+from ddptrain.launch.slurm_files import NodeFiles
 from ddptrain.wire.agent_events import AgentEvent
 from ddptrain.wire.boot import agent_command, import_pins
 from ddptrain.wire.protocol import ALIVE_S, Bootstrap
@@ -393,6 +395,8 @@ class SlurmLauncher:
             self._session.shutdown(0)
             raise LaunchError(f"node {node!r}: cannot start the ddptrain agent: {exc}.", hosts=[node]) from None
         self._closed = False
+        self._cache: str | None = None  # the staging folder of a node that does not see the run directory
+        self._files = NodeFiles(node, python)
 
     def lost_error(self) -> HostLostError | None:
         lost = self._session.lost
@@ -416,11 +420,11 @@ class SlurmLauncher:
 
     def prepare_storage(self, probe: str, run_id: str) -> str | None:
         """``None`` when the node sees the run directory (checked on the node, in a step of its
-        own, as on an SSH host).
+        own, as on an SSH host); else the node's new private staging folder, where its workers
+        keep checkpoint files until the driver copies them back (``NodeFiles``).
 
         Raises:
-            LaunchError: The node does not see it (copying checkpoints back through a step is not
-                there yet), or the check failed.
+            LaunchError: The check failed, or the staging folder is not a private one of this user.
         """
         if not self._connection.pid_known.wait(_env.worker_start_timeout_s()):
             raise LaunchError(f"the ddptrain agent on node {self.node!r} did not start in time", hosts=[self.node])
@@ -456,18 +460,16 @@ class SlurmLauncher:
             raise LaunchError(f"node {self.node!r}: {answer['error']}", hosts=[self.node])
         if answer.get("shared"):
             return None
-        raise LaunchError(
-            f"node {self.node!r} does not see the run directory ({os.path.dirname(probe)}). On SLURM, "
-            "put `RunConfig(storage_path=...)` on a file system every node mounts (your home or a shared "
-            "scratch), or a cloud URI.",
-            hosts=[self.node],
-        )
+        self._cache = cache  # removed when the group shuts down
+        return cache
 
     def push_dir(self, local: str, remote: str) -> None:
-        raise LaunchError(f"node {self.node!r}: copying files to a node that does not see the run directory")
+        """Copy a folder of this machine to the node, through a job step (``NodeFiles``)."""
+        self._files.push_dir(local, remote)
 
     def fetch_dir(self, rank: int, remote: str, local: str) -> None:
-        raise LaunchError(f"node {self.node!r}: copying files from a node that does not see the run directory")
+        """Copy a folder of the node to this machine through a job step, then delete it there."""
+        self._files.fetch_dir(remote, local)
 
     def ask(self, command: bytes) -> None:
         self._session.ask(command)
@@ -480,3 +482,11 @@ class SlurmLauncher:
             return
         self._closed = True
         self._session.shutdown(grace_s)
+        if self._cache is not None:
+            if self.lost_error() is not None:  # the next run on the node removes it
+                _logger.info("ddptrain: %s stays on node %s, which stopped answering", self._cache, self.node)
+            else:
+                try:
+                    self._files.remove(self._cache)
+                except LaunchError as exc:
+                    _logger.warning("ddptrain: could not remove %s on node %s: %s", self._cache, self.node, exc)
