@@ -411,6 +411,7 @@ class _ChannelReports:
         if upload.mode is CheckpointUploadMode.ASYNC:
             if session.uploads is None:
                 session.uploads = CheckpointUploads(_env.max_pending_uploads())
+                channel.order_across_connections()  # the uploads send from a thread of their own
 
             def in_background() -> None:
                 try:

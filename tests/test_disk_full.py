@@ -181,7 +181,7 @@ def test_output_that_fills_the_disk_fails_fit_fast_and_the_run_resumes(
     failed = _fit_in_child(small_disk, loop)
     _assert_clear_disk_error(failed, small_disk)
     assert Path(failed["path"]).match(full_file), failed["path"]
-    assert failed["elapsed_s"] < 20, failed
+    assert failed["elapsed_s"] < 40, failed  # 31 s seen on a loaded machine; the fault is a hang
     print(f"fit() failed on the full disk after {failed['elapsed_s']:.1f} s: {failed['message'].splitlines()[0]}")
 
     filler.unlink()  # space is back: the same run resumes from its committed checkpoint
@@ -199,7 +199,7 @@ def test_checkpoint_that_fills_the_disk_fails_without_restarts_and_the_run_resum
     _assert_clear_disk_error(failed, small_disk)
     assert failed["type"] == "WorkerGroupError"  # staged by a worker
     assert "not restarted" in failed["message"]
-    assert failed["elapsed_s"] < 20, failed
+    assert failed["elapsed_s"] < 40, failed  # 31 s seen on a loaded machine; the fault is a hang
     run_dir = small_disk / "full"
     assert sorted(p.name for p in (run_dir / "logs").iterdir()) == ["attempt_0"]  # despite max_failures=3
     print(f"fit() failed on the full disk after {failed['elapsed_s']:.1f} s: {failed['message'].splitlines()[1]}")

@@ -173,6 +173,9 @@ class Outbox:
         self._numbers: dict[str, int] = {}
         self._pushed: dict[str, int] = {}  # messages whose push has returned, per queue
         self._lock = threading.Lock()  # numbers must reach the store in order
+        # Pushes are fire-and-forget: once two connections push (see `push`'s `store`), each push
+        # waits until the store has processed it, or a later one on the other could overtake it.
+        self.round_trip = False
         self._segment, self._segment_records, self._segment_bytes, self._segment_began = 0, 0, 0, 0.0
         self._segment_key = logs.segment(sender, 0) if logs is not None else ""
 
@@ -195,6 +198,8 @@ class Outbox:
                 for part, parts, piece in split(payload):
                     record = seal(self.secret, aad, self.sender, number, part, parts, 0, piece)
                     store.queue_push(key, record)
+            if self.round_trip:
+                store.check([key])  # answered after the writes above are processed
             self._pushed[key] = number + 1
 
     def _append(self, store: dist.TCPStore, number: int, payload: bytes) -> None:
@@ -302,6 +307,12 @@ class WorkerChannel:
     def send(self, obj: Any) -> None:
         """Send a sealed message to the driver."""
         self._outbox.push(self.keys.to_driver, obj, plain_pickle=True)
+
+    def order_across_connections(self) -> None:
+        """From now on every message is in the store before the next is sent: call it before
+        the first message that :meth:`send_aside` may follow (the two connections' writes
+        could otherwise reach the store out of order, and the driver would take one as lost)."""
+        self._outbox.round_trip = True
 
     def send_aside(self, obj: Any) -> None:
         """Send a message from another thread than the one that receives (a background
