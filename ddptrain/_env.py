@@ -110,6 +110,13 @@ def preemption_window_s() -> float:
     return value
 
 
+def warm_restarts() -> bool:
+    """Whether a restart after a worker failure forks the next attempt's workers from the
+    failed attempt's agents when they are alive (``DDPTRAIN_WARM_RESTARTS``, default 1; 0
+    starts new agents every time)."""
+    return os.environ.get("DDPTRAIN_WARM_RESTARTS", "1").strip() != "0"
+
+
 def store_connect_timeout_s() -> float:
     """Seconds a worker waits to connect to the driver's store."""
     return _float("DDPTRAIN_STORE_CONNECT_TIMEOUT_S", 60.0)

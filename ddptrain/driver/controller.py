@@ -235,6 +235,28 @@ class Controller:
             self._next_error = exc
             _logger.warning("ddptrain: could not start the next attempt's agents: %s", exc)
 
+    def _warm_next(self) -> tuple[Plan, Launcher] | None:
+        """The failed group's agents, reset for the next attempt (their workers and what those
+        started are gone), when the next plan runs on the same hosts and every agent is alive:
+        the next workers are forked from them, without a new SSH connection or torch import.
+        ``None``: new agents start (``DDPTRAIN_WARM_RESTARTS=0``, a host lost or changed, an
+        agent that died, was preempted, or did not answer the reset in time)."""
+        group = self.group
+        assert group is not None
+        if not _env.warm_restarts() or group.launcher is None:
+            return None
+        try:
+            plan = self.run.new_plan()
+        except (LaunchError, ConfigError):
+            return None
+        if plan.agents_key() != group.plan.agents_key():
+            return None
+        if not group.launcher.reset(_env.shutdown_grace_s() + 5.0):
+            return None
+        launcher, group.launcher = group.launcher, None  # kept: the group's shutdown leaves them
+        _logger.info("ddptrain: the next attempt's workers start from the last attempt's agents")
+        return plan, launcher
+
     def _restart(self, failed: Failed, index: int) -> int:
         """After attempt ``index`` failed: the number of the next one, its group started.
 
@@ -248,7 +270,9 @@ class Controller:
         assert self.group is not None
         left = self._leave_out_lost(failed)
         if failed.retryable and self._next is None and self._budget_left(pending=1):
-            self._start_next()
+            self._next = self._warm_next()
+            if self._next is None:
+                self._start_next()
         self.group.shutdown()
         self.group = None
         run = self.run

@@ -166,6 +166,12 @@ class Plan:
             ray_compat.installed(),
         )
 
+    def agents_key(self) -> tuple[Any, ...]:
+        """Two plans with equal keys run on the same agents: the same hosts in the same order,
+        with the same environment (a restart from warm agents keeps the last attempt's)."""
+        hosts = None if self.placement is None else [repr(host) for host in self.placement.hosts]
+        return (hosts, sorted(self.agent_env().items()), self.share_visible_gpus, tuple(sys.path), os.getcwd())
+
     # ----------------------------------------------------------------- starting agents
     def agent_env(self, remote: bool = False, host: HostSpec | None = None) -> dict[str, str]:
         """Environment of an agent and its workers: the driver's own for a local agent; for a

@@ -44,6 +44,10 @@ class Launcher(Protocol):
     def shutdown(self, grace_s: float) -> None:
         """Stop every worker: SIGTERM, then SIGKILL after ``grace_s``. Safe to call twice."""
 
+    def reset(self, timeout_s: float) -> bool:
+        """Stop every worker but keep the agents for the next :meth:`start` (a restart from warm
+        agents); ``False`` when one of them cannot be kept (the caller shuts them all down)."""
+
     def bind_address(self) -> str:
         """The address the driver's store listens on: the one these agents' workers use."""
 
@@ -63,6 +67,9 @@ class HostLauncher(Protocol):
 
     def shutdown(self, grace_s: float) -> None:
         """Stop the host's workers and agent. Safe to call twice."""
+
+    def reset(self, timeout_s: float) -> bool:
+        """Stop the host's workers, keep its agent for the next :meth:`start` (``AgentSession.reset``)."""
 
     def ask(self, command: bytes) -> None:
         """Send the agent a :class:`~ddptrain.protocol.Request`."""
@@ -200,6 +207,9 @@ class LocalLauncher:
     def shutdown(self, grace_s: float) -> None:
         self._session.shutdown(grace_s)
 
+    def reset(self, timeout_s: float) -> bool:
+        return self._session.reset(timeout_s)
+
     def prepare_storage(self, probe: str, run_id: str) -> None:
         return None
 
@@ -280,6 +290,8 @@ class GroupLauncher:
             HostLostError: A host stopped answering before its agent got its work (its ranks named).
             LaunchError: A host's agent or storage could not be started.
         """
+        self._by_rank.clear()
+        self.unshared_ranks.clear()
         for node, (launcher, address) in enumerate(self._launchers):
             workers = tuple(
                 dataclasses.replace(spec, env={**spec.env, "MASTER_ADDR": address})
@@ -306,3 +318,10 @@ class GroupLauncher:
         each_host(
             lambda launcher: launcher.shutdown(grace_s), [launcher for launcher, _ in self._launchers], grace_s + 10.0
         )
+
+    def reset(self, timeout_s: float) -> bool:
+        """Reset every host's agent at once; ``True`` only if each of them can be kept."""
+        results = each_host(
+            lambda launcher: launcher.reset(timeout_s), [launcher for launcher, _ in self._launchers], timeout_s + 5.0
+        )
+        return all(result is True for result in results)

@@ -469,6 +469,10 @@ class SlurmLauncher:
     def fetch_dir(self, rank: int, remote: str, local: str) -> None:
         raise LaunchError(f"node {self.node!r}: copying files from a node that does not see the run directory")
 
+    def reset(self, timeout_s: float) -> bool:
+        """Stop the workers and keep the agent for the next attempt (``AgentSession.reset``)."""
+        return not self._closed and self._session.reset(timeout_s)
+
     def ask(self, command: bytes) -> None:
         self._session.ask(command)
 
