@@ -156,6 +156,11 @@ class Controller:
                 index = self._grow(outcome, index)
                 continue
             notice = preemption.pending()
+            if notice is not None and notice.hosts is not None and self.run.scaling_config.elastic:
+                shrunk = self._shrink(outcome, notice, index)
+                if shrunk is not None:
+                    index = shrunk
+                    continue
             if not isinstance(outcome, Failed) or notice is not None:  # a failure in the window is not retried
                 self._stop_preempted(outcome, notice or outcome.notice)  # type: ignore[union-attr]
             assert isinstance(outcome, Failed)
@@ -195,6 +200,39 @@ class Controller:
         index += 1
         run.progress.say(
             f"ddptrain: attempt {index} starts from {resized.checkpoint.path} with {plan.world_size} workers", index
+        )
+        run.save_status("RESTARTING", attempt=index)
+        return index
+
+    def _shrink(self, outcome: Failed | Preempted | Resized, notice: preemption.Notice, index: int) -> int | None:
+        """Hosts of an elastic run are being preempted (a SIGTERM to their agents): the attempt
+        stopped at the checkpoint its workers reported after the notice (or at its deadline),
+        and the next one runs without those hosts, from the latest checkpoint: a resize, not a
+        failure. ``None`` when the other hosts cannot hold ``min_workers`` (or their agents
+        cannot start): the run then stops as preempted."""
+        assert self.group is not None
+        run = self.run
+        hosts = set(notice.hosts or ())
+        before = run.left_out
+        run.left_out = before | hosts
+        try:
+            plan = run.new_plan()
+            launcher = self._start_agents(plan)
+        except (LaunchError, ConfigError) as exc:
+            _logger.warning("ddptrain: the run cannot go on without host(s) %s: %s", ", ".join(sorted(hosts)), exc)
+            run.left_out = before
+            return None
+        self.group.shutdown()
+        self.group = None
+        run.clean_after_failure(list(outcome.failures) if isinstance(outcome, Failed) else [])
+        preemption.clear()
+        why = f"host(s) {', '.join(sorted(hosts))} preempted ({notice.reason})"
+        run.use_plan(plan, index + 1, why)
+        self.group = self._new_group(plan, launcher)
+        index += 1
+        run.progress.say(
+            f"ddptrain: attempt {index} starts from {run.latest_path or 'scratch'} with {plan.world_size} workers",
+            index,
         )
         run.save_status("RESTARTING", attempt=index)
         return index
