@@ -173,3 +173,44 @@ def test_a_sigterm_to_one_hosts_agent_resizes_the_run_without_that_host(
     first, last = by_attempt[0], by_attempt[1]
     assert first == list(range(len(first))) and last[0] in (first[-1], first[-1] + 1), by_attempt
     assert last == list(range(last[0], last[0] + 3)) and result.metrics["step"] == last[-1], by_attempt
+
+
+def _return_world() -> int:
+    return train.get_context().get_world_size()
+
+
+@pytest.mark.timeout(180)
+def test_a_run_waits_for_min_workers_within_a_bound(
+    make_netns: Any, storage: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hosts = make_netns(count=2)
+    monkeypatch.setenv("DDPTRAIN_SSH_CONNECT_TIMEOUT_S", "2")
+    monkeypatch.setenv("DDPTRAIN_ELASTIC_MIN_WORKERS_TIMEOUT_S", "3")
+
+    def fit(name: str) -> train.Result:
+        return TorchTrainer(
+            _return_world,
+            scaling_config=train.ScalingConfig(num_workers=(2, 2), hosts=["n0 slots=1", "n1 slots=1"]),
+            run_config=train.RunConfig(name=name, storage_path=storage),
+        ).fit()
+
+    hosts.set_link(1, False)
+    try:
+        # n1 never answers: a clear error once the wait for it is over, not at once, not never.
+        started = time.monotonic()
+        with pytest.raises(train.LaunchError) as error:
+            fit("never")
+        took = time.monotonic() - started
+        message = str(error.value)
+        assert "needs at least 2 workers" in message and "Waited 3 s for host(s) n1" in message, message
+        assert "DDPTRAIN_ELASTIC_MIN_WORKERS_TIMEOUT_S" in message, message
+        assert 3 <= took < 30, took
+
+        # n1 answers again during the wait: the run starts with both hosts.
+        monkeypatch.setenv("DDPTRAIN_ELASTIC_MIN_WORKERS_TIMEOUT_S", "60")
+        timer = threading.Timer(1.0, hosts.set_link, (1, True))
+        timer.start()
+        assert fit("back").return_values == [2, 2]
+        timer.join()
+    finally:
+        hosts.set_link(1, True)

@@ -19,7 +19,7 @@ from typing import Any
 from ddptrain import _env
 from ddptrain.driver import preemption
 from ddptrain.driver.attempt import Attempt, Failed, Preempted, Resized, Succeeded
-from ddptrain.driver.elastic import HostWatch
+from ddptrain.driver.elastic import HostWatch, answering
 from ddptrain.driver.plan import Plan
 from ddptrain.driver.run import Run
 from ddptrain.driver.warm import keeps_warm, put_warm, take_warm
@@ -75,6 +75,7 @@ class Controller:
         self.group: WorkerGroup | None = None
         self._next: tuple[Plan, Launcher] | None = None  # the next attempt's, started on a failure
         self._next_error: Exception | None = None  # why they could not start
+        self._min_wait_until: float | None = None  # an elastic run waits for min_workers until then
 
     def fit(self) -> Result:
         """Run the attempts; the Result of the one that succeeded.
@@ -125,7 +126,7 @@ class Controller:
                 _logger.warning("ddptrain: leaving out host(s) %s: %s", ", ".join(sorted(unreachable)), exc)
                 run.left_out = run.left_out | unreachable
                 why = f"host(s) {', '.join(sorted(unreachable))} left out (their agents could not start)"
-                run.use_plan(run.new_plan(), index, why)  # raises LaunchError below min_workers
+                run.use_plan(self._plan_with_min_workers(), index, why)
 
     def _attempts(self, index: int) -> tuple[list[Any], bool]:
         """Attempt after attempt from number ``index``: the return values of the one that
@@ -133,6 +134,7 @@ class Controller:
         while True:
             assert self.group is not None
             self.run.save_status("RUNNING", attempt=index)
+            self._min_wait_until = None  # a later wait for min_workers has a bound of its own
             watch = self._watch()
             attempt = Attempt(
                 self.run.attempt_context(index),
@@ -264,9 +266,49 @@ class Controller:
         that is being torn down and not counted yet)."""
         return self.max_failures == -1 or len(self.root_causes) + pending <= self.max_failures
 
-    def _start_next(self) -> None:
+    def _plan_with_min_workers(self) -> Plan:
+        """The next plan. When the hosts an elastic run has not left out cannot hold
+        ``min_workers``, wait for left-out hosts to answer again (their SSH port, every second),
+        up to ``DDPTRAIN_ELASTIC_MIN_WORKERS_TIMEOUT_S`` from the first such wait of the attempt
+        to come; hosts that answer are taken back (their agents may still fail to start: then
+        they are left out again, within the same bound).
+
+        Raises:
+            LaunchError: Still too few workers at the end of the wait (what it waited for is said).
+        """
+        run = self.run
+        while True:
+            try:
+                return run.new_plan()
+            except LaunchError as exc:
+                if not run.scaling_config.elastic or not run.left_out:
+                    raise
+                timeout_s = _env.elastic_min_workers_timeout_s()
+                now = self._clock()
+                if self._min_wait_until is None:
+                    self._min_wait_until = now + timeout_s
+                    run.progress.say(
+                        f"ddptrain: waiting up to {timeout_s:g} s for host(s) {', '.join(sorted(run.left_out))} to "
+                        f"answer again: {exc}"
+                    )
+                left_s = self._min_wait_until - now
+                if left_s <= 0:
+                    raise LaunchError(
+                        f"{exc} Waited {timeout_s:g} s for host(s) {', '.join(sorted(run.left_out))} to answer again "
+                        "(DDPTRAIN_ELASTIC_MIN_WORKERS_TIMEOUT_S).",
+                        hosts=sorted(run.left_out),
+                    ) from None
+                hosts = [h for h in Plan.read_hosts(run.scaling_config) or [] if h.name in run.left_out]
+                back = answering(hosts, min(_env.ssh_connect_timeout_s(), left_s, 1.0))
+                if back:
+                    _logger.warning("ddptrain: host(s) %s answer again; taking them back", ", ".join(back))
+                    run.left_out = run.left_out - set(back)
+                else:
+                    time.sleep(min(1.0, max(0.0, self._min_wait_until - self._clock())))
+
+    def _start_next(self, wait: bool = False) -> None:
         try:
-            plan = self.run.new_plan()
+            plan = self._plan_with_min_workers() if wait else self.run.new_plan()
             self._next = (plan, self._start_agents(plan))
             self._next_error = None
         except (LaunchError, ConfigError) as exc:  # tried once more when the group is down
@@ -321,7 +363,7 @@ class Controller:
         run.after_exception(failures)
         if failed.retryable and self._budget_left():
             if self._next is None and not self._still_lost(failures):  # not started early, or that failed: once more
-                self._start_next()
+                self._start_next(wait=True)
             if self._next is not None:
                 plan, launcher = self._next
                 self._next = None
