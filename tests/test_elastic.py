@@ -173,6 +173,11 @@ def test_a_sigterm_to_one_hosts_agent_resizes_the_run_without_that_host(
     first, last = by_attempt[0], by_attempt[1]
     assert first == list(range(len(first))) and last[0] in (first[-1], first[-1] + 1), by_attempt
     assert last == list(range(last[0], last[0] + 3)) and result.metrics["step"] == last[-1], by_attempt
+    # The world size of each report, next to the reports as they were made (no key added to them).
+    sizes = [line["world_size"] for line in lines]
+    assert result.report_world_sizes == sizes and sizes[0] == 2 and sizes[-1] == 1, (result.report_world_sizes, sizes)
+    assert all(set(m) == {"step"} for m in result.metrics_history)
+    assert train.Result.from_path(Path(storage) / "spot").report_world_sizes == sizes
 
 
 def _return_world() -> int:
