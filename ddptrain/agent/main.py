@@ -4,6 +4,8 @@ Started with :func:`agent_command`. It imports torch once, reads one
 :class:`~ddptrain.protocol.Bootstrap` frame from stdin, forks one worker per local rank, and
 then relays every worker's stdout/stderr and exit status to stdout as frames
 (``ddptrain.agent.relay``; frames and events: ``ddptrain.wire.protocol``, ``ddptrain.wire.agent_events``).
+When the driver restarts the group from warm agents (``Request.RESET``), the agent kills its
+workers and what they started, says ``AgentIdle``, and starts the next bootstrap's workers.
 It kills all its workers when stdin closes (the driver died or the SSH connection dropped), when
 the driver sends ``Request.KILL``, or on an SSH host when the driver's heartbeats stop; every
 worker dies with it through ``PR_SET_PDEATHSIG``.

@@ -147,9 +147,7 @@ def _reaped(child: Child) -> bool:
     return True
 
 
-def relay(
-    out_fd: int, stdin_fd: int, children: list[Child], grace_s: float, heartbeat_s: float | None = None
-) -> bool:
+def relay(out_fd: int, stdin_fd: int, children: list[Child], grace_s: float, heartbeat_s: float | None = None) -> bool:
     """Relay the workers' output and exits until every worker exited; kill them all when the
     driver is gone, asks to stop, or (``heartbeat_s``) is silent that long. ``True`` when the
     driver asked for a reset (``Request.RESET``): every worker was killed, and the agent is to

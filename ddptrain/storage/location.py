@@ -110,9 +110,7 @@ def load_earlier(where: RunLocation, checkpoints: CheckpointManager, mirror: Run
     metrics = [line["metrics"] for line in lines]
     attempts = [a for a in (line.get("attempt") for line in lines) if isinstance(a, int) and not isinstance(a, bool)]
     world_sizes = [int(line.get("world_size", 1)) for line in lines]
-    earlier = Earlier(
-        metrics, max(attempts, default=-1), max(0, checkpoints.report_index - len(metrics)), world_sizes
-    )
+    earlier = Earlier(metrics, max(attempts, default=-1), max(0, checkpoints.report_index - len(metrics)), world_sizes)
     if earlier.lost_reports:
         _logger.warning(
             "ddptrain: %s has %d reports but the checkpoint index records report #%d; reports are numbered on from #%d",
