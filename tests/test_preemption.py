@@ -46,7 +46,10 @@ SCRIPT = textwrap.dedent(
                     seen = {"ranks": info.preempted_ranks, "reason": info.reason, "deadline_ms": info.deadline_ms}
                     saved = train.Checkpoint.from_directory(folder) if rank == 0 else None
                     train.report({"step": step, "notice": seen}, checkpoint=saved)
-                time.sleep(30)  # the driver stops the group once the checkpoint is committed
+                if rank == 0:  # the driver stops the group once the checkpoint is committed
+                    time.sleep(30)
+                # The other ranks go on: one that got the notice a step before rank 0 reaches the
+                # round of rank 0's checkpoint all the same (a sleep here could hold it back).
             if step == start + 2 and rank == 0 and config["ready"]:
                 with open(config["ready"], "w") as f:
                     f.write(str(os.getppid()))  # the agent's pid

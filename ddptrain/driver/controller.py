@@ -187,7 +187,7 @@ class Controller:
         why = f"host(s) {', '.join(resized.hosts)} came back"
         try:
             plan = run.new_plan()
-            launcher = self._start_agents(plan)
+            launcher = self._warm_launcher(plan) or self._start_agents(plan)
         except (LaunchError, ConfigError) as exc:
             _logger.warning("ddptrain: host(s) %s answer but cannot run workers: %s", ", ".join(resized.hosts), exc)
             run.left_out = run.left_out | set(resized.hosts)
@@ -219,7 +219,7 @@ class Controller:
         run.left_out = before | hosts
         try:
             plan = run.new_plan()
-            launcher = self._start_agents(plan)
+            launcher = self._warm_launcher(plan) or self._start_agents(plan)
         except (LaunchError, ConfigError) as exc:
             _logger.warning("ddptrain: the run cannot go on without host(s) %s: %s", ", ".join(sorted(hosts)), exc)
             run.left_out = before
@@ -321,21 +321,39 @@ class Controller:
         the next workers are forked from them, without a new SSH connection or torch import.
         ``None``: new agents start (``DDPTRAIN_WARM_RESTARTS=0``, a host lost or changed, an
         agent that died, was preempted, or did not answer the reset in time)."""
-        group = self.group
-        assert group is not None
-        if not _env.warm_restarts() or group.launcher is None:
-            return None
         try:
             plan = self.run.new_plan()
         except (LaunchError, ConfigError):
             return None
-        if plan.agents_key() != group.plan.agents_key():
+        launcher = self._warm_launcher(plan)
+        return None if launcher is None else (plan, launcher)
+
+    def _warm_launcher(self, plan: Plan) -> Launcher | None:
+        """The agents of ``plan``: those of the current group that run on its hosts and can be
+        kept (reset), and new ones for its other hosts (``None``: none kept; see
+        :meth:`_warm_next`). Over a host list each host's agent is kept or not on its own: a
+        lost host costs only its replacement's start."""
+        group = self.group
+        assert group is not None
+        old = group.launcher
+        if not _env.warm_restarts() or old is None:
             return None
-        if not group.launcher.reset(_env.shutdown_grace_s() + 5.0):
+        timeout_s = _env.shutdown_grace_s() + 5.0
+        if plan.placement is not None and group.plan.placement is not None and hasattr(old, "take"):
+            kept = old.take({plan.host_key(host) for host in plan.placement.hosts}, timeout_s)
+            if not kept:
+                return None
+            _logger.info("ddptrain: the next attempt keeps the agents of %d host(s)", len(kept))
+            try:
+                return plan.new_launcher(kept)
+            except LaunchError as exc:
+                _logger.warning("ddptrain: could not start the next attempt's other agents: %s", exc)
+                return None
+        if plan.agents_key() != group.plan.agents_key() or not old.reset(timeout_s):
             return None
-        launcher, group.launcher = group.launcher, None  # kept: the group's shutdown leaves them
+        group.launcher = None  # kept: the group's shutdown leaves them
         _logger.info("ddptrain: the next attempt's workers start from the last attempt's agents")
-        return plan, launcher
+        return old
 
     def _restart(self, failed: Failed, index: int) -> int:
         """After attempt ``index`` failed: the number of the next one, its group started.

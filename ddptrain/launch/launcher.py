@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable, Collection
-from typing import IO, Protocol
+from typing import IO, Any, Protocol
 
 from ddptrain.errors import HostLostError
 from ddptrain.launch import forkserver
@@ -247,7 +247,9 @@ class GroupLauncher:
         launchers: ``(launcher, store address as seen from that host)`` by node rank.
     """
 
-    def __init__(self, launchers: list[tuple[HostLauncher, str]]) -> None:
+    def __init__(self, launchers: list[tuple[HostLauncher, str]], keys: list[Any] | None = None) -> None:
+        # Each host's launcher as given, by its key (``Plan.host_key``): kept for a later group.
+        self._given = dict(zip(keys, launchers, strict=True)) if keys is not None else {}
         self._launchers = launchers
         self._bind = _bind_address([address for _, address in launchers])
         if not _is_loopback(self._bind):  # local agents reach the store at that address too
@@ -318,6 +320,17 @@ class GroupLauncher:
         each_host(
             lambda launcher: launcher.shutdown(grace_s), [launcher for launcher, _ in self._launchers], grace_s + 10.0
         )
+
+    def take(self, keys: set[Any], timeout_s: float) -> dict[Any, tuple[HostLauncher, str]]:
+        """Reset the agents of the hosts whose keys are in ``keys`` (at once) and hand over
+        those that can be kept, by key: this group's :meth:`shutdown` leaves them alone."""
+        wanted = [(key, pair) for key, pair in self._given.items() if key in keys]
+        results = each_host(lambda item: item[1][0].reset(timeout_s), wanted, timeout_s + 5.0)
+        kept = {key: pair for (key, pair), ok in zip(wanted, results, strict=True) if ok is True}
+        taken = {id(pair[0]) for pair in kept.values()}
+        self._launchers = [pair for pair in self._launchers if id(pair[0]) not in taken]
+        self._given = {key: pair for key, pair in self._given.items() if key not in kept}
+        return kept
 
     def reset(self, timeout_s: float) -> bool:
         """Reset every host's agent at once; ``True`` only if each of them can be kept."""
