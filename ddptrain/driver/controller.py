@@ -320,7 +320,11 @@ class Controller:
         started are gone), when the next plan runs on the same hosts and every agent is alive:
         the next workers are forked from them, without a new SSH connection or torch import.
         ``None``: new agents start (``DDPTRAIN_WARM_RESTARTS=0``, a host lost or changed, an
-        agent that died, was preempted, or did not answer the reset in time)."""
+        agent that died, was preempted, or did not answer the reset in time).
+
+        Raises:
+            LaunchError: Agents were kept, but those of the plan's other hosts could not start.
+        """
         try:
             plan = self.run.new_plan()
         except (LaunchError, ConfigError):
@@ -332,7 +336,11 @@ class Controller:
         """The agents of ``plan``: those of the current group that run on its hosts and can be
         kept (reset), and new ones for its other hosts (``None``: none kept; see
         :meth:`_warm_next`). Over a host list each host's agent is kept or not on its own: a
-        lost host costs only its replacement's start."""
+        lost host costs only its replacement's start.
+
+        Raises:
+            LaunchError: The new agents could not start (the kept ones are shut down).
+        """
         group = self.group
         assert group is not None
         old = group.launcher
@@ -344,11 +352,7 @@ class Controller:
             if not kept:
                 return None
             _logger.info("ddptrain: the next attempt keeps the agents of %d host(s)", len(kept))
-            try:
-                return plan.new_launcher(kept)
-            except LaunchError as exc:
-                _logger.warning("ddptrain: could not start the next attempt's other agents: %s", exc)
-                return None
+            return plan.new_launcher(kept)  # a LaunchError: the kept agents were shut down too
         if plan.agents_key() != group.plan.agents_key() or not old.reset(timeout_s):
             return None
         group.launcher = None  # kept: the group's shutdown leaves them
@@ -368,9 +372,14 @@ class Controller:
         assert self.group is not None
         left = self._leave_out_lost(failed)
         if failed.retryable and self._next is None and self._budget_left(pending=1):
-            self._next = self._warm_next()
-            if self._next is None:
-                self._start_next()
+            try:
+                self._next = self._warm_next()
+            except LaunchError as exc:  # a host's new agent could not start: not tried twice now
+                self._next_error = exc
+                _logger.warning("ddptrain: could not start the next attempt's agents: %s", exc)
+            else:
+                if self._next is None:
+                    self._start_next()
         self.group.shutdown()
         self.group = None
         run = self.run
