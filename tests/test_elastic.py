@@ -136,9 +136,7 @@ def _steps_until_alone(config: dict) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_a_sigterm_to_one_hosts_agent_resizes_the_run_without_that_host(
-    ssh: Any, storage: str, tmp_path: Path
-) -> None:
+def test_a_sigterm_to_one_hosts_agent_resizes_the_run_without_that_host(ssh: Any, storage: str, tmp_path: Path) -> None:
     agent_file = tmp_path / "agent"
 
     def preempt_h1() -> None:
