@@ -110,6 +110,23 @@ def preemption_window_s() -> float:
     return value
 
 
+def elastic_min_workers_timeout_s() -> float:
+    """How long an elastic run whose available hosts cannot hold ``min_workers`` waits for hosts
+    it left out to answer again before it fails (``DDPTRAIN_ELASTIC_MIN_WORKERS_TIMEOUT_S``,
+    default 120 s; 0 fails at once)."""
+    value = _float("DDPTRAIN_ELASTIC_MIN_WORKERS_TIMEOUT_S", 120.0)
+    if value < 0:
+        raise ValueError(f"`DDPTRAIN_ELASTIC_MIN_WORKERS_TIMEOUT_S` must be >= 0 (seconds), got {value:g}.")
+    return value
+
+
+def warm_restarts() -> bool:
+    """Whether a restart after a worker failure forks the next attempt's workers from the
+    failed attempt's agents when they are alive (``DDPTRAIN_WARM_RESTARTS``, default 1; 0
+    starts new agents every time)."""
+    return os.environ.get("DDPTRAIN_WARM_RESTARTS", "1").strip() != "0"
+
+
 def store_connect_timeout_s() -> float:
     """Seconds a worker waits to connect to the driver's store."""
     return _float("DDPTRAIN_STORE_CONNECT_TIMEOUT_S", 60.0)

@@ -35,7 +35,11 @@ class Result:
         error: The error the run failed with (``fit()`` raises it; set on results rebuilt
             with :meth:`from_path` never).
         path: The run directory (``None`` in local mode).
-        metrics_history: Rank 0's metrics of every report, oldest first.
+        metrics_history: Rank 0's metrics of every report, oldest first, as reported (ddptrain
+            adds no keys to them, as Ray Train V2).
+        report_world_sizes: The world size of each report of ``metrics_history`` (same order):
+            an elastic run's attempts may run on fewer or more workers (``metrics.jsonl`` has
+            it as each line's ``world_size``).
         best_checkpoints: The ``CheckpointConfig.num_to_keep`` best checkpoints (all kept
             ones without ``num_to_keep``) with their metrics, worst first and best last by
             the score (oldest first without a score attribute). As in Ray Train, the latest
@@ -49,6 +53,7 @@ class Result:
     error: BaseException | None = None
     path: str | None = None
     metrics_history: list[dict[str, Any]] = field(default_factory=list)
+    report_world_sizes: list[int] = field(default_factory=list)
     best_checkpoints: list[tuple[Checkpoint, dict[str, Any]]] = field(default_factory=list)
     return_value: Any = None
     return_values: list[Any] = field(default_factory=list)
@@ -114,13 +119,16 @@ class Result:
                 cannot be read.
         """
         with open_result_run(os.fspath(path), storage_filesystem) as view:
-            history = [line["metrics"] for line in view.metric_lines()]
+            lines = list(view.metric_lines())
+            history = [line["metrics"] for line in lines]
+            world_sizes = [int(line.get("world_size", 1)) for line in lines]
             manager = view.checkpoints()
         return cls(
             metrics=history[-1] if history else None,
             checkpoint=manager.latest,
             path=view.shown,
             metrics_history=history,
+            report_world_sizes=world_sizes,
             best_checkpoints=manager.best_checkpoints(),
             _storage_filesystem=None if view.remote is None else view.remote.fs,
         )

@@ -1,7 +1,12 @@
-"""Preemption notices with real processes: a SIGTERM to the driver (run as a script, as a spot
-instance's or a scheduler's notice reaches it) or to a host's agent. The workers see a
+"""Preemption notices with real processes: a SIGTERM to a host's agent, then to the driver (run
+as a script, as a spot instance's or a scheduler's notice reaches it). The workers see a
 ``PreemptionInfo``, their final checkpoint is committed, ``run.json`` says PREEMPTED, ``fit()``
-raises ``RunPreemptedError``, and a rerun by name continues from that checkpoint."""
+raises ``RunPreemptedError``, and a rerun by name continues from that checkpoint.
+
+One driver process runs the three ``fit()`` calls (preempted through its agent, resumed and
+preempted through the driver, resumed to the end), as a script that catches
+``RunPreemptedError`` and calls ``fit()`` again would: one interpreter and torch import, and
+the local agents come from its fork server, which keeps the test short."""
 
 from __future__ import annotations
 
@@ -18,8 +23,9 @@ import pytest
 
 SCRIPT = textwrap.dedent(
     """
-    import json, os, sys, tempfile, time
+    import contextlib, io, json, os, shutil, sys, tempfile, time
     import ddptrain as train
+    from ddptrain.cli.main import main as cli
 
     def loop(config):
         ctx = train.get_context()
@@ -44,94 +50,99 @@ SCRIPT = textwrap.dedent(
                     time.sleep(30)
                 # The other ranks go on: one that got the notice a step before rank 0 reaches the
                 # round of rank 0's checkpoint all the same (a sleep here could hold it back).
-            if step == 2 and rank == 0:
+            if step == start + 2 and rank == 0 and config["ready"]:
                 with open(config["ready"], "w") as f:
                     f.write(str(os.getppid()))  # the agent's pid
             time.sleep(0.1)
 
-    if __name__ == "__main__":
-        storage, steps, ready = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-        result = train.DataParallelTrainer(
+    def fit(storage, steps, ready):
+        return train.DataParallelTrainer(
             loop,
             train_loop_config={"steps": steps, "ready": ready},
             scaling_config=train.ScalingConfig(num_workers=2),
             run_config=train.RunConfig(name="spot", storage_path=storage),
         ).fit()
-        print("steps", [m["step"] for m in result.metrics_history], flush=True)
+
+    if __name__ == "__main__":
+        storage, out = sys.argv[1], sys.argv[2]
+        run_dir = os.path.join(storage, "spot")
+        for phase in (0, 1):  # the test sends SIGTERM once `ready-<phase>` exists
+            try:
+                fit(storage, 1000, os.path.join(out, f"ready-{phase}"))
+                raise SystemExit("not preempted")
+            except train.RunPreemptedError as exc:
+                print(f"phase {phase}: {type(exc).__name__}: {exc}", flush=True)
+                with open(os.path.join(exc.checkpoint.path, "state.json")) as f:
+                    final = json.load(f)["step"]
+            shown = io.StringIO()
+            with contextlib.redirect_stdout(shown):
+                cli(["show", run_dir])
+            with open(os.path.join(out, f"show-{phase}.txt"), "w") as f:
+                f.write(shown.getvalue())
+            shutil.copy(os.path.join(run_dir, "run.json"), os.path.join(out, f"run-{phase}.json"))
+        result = fit(storage, final + 4, "")
+        print("steps", json.dumps([m["step"] for m in result.metrics_history]), flush=True)
     """
 )
 
 
-def _start(tmp_path: Path, storage: str, steps: int) -> tuple[subprocess.Popen[str], Path]:
+def _wait_for(proc: subprocess.Popen[str], path: Path, what: str, timeout_s: float = 60.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists() or not path.read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            out, _ = proc.communicate()
+            raise AssertionError(f"{what} never happened:\n{out}")
+        time.sleep(0.05)
+    return path.read_text()
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_to_an_agent_then_to_the_driver_commits_final_checkpoints_and_reruns_resume(
+    tmp_path: Path, storage: str
+) -> None:
     script = tmp_path / "driver.py"
     script.write_text(SCRIPT)
-    ready = tmp_path / "ready"
-    ready.unlink(missing_ok=True)
+    out = tmp_path / "out"
+    out.mkdir()
     env = {**os.environ, "DDPTRAIN_PREEMPTION_WINDOW_S": "20"}
     proc = subprocess.Popen(
-        [sys.executable, str(script), storage, str(steps), str(ready)],
+        [sys.executable, str(script), storage, str(out)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         env=env,
     )
-    return proc, ready
-
-
-def _wait_ready(proc: subprocess.Popen[str], ready: Path, timeout_s: float = 60.0) -> int:
-    deadline = time.monotonic() + timeout_s
-    while not ready.exists() or not ready.read_text():
-        if proc.poll() is not None or time.monotonic() > deadline:
+    try:
+        finals = []
+        for phase, target in enumerate(("agent", "driver")):
+            agent = int(_wait_for(proc, out / f"ready-{phase}", f"phase {phase}'s step 2"))
+            sent = time.monotonic()
+            os.kill(agent if target == "agent" else proc.pid, signal.SIGTERM)
+            run = json.loads(_wait_for(proc, out / f"run-{phase}.json", f"phase {phase}'s preemption"))
+            took = time.monotonic() - sent
+            # Not the 20 s window, not the workers' 30 s sleep (the show command is in `took` too).
+            assert took < 15, f"the run took {took:.1f} s to stop after its final checkpoint"
+            assert run["status"] == "PREEMPTED"
+            checkpoint = run["preempted"]["checkpoint"]
+            assert checkpoint is not None and os.path.isdir(checkpoint)
+            finals.append(json.loads(Path(checkpoint, "state.json").read_text())["step"])
+            shown = (out / f"show-{phase}.txt").read_text()
+            assert "PREEMPTED" in shown and f"preempted: SIGTERM to the {target}" in shown, shown
+        out_text, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
             proc.kill()
-            out, _ = proc.communicate()
-            raise AssertionError(f"the run never reached step 2:\n{out}")
-        time.sleep(0.05)
-    return int(ready.read_text())
-
-
-def _preempted_then_resumed(tmp_path: Path, storage: str, send_sigterm: str) -> None:
-    proc, ready = _start(tmp_path, storage, steps=1000)
-    agent = _wait_ready(proc, ready)
-    sent = time.monotonic()
-    os.kill(proc.pid if send_sigterm == "driver" else agent, signal.SIGTERM)
-    out, _ = proc.communicate(timeout=60)
-    took = time.monotonic() - sent
-    assert proc.returncode != 0, out
-    assert "RunPreemptedError: Run 'spot' was preempted" in out, out
-    assert took < 15, f"the run took {took:.1f} s to stop after its final checkpoint"  # not the 20 s window, not 30 s
+            proc.communicate()
+    assert proc.returncode == 0, out_text
+    assert out_text.count("RunPreemptedError: Run 'spot' was preempted") == 2, out_text
     run_dir = Path(storage) / "spot"
-    run = json.loads((run_dir / "run.json").read_text())
-    assert run["status"] == "PREEMPTED"
-    checkpoint = run["preempted"]["checkpoint"]
-    assert checkpoint is not None and os.path.isdir(checkpoint)
-    final = json.loads(Path(checkpoint, "state.json").read_text())["step"]
     reports = [json.loads(line)["metrics"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    notice = next(r["notice"] for r in reports if "notice" in r)
-    assert notice["ranks"] == [0, 1] and notice["deadline_ms"] > time.time() * 1000 - 60_000
-    assert ("driver" if send_sigterm == "driver" else "agent") in notice["reason"]
-
-    shown = subprocess.run(
-        [sys.executable, "-m", "ddptrain", "show", str(run_dir)], capture_output=True, text=True, timeout=60
-    )
-    assert "PREEMPTED" in shown.stdout and "preempted: SIGTERM" in shown.stdout, shown.stdout + shown.stderr
-
-    # A rerun by name continues from the final checkpoint: the step after it comes next.
-    proc, ready = _start(tmp_path, storage, steps=final + 4)
-    out, _ = proc.communicate(timeout=90)
-    assert proc.returncode == 0, out
-    steps = json.loads(out.split("steps", 1)[1].strip().splitlines()[0])
-    resumed = steps[len(reports) :]
-    assert resumed == list(range(final + 1, final + 4)), (steps, final)
+    notices = [r["notice"] for r in reports if "notice" in r]
+    assert [n["ranks"] for n in notices] == [[0, 1], [0, 1]], notices
+    assert "agent" in notices[0]["reason"] and "driver" in notices[1]["reason"], notices
+    assert all(n["deadline_ms"] > time.time() * 1000 - 120_000 for n in notices)
+    # Each rerun continues from the final checkpoint: every step once, none skipped, none repeated.
+    steps = json.loads(out_text.split("steps", 1)[1].strip().splitlines()[0])
+    assert finals[0] < finals[1] and steps == list(range(finals[1] + 4)), (steps, finals)
     assert json.loads((run_dir / "run.json").read_text())["status"] == "FINISHED"
-
-
-@pytest.mark.timeout(240)
-def test_sigterm_to_the_driver_commits_a_final_checkpoint_and_a_rerun_resumes_from_it(
-    tmp_path: Path, storage: str
-) -> None:
-    _preempted_then_resumed(tmp_path, storage, "driver")
-
-
-@pytest.mark.timeout(240)
-def test_sigterm_to_a_hosts_agent_is_a_preemption_notice_too(tmp_path: Path, storage: str) -> None:
-    _preempted_then_resumed(tmp_path, storage, "agent")

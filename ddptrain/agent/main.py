@@ -4,6 +4,8 @@ Started with :func:`agent_command`. It imports torch once, reads one
 :class:`~ddptrain.protocol.Bootstrap` frame from stdin, forks one worker per local rank, and
 then relays every worker's stdout/stderr and exit status to stdout as frames
 (``ddptrain.agent.relay``; frames and events: ``ddptrain.wire.protocol``, ``ddptrain.wire.agent_events``).
+When the driver restarts the group from warm agents (``Request.RESET``), the agent kills its
+workers and what they started, says ``AgentIdle``, and starts the next bootstrap's workers.
 It kills all its workers when stdin closes (the driver died or the SSH connection dropped), when
 the driver sends ``Request.KILL``, or on an SSH host when the driver's heartbeats stop; every
 worker dies with it through ``PR_SET_PDEATHSIG``.
@@ -35,7 +37,7 @@ from typing import IO, TYPE_CHECKING, Any
 from ddptrain import ray_compat
 from ddptrain.agent import forkserver
 from ddptrain.agent.process import kill_group_strays, other_threads, set_pdeathsig
-from ddptrain.agent.relay import Child, kill_all, relay
+from ddptrain.agent.relay import Child, kill_all, relay, wait_for_bootstrap
 from ddptrain.wire.agent_events import AgentFailed, WorkerStarted, encode_event
 from ddptrain.wire.boot import FORKSERVER_FD_VAR, check_versions, load_user, worker_sys_path, write_all
 from ddptrain.wire.protocol import (
@@ -172,12 +174,14 @@ def _read_bootstrap(stdin: IO[bytes]) -> Bootstrap | None:
 
 
 def main() -> int:
-    """Agent entry point."""
+    """Agent entry point: the workers of one bootstrap, then, each time the driver resets the
+    agent for its next attempt (``Request.RESET``), those of the next one."""
     _START_ENV.update(os.environ)
     # Frames own the real stdout; stray prints in the agent go to stderr.
     out_fd = os.dup(1)
     os.dup2(2, 1)
     stdin = os.fdopen(0, "rb", buffering=0)
+    own_path = list(sys.path)
     try:
         # Imported once here, while the driver prepares the run, and shared by every worker;
         # here rather than at the top so that a failure to import reaches the driver as a frame.
@@ -186,11 +190,34 @@ def main() -> int:
         from ddptrain.worker import main as worker  # noqa: F401
 
         bootstrap = _read_bootstrap(stdin)
-        if bootstrap is None:
+    except BaseException:
+        write_all(out_fd, encode_event(AgentFailed(AGENT_RANK, traceback.format_exc())))
+        return 1
+    while bootstrap is not None:
+        code, reset = _run(bootstrap, out_fd, own_path)
+        if not reset:
+            return code
+        # Kept for the next attempt: nothing of this one's may be left (its workers were
+        # killed and reaped; what they started goes now), and the next bootstrap is new.
+        kill_group_strays()
+        payload = wait_for_bootstrap(out_fd, 0, bootstrap.heartbeat_s)
+        if payload is None:
             return 0
+        try:
+            bootstrap = decode_bootstrap(payload, check_versions)
+        except BaseException:
+            write_all(out_fd, encode_event(AgentFailed(AGENT_RANK, traceback.format_exc())))
+            return 1
+    return 0
+
+
+def _run(bootstrap: Bootstrap, out_fd: int, own_path: list[str]) -> tuple[int, bool]:
+    """Start the workers of ``bootstrap`` and relay them until they exited: the agent's exit
+    code, and whether the driver reset it for its next attempt instead."""
+    try:
         if bootstrap.ray_compat:  # under `ddptrain run`: the user's code may import ray.*
             ray_compat.install()
-        sys.path[:] = worker_sys_path(list(bootstrap.sys_path), bootstrap.cwd or os.getcwd(), sys.path)
+        sys.path[:] = worker_sys_path(list(bootstrap.sys_path), bootstrap.cwd or os.getcwd(), own_path)
         if bootstrap.cwd:
             try:
                 os.chdir(bootstrap.cwd)
@@ -206,7 +233,7 @@ def main() -> int:
                 _exec_clean(bootstrap, out_fd, reason)
     except BaseException:
         write_all(out_fd, encode_event(AgentFailed(AGENT_RANK, traceback.format_exc())))
-        return 1
+        return 1, False
     host = socket.gethostname()
     children: list[Child] = []
     try:
@@ -215,7 +242,7 @@ def main() -> int:
             child = _fork_worker(spec, boot, close)
             children.append(child)
             write_all(out_fd, encode_event(WorkerStarted(child.rank, child.pid, host)))
-        relay(out_fd, 0, children, bootstrap.grace_s, bootstrap.heartbeat_s)
+        return 0, relay(out_fd, 0, children, bootstrap.grace_s, bootstrap.heartbeat_s)
     except BrokenPipeError:
         kill_all(children, bootstrap.grace_s)
     except BaseException:
@@ -224,8 +251,8 @@ def main() -> int:
             write_all(out_fd, encode_event(AgentFailed(AGENT_RANK, traceback.format_exc())))
         except OSError:
             pass
-        return 1
-    return 0
+        return 1, False
+    return 0, False
 
 
 def entry(openblas_threads: str | None = None) -> None:

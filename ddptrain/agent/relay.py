@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 from ddptrain.agent import memory as _memory
 from ddptrain.agent.process import process_state
-from ddptrain.wire.agent_events import AgentPreempted, WorkerExited, WorkerStates, encode_event
-from ddptrain.wire.protocol import AGENT_RANK, ALIVE_S, Kind, Request, encode_frame
+from ddptrain.wire.agent_events import AgentIdle, AgentPreempted, WorkerExited, WorkerStates, encode_event
+from ddptrain.wire.protocol import AGENT_RANK, ALIVE_S, FRAME, Kind, Request, encode_frame
 
-__all__ = ["Child", "kill_all", "relay"]
+__all__ = ["Child", "kill_all", "relay", "wait_for_bootstrap"]
 
 _POLL_S = 0.05
 # After a worker exits, how long its pipes may stay open (held by processes it started,
@@ -66,6 +66,10 @@ class _DriverGone(Exception):
     message says so)."""
 
 
+class _Reset(Exception):
+    """The driver asked for the workers to stop and the agent to wait for its next attempt."""
+
+
 class _DriverLink:
     """The agent's side of its pipe to the driver: requests on stdin, frames on stdout.
 
@@ -89,6 +93,8 @@ class _DriverLink:
         if not data or Request.KILL in data:
             raise _DriverGone()
         self.last_heard = time.monotonic()
+        if Request.RESET in data:
+            raise _Reset()
         return data
 
     def check_heartbeat(self) -> None:
@@ -141,9 +147,11 @@ def _reaped(child: Child) -> bool:
     return True
 
 
-def relay(out_fd: int, stdin_fd: int, children: list[Child], grace_s: float, heartbeat_s: float | None = None) -> None:
+def relay(out_fd: int, stdin_fd: int, children: list[Child], grace_s: float, heartbeat_s: float | None = None) -> bool:
     """Relay the workers' output and exits until every worker exited; kill them all when the
-    driver is gone, asks to stop, or (``heartbeat_s``) is silent that long.
+    driver is gone, asks to stop, or (``heartbeat_s``) is silent that long. ``True`` when the
+    driver asked for a reset (``Request.RESET``): every worker was killed, and the agent is to
+    wait for the next attempt's bootstrap.
 
     A first SIGTERM to the agent is a preemption notice (its host is going away): the driver
     is told (:class:`AgentPreempted`) and decides; a second SIGTERM ends the agent at once."""
@@ -156,8 +164,59 @@ def relay(out_fd: int, stdin_fd: int, children: list[Child], grace_s: float, hea
         if str(gone):
             print(f"ddptrain agent: {gone}; stopping", file=sys.stderr)
         kill_all(children, grace_s)
+    except _Reset:
+        kill_all(children, grace_s)
+        for child in children:  # the pipes of the workers the relay had not drained yet
+            for fd in [*child.fds, child.status_fd]:
+                if fd != -1:
+                    os.close(fd)
+            child.fds.clear()
+            child.status_fd = -1
+        return not notices  # a host being preempted is not kept
     finally:
         signal.signal(signal.SIGTERM, previous)
+        os.set_blocking(out_fd, True)
+    return False
+
+
+def wait_for_bootstrap(out_fd: int, stdin_fd: int, heartbeat_s: float | None) -> bytes | None:
+    """After a reset: tell the driver (:class:`AgentIdle`) and wait for the payload of its next
+    bootstrap frame. ``None`` when the driver is gone, asks the agent to stop, or (over SSH,
+    ``heartbeat_s``) is silent that long: the agent then exits. Heartbeats and requests that
+    come before the frame are read and dropped (there are no workers to ask about)."""
+    link = _DriverLink(out_fd, stdin_fd, heartbeat_s)
+    try:
+        link.send(encode_event(AgentIdle(AGENT_RANK)))
+        while True:
+            readable, _, _ = select.select([stdin_fd], [], [], ALIVE_S / 2)
+            if readable:
+                byte = os.read(stdin_fd, 1)
+                if not byte or byte == Request.KILL:
+                    return None
+                link.last_heard = time.monotonic()
+                if byte == Kind.BOOTSTRAP:
+                    _, _, size = FRAME.unpack(byte + _read_exactly(stdin_fd, FRAME.size - 1))
+                    return _read_exactly(stdin_fd, size)
+            link.check_heartbeat()
+            link.keep_alive()
+    except _DriverGone as gone:
+        print(f"ddptrain agent: {gone}; stopping", file=sys.stderr)
+        return None
+    except (OSError, EOFError):
+        return None
+    finally:
+        os.set_blocking(out_fd, True)
+
+
+def _read_exactly(fd: int, size: int) -> bytes:
+    chunks, missing = [], size
+    while missing:
+        chunk = os.read(fd, missing)
+        if not chunk:
+            raise EOFError("the driver's pipe ended inside a frame")
+        chunks.append(chunk)
+        missing -= len(chunk)
+    return b"".join(chunks)
 
 
 def _tell_preempted(link: _DriverLink) -> None:

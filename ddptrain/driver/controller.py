@@ -20,7 +20,7 @@ from typing import Any
 from ddptrain import _env
 from ddptrain.driver import preemption
 from ddptrain.driver.attempt import Attempt, Failed, Preempted, Resized, Succeeded
-from ddptrain.driver.elastic import HostWatch
+from ddptrain.driver.elastic import HostWatch, answering
 from ddptrain.driver.plan import Plan
 from ddptrain.driver.run import Run
 from ddptrain.driver.warm import keeps_warm, put_warm, take_warm
@@ -77,6 +77,7 @@ class Controller:
         self._next: tuple[Plan, Launcher] | None = None  # the next attempt's, started on a failure
         self._next_error: Exception | None = None  # why they could not start
         self._dead_nodes: list[str] = []  # a fixed-size SLURM run's nodes lost in the last attempt
+        self._min_wait_until: float | None = None  # an elastic run waits for min_workers until then
 
     def fit(self) -> Result:
         """Run the attempts; the Result of the one that succeeded.
@@ -127,7 +128,7 @@ class Controller:
                 _logger.warning("ddptrain: leaving out host(s) %s: %s", ", ".join(sorted(unreachable)), exc)
                 run.left_out = run.left_out | unreachable
                 why = f"host(s) {', '.join(sorted(unreachable))} left out (their agents could not start)"
-                run.use_plan(run.new_plan(), index, why)  # raises LaunchError below min_workers
+                run.use_plan(self._plan_with_min_workers(), index, why)
 
     def _attempts(self, index: int) -> tuple[list[Any], bool]:
         """Attempt after attempt from number ``index``: the return values of the one that
@@ -135,6 +136,7 @@ class Controller:
         while True:
             assert self.group is not None
             self.run.save_status("RUNNING", attempt=index)
+            self._min_wait_until = None  # a later wait for min_workers has a bound of its own
             watch = self._watch()
             attempt = Attempt(
                 self.run.attempt_context(index),
@@ -158,6 +160,11 @@ class Controller:
                 index = self._grow(outcome, index)
                 continue
             notice = preemption.pending()
+            if notice is not None and notice.hosts is not None and self.run.scaling_config.elastic:
+                shrunk = self._shrink(outcome, notice, index)
+                if shrunk is not None:
+                    index = shrunk
+                    continue
             if not isinstance(outcome, Failed) or notice is not None:  # a failure in the window is not retried
                 self._stop_preempted(outcome, notice or outcome.notice)  # type: ignore[union-attr]
             assert isinstance(outcome, Failed)
@@ -186,7 +193,7 @@ class Controller:
         why = f"host(s) {', '.join(resized.hosts)} came back"
         try:
             plan = run.new_plan()
-            launcher = self._start_agents(plan)
+            launcher = self._warm_launcher(plan) or self._start_agents(plan)
         except (LaunchError, ConfigError) as exc:
             _logger.warning("ddptrain: host(s) %s answer but cannot run workers: %s", ", ".join(resized.hosts), exc)
             run.left_out = run.left_out | set(resized.hosts)
@@ -201,6 +208,39 @@ class Controller:
         index += 1
         run.progress.say(
             f"ddptrain: attempt {index} starts from {resized.checkpoint.path} with {plan.world_size} workers", index
+        )
+        run.save_status("RESTARTING", attempt=index)
+        return index
+
+    def _shrink(self, outcome: Failed | Preempted | Resized, notice: preemption.Notice, index: int) -> int | None:
+        """Hosts of an elastic run are being preempted (a SIGTERM to their agents): the attempt
+        stopped at the checkpoint its workers reported after the notice (or at its deadline),
+        and the next one runs without those hosts, from the latest checkpoint: a resize, not a
+        failure. ``None`` when the other hosts cannot hold ``min_workers`` (or their agents
+        cannot start): the run then stops as preempted."""
+        assert self.group is not None
+        run = self.run
+        hosts = set(notice.hosts or ())
+        before = run.left_out
+        run.left_out = before | hosts
+        try:
+            plan = run.new_plan()
+            launcher = self._warm_launcher(plan) or self._start_agents(plan)
+        except (LaunchError, ConfigError) as exc:
+            _logger.warning("ddptrain: the run cannot go on without host(s) %s: %s", ", ".join(sorted(hosts)), exc)
+            run.left_out = before
+            return None
+        self.group.shutdown()
+        self.group = None
+        run.clean_after_failure(list(outcome.failures) if isinstance(outcome, Failed) else [])
+        preemption.clear()
+        why = f"host(s) {', '.join(sorted(hosts))} preempted ({notice.reason})"
+        run.use_plan(plan, index + 1, why)
+        self.group = self._new_group(plan, launcher)
+        index += 1
+        run.progress.say(
+            f"ddptrain: attempt {index} starts from {run.latest_path or 'scratch'} with {plan.world_size} workers",
+            index,
         )
         run.save_status("RESTARTING", attempt=index)
         return index
@@ -232,14 +272,98 @@ class Controller:
         that is being torn down and not counted yet)."""
         return self.max_failures == -1 or len(self.root_causes) + pending <= self.max_failures
 
-    def _start_next(self) -> None:
+    def _plan_with_min_workers(self) -> Plan:
+        """The next plan. When the hosts an elastic run has not left out cannot hold
+        ``min_workers``, wait for left-out hosts to answer again (their SSH port, every second),
+        up to ``DDPTRAIN_ELASTIC_MIN_WORKERS_TIMEOUT_S`` from the first such wait of the attempt
+        to come; hosts that answer are taken back (their agents may still fail to start: then
+        they are left out again, within the same bound).
+
+        Raises:
+            LaunchError: Still too few workers at the end of the wait (what it waited for is said).
+        """
+        run = self.run
+        while True:
+            try:
+                return run.new_plan()
+            except LaunchError as exc:
+                if not run.scaling_config.elastic or not run.left_out:
+                    raise
+                timeout_s = _env.elastic_min_workers_timeout_s()
+                now = self._clock()
+                if self._min_wait_until is None:
+                    self._min_wait_until = now + timeout_s
+                    run.progress.say(
+                        f"ddptrain: waiting up to {timeout_s:g} s for host(s) {', '.join(sorted(run.left_out))} to "
+                        f"answer again: {exc}"
+                    )
+                left_s = self._min_wait_until - now
+                if left_s <= 0:
+                    raise LaunchError(
+                        f"{exc} Waited {timeout_s:g} s for host(s) {', '.join(sorted(run.left_out))} to answer again "
+                        "(DDPTRAIN_ELASTIC_MIN_WORKERS_TIMEOUT_S).",
+                        hosts=sorted(run.left_out),
+                    ) from None
+                hosts = [h for h in Plan.read_hosts(run.scaling_config) or [] if h.name in run.left_out]
+                back = answering(hosts, min(_env.ssh_connect_timeout_s(), left_s, 1.0))
+                if back:
+                    _logger.warning("ddptrain: host(s) %s answer again; taking them back", ", ".join(back))
+                    run.left_out = run.left_out - set(back)
+                else:
+                    time.sleep(min(1.0, max(0.0, self._min_wait_until - self._clock())))
+
+    def _start_next(self, wait: bool = False) -> None:
         try:
-            plan = self.run.new_plan()
+            plan = self._plan_with_min_workers() if wait else self.run.new_plan()
             self._next = (plan, self._start_agents(plan))
             self._next_error = None
         except (LaunchError, ConfigError) as exc:  # tried once more when the group is down
             self._next_error = exc
             _logger.warning("ddptrain: could not start the next attempt's agents: %s", exc)
+
+    def _warm_next(self) -> tuple[Plan, Launcher] | None:
+        """The failed group's agents, reset for the next attempt (their workers and what those
+        started are gone), when the next plan runs on the same hosts and every agent is alive:
+        the next workers are forked from them, without a new SSH connection or torch import.
+        ``None``: new agents start (``DDPTRAIN_WARM_RESTARTS=0``, a host lost or changed, an
+        agent that died, was preempted, or did not answer the reset in time).
+
+        Raises:
+            LaunchError: Agents were kept, but those of the plan's other hosts could not start.
+        """
+        try:
+            plan = self.run.new_plan()
+        except (LaunchError, ConfigError):
+            return None
+        launcher = self._warm_launcher(plan)
+        return None if launcher is None else (plan, launcher)
+
+    def _warm_launcher(self, plan: Plan) -> Launcher | None:
+        """The agents of ``plan``: those of the current group that run on its hosts and can be
+        kept (reset), and new ones for its other hosts (``None``: none kept; see
+        :meth:`_warm_next`). Over a host list each host's agent is kept or not on its own: a
+        lost host costs only its replacement's start.
+
+        Raises:
+            LaunchError: The new agents could not start (the kept ones are shut down).
+        """
+        group = self.group
+        assert group is not None
+        old = group.launcher
+        if not _env.warm_restarts() or old is None:
+            return None
+        timeout_s = _env.shutdown_grace_s() + 5.0
+        if plan.placement is not None and group.plan.placement is not None and hasattr(old, "take"):
+            kept = old.take({plan.host_key(host) for host in plan.placement.hosts}, timeout_s)
+            if not kept:
+                return None
+            _logger.info("ddptrain: the next attempt keeps the agents of %d host(s)", len(kept))
+            return plan.new_launcher(kept)  # a LaunchError: the kept agents were shut down too
+        if plan.agents_key() != group.plan.agents_key() or not old.reset(timeout_s):
+            return None
+        group.launcher = None  # kept: the group's shutdown leaves them
+        _logger.info("ddptrain: the next attempt's workers start from the last attempt's agents")
+        return old
 
     def _restart(self, failed: Failed, index: int) -> int:
         """After attempt ``index`` failed: the number of the next one, its group started.
@@ -257,7 +381,14 @@ class Controller:
         if self._dead_nodes:  # a fixed-size run cannot go on without them: no new attempt on them
             failed = dataclasses.replace(failed, retryable=False)
         if failed.retryable and self._next is None and self._budget_left(pending=1):
-            self._start_next()
+            try:
+                self._next = self._warm_next()
+            except LaunchError as exc:  # a host's new agent could not start: not tried twice now
+                self._next_error = exc
+                _logger.warning("ddptrain: could not start the next attempt's agents: %s", exc)
+            else:
+                if self._next is None:
+                    self._start_next()
         self.group.shutdown()
         self.group = None
         run = self.run
@@ -268,7 +399,7 @@ class Controller:
         run.after_exception(failures)
         if failed.retryable and self._budget_left():
             if self._next is None and not self._still_lost(failures):  # not started early, or that failed: once more
-                self._start_next()
+                self._start_next(wait=True)
             if self._next is not None:
                 plan, launcher = self._next
                 self._next = None

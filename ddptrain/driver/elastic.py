@@ -16,9 +16,14 @@ import threading
 from ddptrain import _env
 from ddptrain.launch.hosts import HostSpec
 
-__all__ = ["HostWatch"]
+__all__ = ["HostWatch", "answering"]
 
 _logger = logging.getLogger(__name__)
+
+
+def answering(hosts: list[HostSpec], timeout_s: float) -> list[str]:
+    """The names of ``hosts`` whose SSH port accepts a connection within ``timeout_s``."""
+    return [h.name for h in hosts if _answers(h, timeout_s)]
 
 
 def _answers(host: HostSpec, timeout_s: float) -> bool:

@@ -293,6 +293,8 @@ class GroupEvents:
     def _handle_agent(self, event: agent_events.AgentEvent) -> WorkerFailure | None:
         if isinstance(event, (agent_events.WorkerStates, agent_events.AgentPreempted)):  # returned by poll()
             return None
+        if isinstance(event, agent_events.AgentIdle):  # kept by the session, never handed on
+            return None
         if isinstance(event, agent_events.WorkerStarted):
             self.hosts.setdefault(event.rank, (event.pid, event.host))
             return None

@@ -166,6 +166,12 @@ class Plan:
             ray_compat.installed(),
         )
 
+    def agents_key(self) -> tuple[Any, ...]:
+        """Two plans with equal keys run on the same agents: the same hosts in the same order,
+        with the same environment (a restart from warm agents keeps the last attempt's)."""
+        hosts = None if self.placement is None else [repr(host) for host in self.placement.hosts]
+        return (hosts, sorted(self.agent_env().items()), self.share_visible_gpus, tuple(sys.path), os.getcwd())
+
     # ----------------------------------------------------------------- starting agents
     def agent_env(self, remote: bool = False, host: HostSpec | None = None) -> dict[str, str]:
         """Environment of an agent and its workers: the driver's own for a local agent; for a
@@ -191,13 +197,25 @@ class Plan:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu) for gpu in host.gpus)
         return env
 
-    def new_launcher(self) -> Launcher:
+    def host_key(self, host: HostSpec) -> tuple[Any, ...]:
+        """Two plans with equal keys for a host run its workers on the same agent."""
+        env = tuple(sorted(self.agent_env(remote=True, host=host).items()))
+        return (repr(host), env, tuple(sys.path), os.getcwd())
+
+    def new_launcher(self, kept: dict[Any, tuple[HostLauncher, str]] | None = None) -> Launcher:
         """Start the agents of one group: one local process, or one per host over SSH, or one
-        per node of the SLURM allocation with ``srun``."""
+        per node of the SLURM allocation with ``srun``. ``kept``: agents of an earlier group,
+        reset, by :meth:`host_key`: their hosts get no new one (those of other hosts are
+        shut down)."""
         if self.placement is None:
             return LocalLauncher(self.agent_env())
+        kept = dict(kept or {})
+        keys = [self.host_key(host) for host in self.placement.hosts]
 
         def start(host: HostSpec) -> tuple[HostLauncher, str]:
+            warm = kept.pop(self.host_key(host), None)
+            if warm is not None:
+                return warm
             if host.srun:
                 node = SlurmLauncher(host.name, self.agent_env(remote=True, host=host), sys.executable, os.getcwd())
                 return node, node.local_address
@@ -208,6 +226,8 @@ class Plan:
             return launcher, _env.driver_address() or launcher.local_address
 
         results = each_host(start, self.placement.hosts, name="ddptrain-start")
+        for launcher, _ in kept.values():  # hosts of the earlier group that this one has not
+            launcher.shutdown(0)
         errors = [r for r in results if isinstance(r, BaseException)]
         started = [r for r in results if not isinstance(r, BaseException)]
         if errors:
@@ -217,7 +237,12 @@ class Plan:
                 host.name for host, r in zip(self.placement.hosts, results, strict=True) if isinstance(r, BaseException)
             ]
             raise LaunchError("\n".join(str(e) for e in errors), hosts=failed) from errors[0]
-        return GroupLauncher(started)
+        try:
+            return GroupLauncher(started, keys)
+        except BaseException:
+            for launcher, _ in started:
+                launcher.shutdown(0)
+            raise
 
     # ----------------------------------------------------------------- ranks and hosts
     def bootstrap(

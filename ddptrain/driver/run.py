@@ -86,6 +86,7 @@ class Run:
             dataset_config=dataset_config,
         )
         self.metrics_history: list[dict[str, Any]] = []
+        self.report_world_sizes: list[int] = []  # of each report of metrics_history
         hosts = Plan.read_hosts(scaling_config)  # a bad host list fails here, before any host is reached
         self.storage: RunStorage = run_storage(
             self.where, run_config.checkpoint_config or CheckpointConfig(), over_hosts=hosts is not None
@@ -156,6 +157,7 @@ class Run:
         """Record rank 0's metrics of one report: one JSON line, written by :meth:`flush_metrics`."""
         self.metrics_history.append(metrics)
         world_size = self._plan.world_size if self._plan is not None else 1
+        self.report_world_sizes.append(world_size)
         line = {
             "time": time.time(),
             "attempt": attempt,
@@ -219,6 +221,7 @@ class Run:
         """Pick up an earlier run of the same name: its checkpoints and metrics. Loud on purpose."""
         earlier = self.storage.load_earlier()
         self.metrics_history = earlier.metrics
+        self.report_world_sizes = list(earlier.world_sizes)
         self._last_attempt, self._lost_reports = earlier.last_attempt, earlier.lost_reports
 
     def _prepare_dir(self) -> None:
@@ -380,6 +383,7 @@ class Run:
             checkpoint=self.latest_checkpoint,
             path=self.location,
             metrics_history=list(self.metrics_history),
+            report_world_sizes=list(self.report_world_sizes),
             best_checkpoints=self.checkpoints.best_checkpoints(),
             return_value=return_values[0] if return_values else None,
             return_values=return_values,

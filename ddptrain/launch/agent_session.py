@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import IO, Protocol
 
 from ddptrain.errors import LaunchError
-from ddptrain.wire.agent_events import AgentEvent, AgentFailed, AgentGone, AgentLost, decode_agent_event
+from ddptrain.wire.agent_events import AgentEvent, AgentFailed, AgentGone, AgentIdle, AgentLost, decode_agent_event
 from ddptrain.wire.boot import versions
 from ddptrain.wire.protocol import AGENT_RANK, ALIVE_S, Bootstrap, Kind, Request, encode_bootstrap, read_frame
 
@@ -104,6 +104,10 @@ class AgentSession:
         self._busy = False
         self._lock = threading.Lock()  # `lost` and `_on_event`: who tells the driver
         self._on_event: Callable[[AgentEvent], None] | None = None
+        self._sink: OutputSink | None = None  # where worker output goes (the current attempt's)
+        self._write_lock = threading.Lock()  # a bootstrap frame is never cut by a heartbeat byte
+        self._reading = False  # the frames of a started agent are being read
+        self._idle = threading.Event()  # the agent answered a reset
         self.lost: AgentLost | None = None  # set when the host stopped answering
         if lost_after_s is not None:
             self._spawn(self._probe, "probe")
@@ -146,13 +150,18 @@ class AgentSession:
         """Send the bootstrap; from now on worker output goes to ``sink`` and agent events to
         ``on_event``, ending with :class:`AgentGone` (after an :class:`AgentFailed` if the agent
         never ran), or with :class:`AgentLost` once the host stopped answering (``lost_after_s``).
+        After a :meth:`reset`, the same agent gets the next attempt's bootstrap.
 
         Raises:
             LaunchError: The agent is gone before it got its work, or the host stopped answering
                 (:attr:`lost` says so).
         """
+        with self._lock:
+            warm = self._reading  # a reset agent: its frames are read already
+            if warm:  # what it sends from now on is this attempt's
+                self._sink, self._on_event = sink, on_event
         try:
-            self.connection.write(encode_bootstrap(bootstrap, versions()))
+            self._write(encode_bootstrap(bootstrap, versions()))
         except OSError:
             if self.lost is not None:
                 raise LaunchError(f"{self.connection.where} the host stopped answering") from None
@@ -160,37 +169,73 @@ class AgentSession:
         with self._lock:
             if self.lost is not None:  # while the bootstrap went out
                 raise LaunchError(f"{self.connection.where} the host stopped answering")
-            self._on_event = on_event
-
-        def read_frames() -> None:
-            self.connection.wait_ready()
-            seen = False
-            while (frame := read_frame(self.connection.stdout)) is not None:
-                seen = True
-                self._busy = True  # a slow sink is the driver's delay, not the host's
-                kind, rank, data = frame
-                if kind == Kind.ALIVE:
-                    pass
-                elif kind in (Kind.STDOUT, Kind.STDERR):
-                    sink.write(rank, kind, data)
-                else:
-                    try:
-                        event = decode_agent_event(kind, rank, data)
-                    except Exception as exc:  # another version, or a damaged stream: say so, never hang
-                        where = self.connection.where
-                        event = AgentFailed(rank, f"{where} the agent sent an unreadable frame: {exc!r}")
-                    on_event(event)
-                self._heard_at = time.monotonic()
-                self._busy = False
-            self._busy = True  # the pipe ended: nothing more to watch
-            if not seen and not self._stop.is_set():  # the agent never ran: wrong python, missing ddptrain, ...
-                detail = self.exit_detail()
-                on_event(AgentFailed(AGENT_RANK, f"{self.connection.where} the agent did not start ({detail})"))
-            on_event(AgentGone(AGENT_RANK, self.connection.exit_code()))
-
-        self._spawn(read_frames, "frames")
+            self._sink, self._on_event = sink, on_event
+        if warm:
+            return
+        self._reading = True
+        self._spawn(self._read_frames, "frames")
         if self._heartbeat_s is not None:
             self._spawn(self._heartbeat, "heartbeat")
+
+    def _read_frames(self) -> None:
+        self.connection.wait_ready()
+        seen = False
+        while (frame := read_frame(self.connection.stdout)) is not None:
+            seen = True
+            self._busy = True  # a slow sink is the driver's delay, not the host's
+            kind, rank, data = frame
+            sink, on_event = self._sink, self._on_event
+            if kind == Kind.ALIVE:
+                pass
+            elif kind in (Kind.STDOUT, Kind.STDERR):
+                if sink is not None:
+                    sink.write(rank, kind, data)
+            else:
+                try:
+                    event = decode_agent_event(kind, rank, data)
+                except Exception as exc:  # another version, or a damaged stream: say so, never hang
+                    where = self.connection.where
+                    event = AgentFailed(rank, f"{where} the agent sent an unreadable frame: {exc!r}")
+                if isinstance(event, AgentIdle):
+                    with self._lock:  # nothing more of the last attempt's reaches its group
+                        self._sink = self._on_event = None
+                    self._idle.set()
+                elif on_event is not None:
+                    on_event(event)
+            self._heard_at = time.monotonic()
+            self._busy = False
+        self._busy = True  # the pipe ended: nothing more to watch
+        with self._lock:
+            self._reading = False
+            on_event = self._on_event
+        self._idle.set()  # a reset waiting for it ends (not `idle`: the agent is gone)
+        if on_event is None:
+            return
+        if not seen and not self._stop.is_set():  # the agent never ran: wrong python, missing ddptrain, ...
+            detail = self.exit_detail()
+            on_event(AgentFailed(AGENT_RANK, f"{self.connection.where} the agent did not start ({detail})"))
+        on_event(AgentGone(AGENT_RANK, self.connection.exit_code()))
+
+    def reset(self, timeout_s: float) -> bool:
+        """Make the agent ready for the next attempt's :meth:`start`: it kills every worker (and
+        what they started) and waits for a new bootstrap. ``False`` when it cannot be kept (it
+        is gone, its host stopped answering, it was preempted, or it did not answer within
+        ``timeout_s``): the caller then shuts the session down and starts a new agent."""
+        if self._stop.is_set() or self.lost is not None or not self._reading:
+            return False
+        self._idle.clear()
+        try:
+            self._write(Request.RESET)
+        except OSError:
+            return False
+        if not self._idle.wait(timeout_s):
+            _logger.warning("ddptrain: the agent %s did not reset in %.1f s", self.connection.where, timeout_s)
+            return False
+        return self._reading and self.lost is None
+
+    def _write(self, data: bytes) -> None:
+        with self._write_lock:
+            self.connection.write(data)
 
     def _probe(self) -> None:
         """Until the agent speaks, ask the host for an answer every ``ALIVE_S`` (the agent is
@@ -231,14 +276,14 @@ class AgentSession:
         assert self._heartbeat_s is not None
         while not self._stop.wait(self._heartbeat_s):
             try:
-                self.connection.write(Request.HEARTBEAT)
+                self._write(Request.HEARTBEAT)
             except OSError:
                 return
 
     def ask(self, command: bytes) -> None:
         """Send the agent a :class:`~ddptrain.protocol.Request`."""
         try:
-            self.connection.write(command)
+            self._write(command)
         except Exception:
             pass  # the agent is gone; that is reported elsewhere
 

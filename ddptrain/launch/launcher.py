@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable, Collection
-from typing import IO, Protocol
+from typing import IO, Any, Protocol
 
 from ddptrain.errors import HostLostError
 from ddptrain.launch import forkserver
@@ -44,6 +44,10 @@ class Launcher(Protocol):
     def shutdown(self, grace_s: float) -> None:
         """Stop every worker: SIGTERM, then SIGKILL after ``grace_s``. Safe to call twice."""
 
+    def reset(self, timeout_s: float) -> bool:
+        """Stop every worker but keep the agents for the next :meth:`start` (a restart from warm
+        agents); ``False`` when one of them cannot be kept (the caller shuts them all down)."""
+
     def bind_address(self) -> str:
         """The address the driver's store listens on: the one these agents' workers use."""
 
@@ -63,6 +67,9 @@ class HostLauncher(Protocol):
 
     def shutdown(self, grace_s: float) -> None:
         """Stop the host's workers and agent. Safe to call twice."""
+
+    def reset(self, timeout_s: float) -> bool:
+        """Stop the host's workers, keep its agent for the next :meth:`start` (``AgentSession.reset``)."""
 
     def ask(self, command: bytes) -> None:
         """Send the agent a :class:`~ddptrain.protocol.Request`."""
@@ -200,6 +207,9 @@ class LocalLauncher:
     def shutdown(self, grace_s: float) -> None:
         self._session.shutdown(grace_s)
 
+    def reset(self, timeout_s: float) -> bool:
+        return self._session.reset(timeout_s)
+
     def prepare_storage(self, probe: str, run_id: str) -> None:
         return None
 
@@ -237,7 +247,9 @@ class GroupLauncher:
         launchers: ``(launcher, store address as seen from that host)`` by node rank.
     """
 
-    def __init__(self, launchers: list[tuple[HostLauncher, str]]) -> None:
+    def __init__(self, launchers: list[tuple[HostLauncher, str]], keys: list[Any] | None = None) -> None:
+        # Each host's launcher as given, by its key (``Plan.host_key``): kept for a later group.
+        self._given = dict(zip(keys, launchers, strict=True)) if keys is not None else {}
         self._launchers = launchers
         self._bind = _bind_address([address for _, address in launchers])
         if not _is_loopback(self._bind):  # local agents reach the store at that address too
@@ -280,6 +292,8 @@ class GroupLauncher:
             HostLostError: A host stopped answering before its agent got its work (its ranks named).
             LaunchError: A host's agent or storage could not be started.
         """
+        self._by_rank.clear()
+        self.unshared_ranks.clear()
         for node, (launcher, address) in enumerate(self._launchers):
             workers = tuple(
                 dataclasses.replace(spec, env={**spec.env, "MASTER_ADDR": address})
@@ -306,3 +320,21 @@ class GroupLauncher:
         each_host(
             lambda launcher: launcher.shutdown(grace_s), [launcher for launcher, _ in self._launchers], grace_s + 10.0
         )
+
+    def take(self, keys: set[Any], timeout_s: float) -> dict[Any, tuple[HostLauncher, str]]:
+        """Reset the agents of the hosts whose keys are in ``keys`` (at once) and hand over
+        those that can be kept, by key: this group's :meth:`shutdown` leaves them alone."""
+        wanted = [(key, pair) for key, pair in self._given.items() if key in keys]
+        results = each_host(lambda item: item[1][0].reset(timeout_s), wanted, timeout_s + 5.0)
+        kept = {key: pair for (key, pair), ok in zip(wanted, results, strict=True) if ok is True}
+        taken = {id(pair[0]) for pair in kept.values()}
+        self._launchers = [pair for pair in self._launchers if id(pair[0]) not in taken]
+        self._given = {key: pair for key, pair in self._given.items() if key not in kept}
+        return kept
+
+    def reset(self, timeout_s: float) -> bool:
+        """Reset every host's agent at once; ``True`` only if each of them can be kept."""
+        results = each_host(
+            lambda launcher: launcher.reset(timeout_s), [launcher for launcher, _ in self._launchers], timeout_s + 5.0
+        )
+        return all(result is True for result in results)

@@ -471,6 +471,10 @@ class SlurmLauncher:
         """Copy a folder of the node to this machine through a job step, then delete it there."""
         self._files.fetch_dir(remote, local)
 
+    def reset(self, timeout_s: float) -> bool:
+        """Stop the workers and keep the agent for the next attempt (``AgentSession.reset``)."""
+        return not self._closed and self._session.reset(timeout_s)
+
     def ask(self, command: bytes) -> None:
         self._session.ask(command)
 

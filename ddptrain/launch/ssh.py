@@ -260,6 +260,10 @@ class SSHLauncher:
         """Copy a folder from this machine to the host (``HostFiles.push_dir``)."""
         self._files.push_dir(local, remote)
 
+    def reset(self, timeout_s: float) -> bool:
+        """Stop the workers and keep the agent for the next attempt (``AgentSession.reset``)."""
+        return self._client is not None and self._session.reset(timeout_s)
+
     def ask(self, command: bytes) -> None:
         """Send the agent a one-byte request (see ``Launcher.ask``)."""
         self._session.ask(command)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ddptrain import _env
@@ -87,11 +87,13 @@ class Earlier:
         last_attempt: The highest attempt number in its metrics (-1: none).
         lost_reports: Reports its checkpoint index knows of but its metrics lost (a crash):
             the next report is numbered after them, never reusing a checkpoint's name.
+        world_sizes: The world size of each report of ``metrics``.
     """
 
     metrics: list[dict[str, Any]]
     last_attempt: int
     lost_reports: int
+    world_sizes: list[int] = field(default_factory=list)
 
 
 def load_earlier(where: RunLocation, checkpoints: CheckpointManager, mirror: RunMirror | None) -> Earlier:
@@ -108,7 +110,8 @@ def load_earlier(where: RunLocation, checkpoints: CheckpointManager, mirror: Run
     lines = read_metric_lines(where.run_dir)
     metrics = [line["metrics"] for line in lines]
     attempts = [a for a in (line.get("attempt") for line in lines) if isinstance(a, int) and not isinstance(a, bool)]
-    earlier = Earlier(metrics, max(attempts, default=-1), max(0, checkpoints.report_index - len(metrics)))
+    world_sizes = [int(line.get("world_size", 1)) for line in lines]
+    earlier = Earlier(metrics, max(attempts, default=-1), max(0, checkpoints.report_index - len(metrics)), world_sizes)
     if earlier.lost_reports:
         _logger.warning(
             "ddptrain: %s has %d reports but the checkpoint index records report #%d; reports are numbered on from #%d",

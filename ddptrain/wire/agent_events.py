@@ -19,6 +19,7 @@ from ddptrain.wire.protocol import Kind, encode_frame
 __all__ = [
     "AgentEvent",
     "AgentFailed",
+    "AgentIdle",
     "AgentGone",
     "AgentLost",
     "AgentPreempted",
@@ -75,6 +76,14 @@ class AgentPreempted:
 
 
 @dataclass(frozen=True)
+class AgentIdle:
+    """After ``Request.RESET``: every worker of the agent (and whatever they started) is gone,
+    and the agent waits for the next attempt's bootstrap."""
+
+    rank: int  # the agent's (see :class:`AgentFailed`)
+
+
+@dataclass(frozen=True)
 class AgentGone:
     """The agent's pipe ended (added by the driver): ``exitcode`` ``None`` if unknown."""
 
@@ -92,16 +101,21 @@ class AgentLost:
     timeout_s: float
 
 
-AgentEvent = WorkerStarted | WorkerExited | WorkerStates | AgentFailed | AgentPreempted | AgentLost | AgentGone
+AgentEvent = (
+    WorkerStarted | WorkerExited | WorkerStates | AgentFailed | AgentPreempted | AgentIdle | AgentLost | AgentGone
+)
 _EVENT_KINDS: dict[type, bytes] = {
     WorkerStarted: Kind.STARTED,
     WorkerExited: Kind.EXITED,
     WorkerStates: Kind.STATES,
     AgentPreempted: Kind.PREEMPTED,
+    AgentIdle: Kind.IDLE,
 }
 
 
-def encode_event(event: WorkerStarted | WorkerExited | WorkerStates | AgentFailed | AgentPreempted) -> bytes:
+def encode_event(
+    event: WorkerStarted | WorkerExited | WorkerStates | AgentFailed | AgentPreempted | AgentIdle,
+) -> bytes:
     """The frame an agent writes for ``event``."""
     if isinstance(event, AgentFailed):
         return encode_frame(Kind.FAILED, event.rank, event.text.encode("utf-8", errors="replace"))

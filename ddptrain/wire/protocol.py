@@ -69,7 +69,8 @@ __all__ = [
     "VERSION",
 ]
 
-VERSION = 9  # 6: BeginRun; 7: RunInfo.storage, a StorageSpec; 8: Preempt; 9: Report.pending, Uploaded
+VERSION = 10  # 6: BeginRun; 7: RunInfo.storage, a StorageSpec; 8: Preempt; 9: Report.pending, Uploaded;
+# 10: Request.RESET, Kind.IDLE (agents kept for the next attempt)
 
 
 # ----------------------------------------------------------------- worker -> driver
@@ -253,6 +254,7 @@ class Kind:
     FAILED = b"F"  # :class:`AgentFailed`, as UTF-8 text
     PREEMPTED = b"R"  # :class:`AgentPreempted`: the agent got SIGTERM (its host is going away)
     ALIVE = b"A"  # no payload: the agent is still there (SSH hosts, at least every `ALIVE_S`)
+    IDLE = b"C"  # :class:`AgentIdle`: after ``Request.RESET``, every worker is gone
 
 
 # How often the driver and an agent on an SSH host tell each other they are alive.
@@ -266,6 +268,7 @@ class Request:
     STATES = b"Q"  # answer with :class:`WorkerStates`
     STACKS = b"T"  # the same, and make every worker print its Python stacks
     HEARTBEAT = b"H"  # the driver is alive (agents on SSH hosts stop without it)
+    RESET = b"C"  # stop every worker, answer :class:`AgentIdle`, and wait for the next bootstrap
 
 
 def encode_frame(kind: bytes, rank: int, payload: bytes) -> bytes:

@@ -1,0 +1,82 @@
+"""Restarts from warm agents: after a worker crash, the next attempt's workers are forked by the
+failed attempt's agent (same pid: no new agent, no new SSH connection, no torch import), which
+killed every old worker and what they started first; the attempt resumes from the latest
+checkpoint as always."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import ddptrain as train
+
+
+def crash_then_resume(config: dict[str, str]) -> dict[str, Any]:
+    rank = train.get_context().get_world_rank()
+    agent = os.getppid()
+    checkpoint = train.get_checkpoint()
+    if checkpoint is not None:  # the second attempt
+        return {"agent": agent, "resumed_from": int(Path(checkpoint.path, "step").read_text())}
+    with tempfile.TemporaryDirectory() as folder:
+        Path(folder, "step").write_text("0")
+        train.report({"step": 0}, checkpoint=train.Checkpoint.from_directory(folder) if rank == 0 else None)
+    first = Path(config["first"])
+    if rank == 0:  # a process of its own, which the agent must not keep either
+        child = subprocess.Popen(["sleep", "60"])
+        first.write_text(json.dumps({"agent": agent, "child": child.pid}))
+        time.sleep(60)  # until the driver stops it
+    deadline = time.monotonic() + 30
+    while not first.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os._exit(3)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # dead, its parent has not reaped it yet
+    except FileNotFoundError:
+        return True
+
+
+def _fit(storage: str, tmp_path: Path, **scaling: Any) -> tuple[dict[str, int], list[dict[str, Any]]]:
+    first = tmp_path / "first.json"
+    result = train.DataParallelTrainer(
+        crash_then_resume,
+        train_loop_config={"first": str(first)},
+        scaling_config=train.ScalingConfig(num_workers=2, **scaling),
+        run_config=train.RunConfig(
+            name="warm", storage_path=storage, failure_config=train.FailureConfig(max_failures=1)
+        ),
+    ).fit()
+    run = json.loads((Path(storage) / "warm" / "run.json").read_text())
+    assert len(run["attempt_errors"]) == 1, run  # the crash was a failure, and one restart followed
+    return json.loads(first.read_text()), result.return_values
+
+
+def test_a_restart_forks_the_next_workers_from_the_same_local_agent(storage: str, tmp_path: Path) -> None:
+    first, values = _fit(storage, tmp_path)
+    assert [v["agent"] for v in values] == [first["agent"]] * 2, (first, values)
+    assert [v["resumed_from"] for v in values] == [0, 0]
+    assert _gone(first["child"]), "a process the first attempt's worker started outlived its attempt"
+
+
+def test_warm_restarts_can_be_turned_off(storage: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DDPTRAIN_WARM_RESTARTS", "0")
+    first, values = _fit(storage, tmp_path)
+    assert values[0]["agent"] != first["agent"] and values[0]["resumed_from"] == 0
+
+
+@pytest.mark.ssh
+def test_a_restart_forks_the_next_workers_from_the_same_ssh_agent(ssh: Any, storage: str, tmp_path: Path) -> None:
+    first, values = _fit(storage, tmp_path, hosts=["h0 slots=2"])
+    assert [v["agent"] for v in values] == [first["agent"]] * 2, (first, values)
+    assert [v["resumed_from"] for v in values] == [0, 0]
+    assert _gone(first["child"]), "a process the first attempt's worker started outlived its attempt"
