@@ -306,7 +306,10 @@ def test_an_elastic_run_leaves_a_lost_host_out_of_the_next_attempt(storage: str)
     assert [e["attempt"] for e in run["attempt_errors"]] == [0]  # the failure counted against max_failures (as Ray)
 
 
-def test_an_elastic_run_below_min_workers_ends_saying_what_it_needs(storage: str) -> None:
+def test_an_elastic_run_below_min_workers_ends_saying_what_it_needs(
+    storage: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DDPTRAIN_ELASTIC_MIN_WORKERS_TIMEOUT_S", "0")  # no wait for the lost hosts (test_elastic waits)
     fakes = Fakes(_host_lost("h2", 2), _host_lost("h1", 0))
     elastic = train.ScalingConfig(num_workers=(4, 6), hosts=THREE_HOSTS)
     needs = r"needs at least 4 workers, but the hosts not left out \(h1, h2 stopped answering\) hold 2"
