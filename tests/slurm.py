@@ -19,7 +19,7 @@ carries the tag (SLURM exports the submitter's environment), so the check sees i
 ``close`` kills everything inside the test bed's namespaces, then the daemons, then deletes the
 namespaces and the bridge: nothing is left behind.
 
-``cred_expire=20`` (default 120 s): a requeued job waits that long before it starts again.
+``cred_expire=5`` (default 120 s): a requeued job waits that long before it starts again.
 
 Learnt from ``shared/reference/slurm-testbed.md``: ``nsenter --net``, never ``ip netns exec`` (which
 remounts /sys and hides the cgroup tree slurmd needs); slurmctld needs its own host name ``ctl``;
@@ -47,7 +47,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={root}/munge/munge.socket,cred_expire=20
+AuthInfo=socket={root}/munge/munge.socket,cred_expire=5
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool/%n
 SlurmctldPidFile={root}/run/slurmctld.pid
@@ -63,7 +63,7 @@ JobCompType=jobcomp/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
-SchedulerParameters=batch_sched_delay=0
+SchedulerParameters=batch_sched_delay=0,sched_interval=1,bf_interval=1
 MpiDefault=none
 SlurmdParameters=config_overrides
 ReturnToService=2
