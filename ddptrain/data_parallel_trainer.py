@@ -17,7 +17,7 @@ from ddptrain import _env
 from ddptrain.backend import BackendConfig
 from ddptrain.base_trainer import PREPROCESSOR_DEPRECATION_MESSAGE, BaseTrainer
 from ddptrain.checkpoint import Checkpoint
-from ddptrain.config import DataConfig, RunConfig, ScalingConfig
+from ddptrain.config import DataConfig, RunConfig, ScalingConfig, ValidationConfig
 from ddptrain.data.ingest import DatasetIngest, check_datasets
 from ddptrain.errors import ConfigError
 from ddptrain.result import Result
@@ -65,6 +65,9 @@ class DataParallelTrainer(BaseTrainer):
             reads its shard with ``get_dataset_shard(name)``.
         dataset_config: Which datasets are split across workers (default: all).
         resume_from_checkpoint: A checkpoint the run starts from (``get_checkpoint()``).
+        validation_config: Validates the checkpoints reported with ``report(...,
+            validation=True)`` in a process of their own while training goes on
+            (:class:`~ddptrain.ValidationConfig`; see the checkpoints guide).
         preprocessor: Deprecated in Ray 2.7: raises ``DeprecationWarning`` with Ray's text
             (preprocess the dataset before passing it).
 
@@ -98,8 +101,11 @@ class DataParallelTrainer(BaseTrainer):
             )
         if metadata is not None:
             raise DeprecationWarning("`metadata` is not supported (as in Ray Train V2).")
-        if validation_config is not None:
-            raise ConfigError("`validation_config` is not supported by ddptrain.")
+        if validation_config is not None and not isinstance(validation_config, ValidationConfig):
+            raise ConfigError(
+                f"`validation_config` must be a ddptrain.ValidationConfig(fn, task_config=...), got {validation_config!r}."
+            )
+        self.validation_config = validation_config
         self.train_loop_per_worker = train_loop_per_worker
         self._takes_config = _takes_config(train_loop_per_worker)
         self.train_loop_config = train_loop_config
@@ -228,6 +234,7 @@ class DataParallelTrainer(BaseTrainer):
             backend_config=self.backend_config,
             dataset_config=self.dataset_config,
             datasets=datasets,
+            validation_config=self.validation_config,
         )
         run.start_checkpoint = self.resume_from_checkpoint
         return run
