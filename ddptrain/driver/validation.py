@@ -31,7 +31,7 @@ from typing import IO, Any
 import cloudpickle
 
 import ddptrain
-from ddptrain import _env
+from ddptrain import _env, ray_compat
 from ddptrain.checkpoint import Checkpoint
 
 __all__ = ["Finished", "Task", "Validations"]
@@ -166,6 +166,7 @@ class Validations:
             "spec": task.spec,
             "checkpoint": task.checkpoint,
             "sys_path": list(sys.path),
+            "ray_compat": ray_compat.installed(),
         }
         log_file = None
         try:

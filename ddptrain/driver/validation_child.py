@@ -2,7 +2,8 @@
 
 Started by :class:`ddptrain.driver.validation.Validations` in a private folder (mode 0700)
 that holds ``task.pkl``: the cloudpickled request (the trainer's ``ValidationConfig`` function
-and keyword arguments, the report's own request, the ``Checkpoint``, the driver's ``sys.path``).
+and keyword arguments, the report's own request, the ``Checkpoint``, the driver's ``sys.path``, whether ``import ray`` is
+ddptrain's).
 It pins itself to ``DDPTRAIN_VALIDATION_CPUS`` if set, calls the function, and writes
 ``result.json`` (``{"metrics": ...}`` or ``{"error": traceback}``) atomically. It imports
 neither torch nor the driver: only what the function itself needs.
@@ -28,6 +29,10 @@ def _call(request: dict[str, Any]) -> dict[str, Any]:
     if cpus:
         os.sched_setaffinity(0, cpus)
     sys.path[:] = list(request["sys_path"])
+    if request["ray_compat"]:  # under `ddptrain run`: the function may use `ray.train`, as the workers do
+        from ddptrain import ray_compat
+
+        ray_compat.install()
     fn, kwargs = cloudpickle.loads(request["default"]) if request["default"] is not None else (None, {})
     own_fn, args, own_kwargs = cloudpickle.loads(request["spec"])
     if own_fn is not None:  # Ray's earlier form: report(validate_fn=..., validate_config=...)
