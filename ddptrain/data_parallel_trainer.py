@@ -103,7 +103,8 @@ class DataParallelTrainer(BaseTrainer):
             raise DeprecationWarning("`metadata` is not supported (as in Ray Train V2).")
         if validation_config is not None and not isinstance(validation_config, ValidationConfig):
             raise ConfigError(
-                f"`validation_config` must be a ddptrain.ValidationConfig(fn, task_config=...), got {validation_config!r}."
+                "`validation_config` must be a ddptrain.ValidationConfig(fn, task_config=...), "
+                f"got {validation_config!r}."
             )
         self.validation_config = validation_config
         self.train_loop_per_worker = train_loop_per_worker

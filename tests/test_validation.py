@@ -24,7 +24,9 @@ from ddptrain.errors import ConfigError
 from tests.test_ray_compat import ddptrain_run
 
 
-def _fit(loop: Any, storage: str, validate: Any, workers: int = 1, keep: int | None = None, **kwargs: Any) -> train.Result:
+def _fit(
+    loop: Any, storage: str, validate: Any, workers: int = 1, keep: int | None = None, **kwargs: Any
+) -> train.Result:
     return train.DataParallelTrainer(
         loop,
         scaling_config=train.ScalingConfig(num_workers=workers),
@@ -90,7 +92,10 @@ def test_validation_runs_beside_training_merges_and_ranks_by_its_metric(storage:
     # Ranked by the validated metric (worst first): #2 (0.1) was deleted once validated, the
     # best (#1, 0.9) and the latest (#3) are kept.
     assert seen["validated"] == [("checkpoint_000003", "VALIDATED", 0.5), ("checkpoint_000001", "VALIDATED", 0.9)]
-    assert sorted(p.name for p in Path(storage, "run").glob("checkpoint_*")) == ["checkpoint_000001", "checkpoint_000003"]
+    assert sorted(p.name for p in Path(storage, "run").glob("checkpoint_*")) == [
+        "checkpoint_000001",
+        "checkpoint_000003",
+    ]
     [(best, metrics)] = result.best_checkpoints
     assert os.path.basename(best.path) == "checkpoint_000001"
     assert metrics["acc"] == 0.9 and metrics["loss"] == 0 and metrics["step"] == 0  # same keys overwrite
@@ -116,9 +121,7 @@ def _fails_or_waits(checkpoint: train.Checkpoint, delay_s: float) -> dict[str, A
     return {"acc": 0.75}
 
 
-def test_a_validation_that_raises_is_reported_and_fit_waits_for_one_that_outlives_training(
-    storage: str, capfd
-) -> None:
+def test_a_validation_that_raises_is_reported_and_fit_waits_for_one_that_outlives_training(storage: str, capfd) -> None:
     def loop() -> float:
         _report(0, validation=True)
         _report(1, validation=True)

@@ -150,7 +150,9 @@ class Progress:
 
     def validated(self, name: str, metrics: dict[str, Any], seconds: float) -> None:
         """A checkpoint's validation ended: its metrics (merged into the checkpoint's)."""
-        self._say(f"ddptrain: {name} validated in {seconds:.1f} s: {format_metrics(metrics, limit=6) or '(no metrics)'}")
+        self._say(
+            f"ddptrain: {name} validated in {seconds:.1f} s: {format_metrics(metrics, limit=6) or '(no metrics)'}"
+        )
 
     def validation_failed(self, name: str, error: str, log: str, kept: bool) -> None:
         """A checkpoint's validation failed (or was killed): its traceback's last lines, and

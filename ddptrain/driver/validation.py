@@ -30,7 +30,6 @@ from typing import IO, Any
 
 import cloudpickle
 
-import ddptrain
 from ddptrain import _env, ray_compat
 from ddptrain.checkpoint import Checkpoint
 
@@ -179,7 +178,7 @@ class Validations:
             env.setdefault("OMP_NUM_THREADS", "1")
             if not self.uses_gpu:
                 env["CUDA_VISIBLE_DEVICES"] = ""
-            root = os.path.dirname(os.path.dirname(os.path.abspath(ddptrain.__file__)))
+            root = str(Path(__file__).resolve().parents[2])  # where this ddptrain is imported from
             process = subprocess.Popen(
                 [sys.executable, "-c", _CHILD, root, folder],
                 stdin=subprocess.DEVNULL,

@@ -1,9 +1,9 @@
-"""The validation process: ``python -m ddptrain.driver.validation_child <folder>``.
+"""The validation process: a plain ``python`` that runs :func:`main` on a folder.
 
 Started by :class:`ddptrain.driver.validation.Validations` in a private folder (mode 0700)
 that holds ``task.pkl``: the cloudpickled request (the trainer's ``ValidationConfig`` function
-and keyword arguments, the report's own request, the ``Checkpoint``, the driver's ``sys.path``, whether ``import ray`` is
-ddptrain's).
+and keyword arguments, the report's own request, the ``Checkpoint``, the driver's
+``sys.path``, whether ``import ray`` is ddptrain's).
 It pins itself to ``DDPTRAIN_VALIDATION_CPUS`` if set, calls the function, and writes
 ``result.json`` (``{"metrics": ...}`` or ``{"error": traceback}``) atomically. It imports
 neither torch nor the driver: only what the function itself needs.
@@ -17,21 +17,20 @@ import sys
 import traceback
 from typing import Any
 
+import cloudpickle
+
+from ddptrain import _env, ray_compat
+from ddptrain.storage.layout import to_jsonable
+
 __all__ = ["main"]
 
 
 def _call(request: dict[str, Any]) -> dict[str, Any]:
-    import cloudpickle
-
-    from ddptrain import _env
-
     cpus = _env.validation_cpus()
     if cpus:
         os.sched_setaffinity(0, cpus)
     sys.path[:] = list(request["sys_path"])
     if request["ray_compat"]:  # under `ddptrain run`: the function may use `ray.train`, as the workers do
-        from ddptrain import ray_compat
-
         ray_compat.install()
     fn, kwargs = cloudpickle.loads(request["default"]) if request["default"] is not None else (None, {})
     own_fn, args, own_kwargs = cloudpickle.loads(request["spec"])
@@ -44,15 +43,11 @@ def _call(request: dict[str, Any]) -> dict[str, Any]:
     metrics = fn(request["checkpoint"], *args, **(kwargs or {}))
     if not isinstance(metrics, dict):
         raise TypeError(f"the validation function must return a dict of metrics, got {type(metrics).__name__}")
-    from ddptrain.storage.layout import to_jsonable
-
     return {"metrics": to_jsonable(metrics)}
 
 
 def main(folder: str) -> int:
     """Run the validation of ``folder``'s request; its result (or error) goes to ``result.json``."""
-    import cloudpickle
-
     with open(os.path.join(folder, "task.pkl"), "rb") as f:
         request = cloudpickle.load(f)
     try:

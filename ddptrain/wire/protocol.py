@@ -117,7 +117,9 @@ class Report:
     staged: str | None  # the folder the rank's checkpoint files were staged in
     dir_name: str | None  # ``checkpoint_dir_name``
     pending: bool = False  # its checkpoint files are being uploaded: an ``Uploaded`` follows
-    validation: bytes | None = None  # validate the checkpoint: cloudpickled (fn, args, fn_kwargs), for the driver to pass on
+    validation: bytes | None = (
+        None  # validate the checkpoint: cloudpickled (fn, args, fn_kwargs), for the driver to pass on
+    )
 
 
 @dataclass(frozen=True)
