@@ -270,6 +270,7 @@ class Run:
                 "metrics": storage.to_jsonable(finished.metrics or {}),
                 "error": finished.error,
                 "seconds": round(finished.seconds, 3),
+                "started": finished.started,
             },
         }
         self._metrics_lines.append((line, json.dumps(line) + "\n"))

@@ -68,6 +68,7 @@ class Finished:
     log: str
     seconds: float
     ran: bool = True
+    started: float | None = None  # when its process started (``time.time()``)
 
 
 @dataclass
@@ -78,6 +79,7 @@ class _Running:
     log: str
     log_file: IO[bytes]
     started: float
+    wall_started: float
 
 
 class Validations:
@@ -179,6 +181,7 @@ class Validations:
             if not self.uses_gpu:
                 env["CUDA_VISIBLE_DEVICES"] = ""
             root = str(Path(__file__).resolve().parents[2])  # where this ddptrain is imported from
+            started_at = time.time()
             process = subprocess.Popen(
                 [sys.executable, "-c", _CHILD, root, folder],
                 stdin=subprocess.DEVNULL,
@@ -192,7 +195,7 @@ class Validations:
                 log_file.close()
             shutil.rmtree(folder, ignore_errors=True)
             raise
-        self.running = _Running(task, process, folder, log, log_file, self.clock())
+        self.running = _Running(task, process, folder, log, log_file, self.clock(), started_at)
         _logger.info("ddptrain: validating checkpoint %s (pid %d, log %s)", task.name, process.pid, log)
 
     def _reap(self, running: _Running, timed_out: bool, why: str | None = None) -> Finished:
@@ -222,7 +225,7 @@ class Validations:
         if error is None and result is not None:
             error = result.get("error")
         metrics = result.get("metrics") if result is not None and error is None else None
-        return Finished(running.task, metrics, error, running.log, seconds, ran=why is None)
+        return Finished(running.task, metrics, error, running.log, seconds, why is None, running.wall_started)
 
 
 def _read_result(folder: str) -> dict[str, Any] | None:
