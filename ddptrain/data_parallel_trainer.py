@@ -235,7 +235,7 @@ class DataParallelTrainer(BaseTrainer):
             backend_config=self.backend_config,
             dataset_config=self.dataset_config,
             datasets=datasets,
-            validation_config=self.validation_config,
+            validation_config=getattr(self, "validation_config", None),  # a trainer saved before it existed
         )
         run.start_checkpoint = self.resume_from_checkpoint
         return run
