@@ -228,3 +228,50 @@ def test_rays_async_validation_guide_runs_unmodified(storage: str) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "checkpoint_000001 validated in" in proc.stderr and "checkpoint_000002 validated in" in proc.stderr
     assert "best checkpoints: [('checkpoint_000001', ['epoch', 'loss', 'score'])," in proc.stdout
+
+
+_DRIVER = """
+import sys, time
+import ddptrain as train
+from tests.test_validation import _hangs, _report
+
+def loop():
+    _report(0, validation=True)
+    time.sleep(60)
+
+train.DataParallelTrainer(
+    loop,
+    scaling_config=train.ScalingConfig(num_workers=0),
+    validation_config=train.ValidationConfig(_hangs, task_config=train.ValidationTaskConfig({"pids": sys.argv[2]})),
+    run_config=train.RunConfig(name="run", storage_path=sys.argv[1]),
+).fit()
+"""
+
+
+@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGKILL"])
+def test_a_validation_ends_with_its_driver(signal_name: str, storage: str, tmp_path: Path) -> None:
+    """Ctrl-C (KeyboardInterrupt in fit()) kills the validation; so does a SIGKILLed driver
+    (the validation process watches it)."""
+    pids = tmp_path / "pids"
+    root = Path(__file__).resolve().parent.parent
+    driver = subprocess.Popen(
+        [os.sys.executable, "-c", _DRIVER, storage, str(pids)],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (pids.exists() and pids.read_text().endswith("\n")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        started = [int(pid) for pid in pids.read_text().split()]
+        os.kill(driver.pid, getattr(__import__("signal"), signal_name))
+        driver.wait(30)
+    finally:
+        driver.kill()
+        driver.wait()
+    deadline = time.monotonic() + 5
+    while any(map(_alive, started)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(map(_alive, started))

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
+import time
 import traceback
 from typing import Any
 
@@ -46,8 +49,17 @@ def _call(request: dict[str, Any]) -> dict[str, Any]:
     return {"metrics": to_jsonable(metrics)}
 
 
+def _watch_driver(driver_pid: int) -> None:
+    """End this process's group (it and what the function started) once the driver is gone:
+    a driver killed with SIGKILL cannot kill its validation itself."""
+    while os.getppid() == driver_pid:
+        time.sleep(0.5)
+    os.killpg(0, signal.SIGKILL)
+
+
 def main(folder: str) -> int:
     """Run the validation of ``folder``'s request; its result (or error) goes to ``result.json``."""
+    threading.Thread(target=_watch_driver, args=(os.getppid(),), daemon=True, name="driver-watch").start()
     with open(os.path.join(folder, "task.pkl"), "rb") as f:
         request = cloudpickle.load(f)
     try:
