@@ -242,10 +242,12 @@ class DataParallelTrainer(BaseTrainer):
 
     def _check_before_start(self) -> None:
         """Fail at once, before torch is imported or any process starts, on what cannot work:
-        a storage path that cannot hold the run, or a bad ``DDPTRAIN_CONSOLE_RANKS``."""
+        a storage path that cannot hold the run, or a bad ``DDPTRAIN_CONSOLE_RANKS`` or
+        ``DDPTRAIN_VALIDATION_*``."""
         self.run_config._check_storage()
         try:
             ranks = _env.console_ranks()
+            _env.validation_timeout_s(), _env.validation_wait_s(), _env.validation_cpus()
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         unknown = sorted(r for r in ranks or () if r >= self.scaling_config.max_workers)

@@ -275,3 +275,9 @@ def test_a_validation_ends_with_its_driver(signal_name: str, storage: str, tmp_p
     while any(map(_alive, started)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(map(_alive, started))
+
+
+def test_a_bad_validation_knob_fails_fit_at_once(storage: str, monkeypatch) -> None:
+    monkeypatch.setenv("DDPTRAIN_VALIDATION_CPUS", "one")
+    with pytest.raises(ConfigError, match="`DDPTRAIN_VALIDATION_CPUS` must be a CPU list such as '3'"):
+        _fit(lambda: None, storage, _scored, workers=0)
