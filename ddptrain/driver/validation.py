@@ -195,6 +195,10 @@ class Validations:
                 log_file.close()
             shutil.rmtree(folder, ignore_errors=True)
             raise
+        cpus = _env.validation_cpus()
+        if cpus:  # from its start: its imports take CPU too (it pins itself again, for what it starts)
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(process.pid, cpus)
         self.running = _Running(task, process, folder, log, log_file, self.clock(), started_at)
         _logger.info("ddptrain: validating checkpoint %s (pid %d, log %s)", task.name, process.pid, log)
 
