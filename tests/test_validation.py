@@ -248,16 +248,16 @@ train.DataParallelTrainer(
 """
 
 
-@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGKILL"])
+@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGTERM", "SIGKILL"])
 def test_a_validation_ends_with_its_driver(signal_name: str, storage: str, tmp_path: Path) -> None:
-    """Ctrl-C (KeyboardInterrupt in fit()) kills the validation; so does a SIGKILLed driver
-    (the validation process watches it)."""
+    """Ctrl-C (KeyboardInterrupt in fit()) and SIGTERM (a preemption notice) kill the
+    validation; so does a SIGKILLed driver (the validation process watches it)."""
     pids = tmp_path / "pids"
     root = Path(__file__).resolve().parent.parent
     driver = subprocess.Popen(
         [os.sys.executable, "-c", _DRIVER, storage, str(pids)],
         cwd=root,
-        env={**os.environ, "PYTHONPATH": str(root)},
+        env={**os.environ, "PYTHONPATH": str(root), "DDPTRAIN_PREEMPTION_WINDOW_S": "0.5"},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
@@ -281,3 +281,22 @@ def test_a_bad_validation_knob_fails_fit_at_once(storage: str, monkeypatch) -> N
     monkeypatch.setenv("DDPTRAIN_VALIDATION_CPUS", "one")
     with pytest.raises(ConfigError, match="`DDPTRAIN_VALIDATION_CPUS` must be a CPU list such as '3'"):
         _fit(lambda: None, storage, _scored, workers=0)
+
+
+def test_a_failed_training_kills_its_validation(storage: str, tmp_path: Path) -> None:
+    pids = str(tmp_path / "pids")
+
+    def loop() -> None:
+        _report(0, validation=True)
+        while not (os.path.exists(pids) and Path(pids).read_text().endswith("\n")):
+            time.sleep(0.05)
+        raise RuntimeError("diverged")
+
+    start = time.monotonic()
+    with pytest.raises(train.WorkerGroupError, match="diverged"):
+        _fit(loop, storage, _hangs, workers=0, pids=pids)
+    assert time.monotonic() - start < 20
+    started = [int(pid) for pid in Path(pids).read_text().split()]
+    assert not any(map(_alive, started))
+    [line] = _validation_lines(storage)
+    assert line["error"] == "Validation killed: the run stopped before it ended."

@@ -249,7 +249,7 @@ class Run:
         """``fit()`` ends another way (a failure, Ctrl-C, a preemption): kill the running
         validation, drop the queued ones; their checkpoints stay ``COMMITTED``."""
         try:
-            for finished in self.validations.close("the run stopped before it"):
+            for finished in self.validations.close("the run stopped before it ended"):
                 self._validated(finished)
         except Exception as exc:  # the error that stopped the run is the one to raise
             _logger.warning("ddptrain: recording the validations the run stopped failed: %r", exc)
