@@ -17,6 +17,8 @@ from ddptrain.config import (
     LoggingConfig,
     RunConfig,
     ScalingConfig,
+    ValidationConfig,
+    ValidationTaskConfig,
 )
 from ddptrain.context import (
     CheckpointConsistencyMode,
@@ -87,6 +89,8 @@ __all__ = [
     "TrainContext",
     "TrainRunContext",
     "TrainingFailedError",
+    "ValidationConfig",
+    "ValidationTaskConfig",
     "UserCallback",
     "WorkerDiedError",
     "WorkerError",

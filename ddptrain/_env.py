@@ -95,6 +95,36 @@ def stall_warn_s() -> float:
     return _float("DDPTRAIN_STALL_WARN_S", 30.0)
 
 
+def validation_timeout_s() -> float:
+    """How long one validation (``ValidationConfig``) may run before its process is killed
+    (``DDPTRAIN_VALIDATION_TIMEOUT_S``, default 3600 s)."""
+    return _float("DDPTRAIN_VALIDATION_TIMEOUT_S", 3600.0)
+
+
+def validation_wait_s() -> float:
+    """How long ``fit()`` waits, once training is done, for the validations still queued or
+    running (``DDPTRAIN_VALIDATION_WAIT_S``, default 600 s); those not done then are killed."""
+    return _float("DDPTRAIN_VALIDATION_WAIT_S", 600.0)
+
+
+def validation_cpus() -> set[int] | None:
+    """The CPUs a validation process is pinned to (``DDPTRAIN_VALIDATION_CPUS``, e.g. ``"3"``
+    or ``"2-3"`` or ``"2,3"``; unset: no pinning)."""
+    raw = os.environ.get("DDPTRAIN_VALIDATION_CPUS", "").strip()
+    if not raw:
+        return None
+    cpus: set[int] = set()
+    try:
+        for part in raw.split(","):
+            low, _, high = part.strip().partition("-")
+            cpus.update(range(int(low), int(high or low) + 1))
+    except ValueError:
+        raise ValueError(
+            f"`DDPTRAIN_VALIDATION_CPUS` must be a CPU list such as '3' or '2-3' or '0,2', got {raw!r}."
+        ) from None
+    return cpus
+
+
 def shutdown_grace_s() -> float:
     """Seconds workers get between SIGTERM and SIGKILL when the group is torn down."""
     return _float("DDPTRAIN_SHUTDOWN_GRACE_S", 3.0)

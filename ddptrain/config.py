@@ -24,6 +24,8 @@ __all__ = [
     "FailureConfig",
     "DataConfig",
     "LoggingConfig",
+    "ValidationConfig",
+    "ValidationTaskConfig",
 ]
 
 _DEPRECATED = "DEPRECATED"
@@ -223,6 +225,82 @@ class CheckpointConfig:
         hint = "Call `ddptrain.report(..., checkpoint=...)` whenever you want a checkpoint."
         _deprecated("CheckpointConfig", "checkpoint_frequency", self.checkpoint_frequency, hint)
         _deprecated("CheckpointConfig", "checkpoint_at_end", self.checkpoint_at_end, hint)
+
+
+def _check_fn_kwargs(owner: str, fn_kwargs: Any) -> None:
+    if fn_kwargs is not None and (
+        not isinstance(fn_kwargs, dict) or not all(isinstance(key, str) for key in fn_kwargs)
+    ):
+        raise ConfigError(
+            f"`{owner}(fn_kwargs=...)` must be a dict of keyword arguments (str keys), got {fn_kwargs!r}."
+        )
+
+
+@dataclass
+class ValidationTaskConfig:
+    """The keyword arguments of one validation (Ray's name), passed to ``report(validation=...)``:
+    ``fn(checkpoint, **fn_kwargs)``. They replace those of the trainer's ``ValidationConfig``.
+
+    Args:
+        fn_kwargs: Picklable keyword arguments of the validation function.
+    """
+
+    fn_kwargs: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        _check_fn_kwargs("ValidationTaskConfig", self.fn_kwargs)
+
+
+@dataclass
+class ValidationConfig:
+    """Asynchronous validation of reported checkpoints (Ray's name), passed to the trainer.
+
+    ``report(metrics, checkpoint=..., validation=True)`` (or a :class:`ValidationTaskConfig`)
+    asks for ``fn(checkpoint, **fn_kwargs) -> dict`` to run on that checkpoint once it is
+    committed, in a process of its own on the driver's host, while training goes on. One
+    validation runs at a time, in report order; its metrics are merged into the checkpoint's
+    (same keys overwrite) and can rank it (``CheckpointConfig.checkpoint_score_attribute``).
+    See the checkpoints guide.
+
+    Args:
+        fn: ``fn(checkpoint, **fn_kwargs) -> dict`` of metrics. It runs on CPU (no GPU is
+            visible to it) unless ``ray_remote_kwargs`` asks for one.
+        task_config: The default ``fn_kwargs``; a ``ValidationTaskConfig`` given to
+            ``report()`` replaces them.
+        ray_remote_kwargs: Ray's resource request; ddptrain reads ``num_gpus`` only (> 0: the
+            driver's GPUs stay visible to ``fn``).
+
+    Example:
+        >>> def validate(checkpoint, data_path):
+        ...     return {"accuracy": evaluate(checkpoint, data_path)}
+        >>> TorchTrainer(train_func, validation_config=ValidationConfig(
+        ...     validate, task_config=ValidationTaskConfig(fn_kwargs={"data_path": "/data/val"})))
+    """
+
+    fn: Any
+    task_config: ValidationTaskConfig | None = None
+    ray_remote_kwargs: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if not callable(self.fn):
+            raise ConfigError(
+                f"`ValidationConfig(fn=...)` must be a function (checkpoint, **fn_kwargs) -> dict, got {self.fn!r}."
+            )
+        if self.task_config is not None and not hasattr(self.task_config, "fn_kwargs"):
+            raise ConfigError(
+                f"`ValidationConfig(task_config=...)` must be a ValidationTaskConfig, got {self.task_config!r}."
+            )
+        if self.task_config is not None:
+            _check_fn_kwargs("ValidationTaskConfig", self.task_config.fn_kwargs)
+        if self.ray_remote_kwargs is not None and not isinstance(self.ray_remote_kwargs, dict):
+            raise ConfigError(
+                f"`ValidationConfig(ray_remote_kwargs=...)` must be a dict, got {self.ray_remote_kwargs!r}."
+            )
+
+    @property
+    def uses_gpu(self) -> bool:
+        """Whether ``fn`` may see the driver's GPUs (``ray_remote_kwargs={"num_gpus": ...}``)."""
+        return bool((self.ray_remote_kwargs or {}).get("num_gpus"))
 
 
 @dataclass

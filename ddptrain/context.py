@@ -74,16 +74,31 @@ class CheckpointUploadMode(enum.Enum):
 
 
 class CheckpointConsistencyMode(enum.Enum):
-    """Accepted by ``get_all_reported_checkpoints``; every listed checkpoint is committed."""
+    """What ``get_all_reported_checkpoints`` waits for (Ray's semantics).
+
+    Members:
+        COMMITTED: Every ``report()`` this worker made so far is processed (its checkpoint
+            committed) on every rank.
+        VALIDATED: That, and no validation (``ValidationConfig``) is queued or running: every
+            listed checkpoint has its validated metrics. The default, as in Ray.
+    """
 
     COMMITTED = "COMMITTED"
     VALIDATED = "VALIDATED"
 
 
 class ReportedCheckpointStatus(enum.Enum):
-    """State of a reported checkpoint (ddptrain has no validation step: always COMMITTED)."""
+    """State of a reported checkpoint (Ray's).
+
+    Members:
+        COMMITTED: Committed; no validation was asked for (or it never ran: the run stopped).
+        PENDING_VALIDATION: Committed; its validation is queued or running.
+        VALIDATED: Its validation ended: its metrics are merged in (none if it failed).
+    """
 
     COMMITTED = "COMMITTED"
+    PENDING_VALIDATION = "PENDING_VALIDATION"
+    VALIDATED = "VALIDATED"
 
 
 @dataclass(frozen=True)
@@ -127,12 +142,16 @@ class ReportSink(Protocol):
         checkpoint: Checkpoint | None,
         dir_name: str | None,
         upload: Upload,
+        validation: bytes | None = None,
     ) -> None:
         """Persist report number ``session.report_index`` (checked by ``report()``); sets
         ``session.checkpoint`` to the committed checkpoint, if one was passed and committed
-        before this returns."""
+        before this returns. ``validation``: validate the checkpoint once committed (the
+        pickled request)."""
 
-    def reported_checkpoints(self, session: _Session, timeout_s: float | None) -> list[ReportedCheckpoint]:
+    def reported_checkpoints(
+        self, session: _Session, timeout_s: float | None, validated: bool
+    ) -> list[ReportedCheckpoint]:
         """The run's kept checkpoints (see :func:`get_all_reported_checkpoints`)."""
 
 
@@ -151,6 +170,7 @@ class _Session:
     storage: RunStorage | None = None  # where reported checkpoints go (``None``: no run)
     uploads: CheckpointUploads | None = None  # its ASYNC uploads (made by the first one)
     report_index: int = 0
+    validates: bool = False  # the trainer has a ValidationConfig
     collective_index: int = 0
     end_hooks: list[Callable[[bool], None]] = field(default_factory=list)  # see on_training_end
     preemption: PreemptionInfo | None = None  # set by the heartbeat thread (get_preemption_info)
@@ -210,6 +230,7 @@ def build_session(
         dataset_shards=dataset_shards,
         devices=list(place.devices),
         report_index=run.report_index,
+        validates=run.validates,
     )
 
 
@@ -320,6 +341,8 @@ def report(
     delete_local_checkpoint_after_upload: bool | None = None,
     checkpoint_upload_fn: Callable[[Checkpoint, str], Checkpoint] | None = None,
     validation: Any = False,
+    validate_fn: Callable[..., dict[str, Any]] | None = None,
+    validate_config: dict[str, Any] | None = None,
 ) -> None:
     """Report metrics, and optionally a checkpoint, from every worker.
 
@@ -352,7 +375,15 @@ def report(
             files itself (in the background with ``ASYNC``); the checkpoint it returns must be
             the run's checkpoint folder named ``checkpoint_dir_name`` (as for ``NO_UPLOAD``),
             and is what gets committed.
-        validation: Not supported yet (asynchronous validation).
+        validation: ``True``: validate this report's checkpoint, once it is committed, with the
+            trainer's ``ValidationConfig`` (its ``fn(checkpoint, **fn_kwargs)``, in a process of
+            its own on the driver's host, while training goes on); a ``ValidationTaskConfig``:
+            with its ``fn_kwargs`` instead of the trainer's. Its metrics are merged into the
+            checkpoint's (see the checkpoints guide). On a rank that passes no checkpoint it
+            is ignored.
+        validate_fn: Ray's earlier form: ``validate_fn(checkpoint, validate_config)`` (or
+            ``validate_fn(checkpoint)``) validates this report's checkpoint, as ``validation``.
+        validate_config: The second argument of ``validate_fn``.
 
     Raises:
         ValueError: ``metrics`` holds tensors, the folder name is not a plain name, or a
@@ -370,11 +401,7 @@ def report(
     if checkpoint is not None and not isinstance(checkpoint, Checkpoint):
         raise TypeError(f"`checkpoint` must be a ddptrain.Checkpoint, got {type(checkpoint).__name__}.")
     _check_dir_name(checkpoint_dir_name)
-    if validation:
-        raise NotImplementedError(
-            "`report(validation=...)` (asynchronous validation) is not supported by ddptrain yet: validate in "
-            "the training function and report the metrics."
-        )
+    spec = _validation_spec(session, validation, validate_fn, validate_config) if checkpoint is not None else None
     upload = _check_upload(
         checkpoint,
         checkpoint_upload_mode,
@@ -385,7 +412,45 @@ def report(
     if session.uploads is not None:
         session.uploads.check()  # an earlier ASYNC upload failed
     session.report_index += 1
-    session.sink.report(session, metrics, checkpoint, checkpoint_dir_name, upload)
+    session.sink.report(session, metrics, checkpoint, checkpoint_dir_name, upload, spec)
+
+
+def _validation_spec(session: _Session, validation: Any, validate_fn: Any, validate_config: Any) -> bytes | None:
+    """``report()``'s validation request, pickled for the validation process (``None``: none)."""
+    if validate_fn is None and validate_config is not None:
+        raise ValueError("`validate_config` is the argument of `validate_fn`: pass `validate_fn` too.")
+    if validate_fn is not None:
+        if validation is not False and validation is not None:
+            raise ValueError(
+                "Pass either `validation=...` (with the trainer's `validation_config`) or `validate_fn=...`, not both."
+            )
+        if not callable(validate_fn):
+            raise TypeError(f"`validate_fn` must be a function (checkpoint, config) -> dict, got {validate_fn!r}.")
+        request: tuple[Any, ...] = (validate_fn, () if validate_config is None else (validate_config,), None)
+    elif validation is False or validation is None:
+        return None
+    else:
+        if validation is True:
+            request = (None, (), None)
+        elif hasattr(validation, "fn_kwargs"):  # a ValidationTaskConfig (Ray's too)
+            kwargs = validation.fn_kwargs
+            if kwargs is not None and not isinstance(kwargs, Mapping):
+                raise TypeError(f"`ValidationTaskConfig.fn_kwargs` must be a dict, got {kwargs!r}.")
+            request = (None, (), dict(kwargs) if kwargs is not None else None)
+        else:
+            raise TypeError(f"`validation` must be True, False or a ValidationTaskConfig, got {validation!r}.")
+        if not session.validates:
+            raise ValueError(
+                "`report(validation=...)` needs a validation function: give the trainer "
+                "`validation_config=ValidationConfig(fn)` (or pass `validate_fn=` to report())."
+            )
+    try:
+        return cloudpickle.dumps(request)
+    except Exception as exc:
+        raise TypeError(
+            f"The validation request of this report cannot be pickled ({exc!r}): `validate_fn` and the keyword "
+            "arguments must be picklable (pass paths, not open files or clients)."
+        ) from exc
 
 
 class _ChannelReports:
@@ -400,6 +465,7 @@ class _ChannelReports:
         checkpoint: Checkpoint | None,
         dir_name: str | None,
         upload: Upload,
+        validation: bytes | None = None,
     ) -> None:
         channel = session.channel
         assert channel is not None, "a worker's session has its channel"
@@ -424,27 +490,34 @@ class _ChannelReports:
                     raise error from exc
                 channel.send_aside(protocol.Uploaded(rank, index, staged))
 
-            announce = lambda: channel.send(protocol.Report(rank, index, metrics, None, dir_name, pending=True))  # noqa: E731
+            announce = lambda: channel.send(  # noqa: E731
+                protocol.Report(rank, index, metrics, None, dir_name, pending=True, validation=validation)
+            )
             session.uploads.submit(index, announce, in_background)
             return
         # On a host that cannot see the run directory the staged files wait in a local cache,
         # and the driver copies them back over SSH before it commits the checkpoint.
         staged = persist_checkpoint(session, checkpoint, name, index, upload)
-        reply = session.call_driver(protocol.Report(rank, index, metrics, staged, dir_name))
+        reply = session.call_driver(protocol.Report(rank, index, metrics, staged, dir_name, validation=validation))
         assert isinstance(reply, protocol.Ack), reply
         if reply.problem or reply.path is None:  # the driver refused to commit it
             raise ValueError(reply.problem)
         session.checkpoint = session.checkpoint_at(reply.path)
 
-    def reported_checkpoints(self, session: _Session, timeout_s: float | None) -> list[ReportedCheckpoint]:
+    def reported_checkpoints(
+        self, session: _Session, timeout_s: float | None, validated: bool
+    ) -> list[ReportedCheckpoint]:
         if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))):
             raise TypeError(f"`timeout_s` must be a number of seconds or None, got {timeout_s!r}.")
         if session.uploads is not None:
             session.uploads.check()
         rank = session.context.get_world_rank()
-        reply = session.call_driver(protocol.CheckpointsQuery(rank, session.report_index, timeout_s))
+        reply = session.call_driver(protocol.CheckpointsQuery(rank, session.report_index, timeout_s, validated))
         assert isinstance(reply, protocol.CheckpointsReply), reply
-        return [ReportedCheckpoint(session.checkpoint_at(path), metrics) for path, metrics in reply.reported]
+        return [
+            ReportedCheckpoint(session.checkpoint_at(path), metrics, ReportedCheckpointStatus(status))
+            for path, metrics, status in reply.reported
+        ]
 
 
 CHANNEL_REPORTS: ReportSink = _ChannelReports()  # a worker's sink (its session holds the channel)
@@ -584,7 +657,8 @@ def get_checkpoint() -> Checkpoint | None:
 
 @dataclass(frozen=True)
 class ReportedCheckpoint:
-    """A committed checkpoint and rank 0's metrics reported with it."""
+    """A committed checkpoint, rank 0's metrics reported with it (and its validated metrics,
+    merged in), and its status."""
 
     checkpoint: Checkpoint
     metrics: dict[str, Any]
@@ -599,18 +673,29 @@ def get_all_reported_checkpoints(
 
     As in Ray, this first waits until the driver has processed every ``report()`` call this
     worker made so far, on every rank: a checkpoint that another rank passed to the same
-    ``report()`` call, and that is still being persisted, is included.
+    ``report()`` call, and that is still being persisted, is included. With
+    ``CheckpointConsistencyMode.VALIDATED`` (the default, as in Ray) it also waits until no
+    validation is queued or running.
 
     Args:
-        consistency_mode: Accepted for compatibility (every listed checkpoint is committed).
-        timeout_s: Stop waiting after this many seconds and return the checkpoints committed
-            by then (``None``: wait as long as it takes).
+        consistency_mode: ``CheckpointConsistencyMode.COMMITTED`` or ``VALIDATED`` (default).
+        timeout_s: Stop waiting after this many seconds and return the checkpoints as they
+            are then (``None``: wait as long as it takes).
 
     Returns:
         The run's kept checkpoints (in local mode, ``num_workers=0``, too).
     """
     session = _get_session("get_all_reported_checkpoints")
-    return session.sink.reported_checkpoints(session, timeout_s)
+    if consistency_mode is None:
+        consistency_mode = CheckpointConsistencyMode.VALIDATED
+    try:
+        mode = CheckpointConsistencyMode(getattr(consistency_mode, "value", consistency_mode))  # Ray's enum too
+    except ValueError:
+        raise ValueError(
+            f"`consistency_mode` must be CheckpointConsistencyMode.COMMITTED or VALIDATED, got {consistency_mode!r}."
+        ) from None
+    validated = mode is CheckpointConsistencyMode.VALIDATED
+    return session.sink.reported_checkpoints(session, timeout_s, validated)
 
 
 def get_dataset_shard(dataset_name: str | None = None) -> Any:

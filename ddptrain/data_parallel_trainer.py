@@ -17,7 +17,7 @@ from ddptrain import _env
 from ddptrain.backend import BackendConfig
 from ddptrain.base_trainer import PREPROCESSOR_DEPRECATION_MESSAGE, BaseTrainer
 from ddptrain.checkpoint import Checkpoint
-from ddptrain.config import DataConfig, RunConfig, ScalingConfig
+from ddptrain.config import DataConfig, RunConfig, ScalingConfig, ValidationConfig
 from ddptrain.data.ingest import DatasetIngest, check_datasets
 from ddptrain.errors import ConfigError
 from ddptrain.result import Result
@@ -65,6 +65,9 @@ class DataParallelTrainer(BaseTrainer):
             reads its shard with ``get_dataset_shard(name)``.
         dataset_config: Which datasets are split across workers (default: all).
         resume_from_checkpoint: A checkpoint the run starts from (``get_checkpoint()``).
+        validation_config: Validates the checkpoints reported with ``report(...,
+            validation=True)`` in a process of their own while training goes on
+            (:class:`~ddptrain.ValidationConfig`; see the checkpoints guide).
         preprocessor: Deprecated in Ray 2.7: raises ``DeprecationWarning`` with Ray's text
             (preprocess the dataset before passing it).
 
@@ -98,8 +101,12 @@ class DataParallelTrainer(BaseTrainer):
             )
         if metadata is not None:
             raise DeprecationWarning("`metadata` is not supported (as in Ray Train V2).")
-        if validation_config is not None:
-            raise ConfigError("`validation_config` is not supported by ddptrain.")
+        if validation_config is not None and not isinstance(validation_config, ValidationConfig):
+            raise ConfigError(
+                "`validation_config` must be a ddptrain.ValidationConfig(fn, task_config=...), "
+                f"got {validation_config!r}."
+            )
+        self.validation_config = validation_config
         self.train_loop_per_worker = train_loop_per_worker
         self._takes_config = _takes_config(train_loop_per_worker)
         self.train_loop_config = train_loop_config
@@ -228,16 +235,19 @@ class DataParallelTrainer(BaseTrainer):
             backend_config=self.backend_config,
             dataset_config=self.dataset_config,
             datasets=datasets,
+            validation_config=getattr(self, "validation_config", None),  # a trainer saved before it existed
         )
         run.start_checkpoint = self.resume_from_checkpoint
         return run
 
     def _check_before_start(self) -> None:
         """Fail at once, before torch is imported or any process starts, on what cannot work:
-        a storage path that cannot hold the run, or a bad ``DDPTRAIN_CONSOLE_RANKS``."""
+        a storage path that cannot hold the run, or a bad ``DDPTRAIN_CONSOLE_RANKS`` or
+        ``DDPTRAIN_VALIDATION_*``."""
         self.run_config._check_storage()
         try:
             ranks = _env.console_ranks()
+            _env.validation_timeout_s(), _env.validation_wait_s(), _env.validation_cpus()
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         unknown = sorted(r for r in ranks or () if r >= self.scaling_config.max_workers)

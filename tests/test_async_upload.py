@@ -244,8 +244,8 @@ def test_bad_upload_arguments_are_refused(tmp_path: Path) -> None:
             train.report({}, checkpoint=ckpt, checkpoint_upload_mode="LATER")
         with pytest.raises(ValueError, match="pass one of them"):
             train.report({}, checkpoint=ckpt, checkpoint_upload_mode="NO_UPLOAD", checkpoint_upload_fn=lambda c, n: c)
-        with pytest.raises(NotImplementedError, match="asynchronous validation"):
-            train.report({}, validation=True)
+        with pytest.raises(ValueError, match="needs a validation function"):
+            train.report({}, checkpoint=ckpt, validation=True)
         shutil.rmtree(d)
 
     _fit(loop, tmp_path, workers=0)

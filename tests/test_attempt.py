@@ -142,7 +142,7 @@ def test_get_all_reported_checkpoints_waits_for_the_callers_report_round(run: Ru
     run_attempt(run, group)
     [(rank, reply)] = group.sent_of(protocol.CheckpointsReply)
     assert rank == 0
-    assert reply.reported == [(str(Path(run.run_dir, "checkpoint_000001")), {"step": 1})]
+    assert reply.reported == [(str(Path(run.run_dir, "checkpoint_000001")), {"step": 1}, "COMMITTED")]
     # The reply came after the round's acks.
     kinds = [type(m) for _, m in group.sent]
     assert kinds.index(protocol.CheckpointsReply) > kinds.index(protocol.Ack)

@@ -277,6 +277,47 @@ def test_fit_retention_resume_by_name_and_result_from_path(s3: S3) -> None:
     assert more.checkpoint.path == f"s3://{run}/checkpoint_000006"
 
 
+def _validate_remote(checkpoint: train.Checkpoint) -> dict[str, Any]:
+    with checkpoint.as_directory() as d:  # downloaded from the store
+        epoch = int(Path(d, "epoch").read_text())
+    return {"val": [0.5, 0.9, 0.1][epoch]}
+
+
+def test_validation_of_checkpoints_on_remote_storage(s3: S3) -> None:
+    def loop() -> None:
+        for epoch in range(3):
+            d = tempfile.mkdtemp()
+            Path(d, "epoch").write_text(str(epoch))
+            checkpoint = train.Checkpoint(d)
+            train.report({"epoch": epoch}, checkpoint=checkpoint, checkpoint_upload_mode="ASYNC", validation=True)
+
+    bucket = s3.bucket()
+    result = train.DataParallelTrainer(
+        loop,
+        validation_config=train.ValidationConfig(_validate_remote),
+        run_config=train.RunConfig(
+            name="val",
+            storage_path=f"s3://{bucket}/exp",
+            checkpoint_config=train.CheckpointConfig(num_to_keep=1, checkpoint_score_attribute="val"),
+        ),
+    ).fit()
+    run = f"{bucket}/exp/val"
+    # Ranked by the validated metric on the store's index: the best (0.9) and the latest are kept.
+    assert [(c.path, m["val"]) for c, m in result.best_checkpoints] == [(f"s3://{run}/checkpoint_000002", 0.9)]
+    listing = s3.listing(run)
+    assert sorted({p.split("/")[0] for p in listing if p.startswith("checkpoint_0")}) == [
+        "checkpoint_000002",
+        "checkpoint_000003",
+    ]
+    index = json.loads(s3.direct.cat_file(f"{run}/checkpoints.json"))
+    assert {(c["dir_name"], c["status"], c["metrics"]["val"]) for c in index["checkpoints"]} == {
+        ("checkpoint_000002", "VALIDATED", 0.9),
+        ("checkpoint_000003", "VALIDATED", 0.1),
+    }
+    lines = s3.direct.cat_file(f"{run}/metrics.jsonl").decode().splitlines()
+    assert sum('"validation"' in line for line in lines) == 3
+
+
 @pytest.mark.parametrize("mode", ["SYNC", "ASYNC"])
 def test_a_killed_worker_restarts_from_the_remote_checkpoint(s3: S3, tmp_path: Path, mode: str) -> None:
     bucket = s3.bucket()

@@ -25,12 +25,13 @@ class _Recorder:
         checkpoint: Checkpoint | None,
         dir_name: str | None,
         upload: context.Upload,
+        validation: bytes | None = None,
     ) -> None:
         self.reports.append((session.report_index, metrics, checkpoint, dir_name))
         if checkpoint is not None:
             session.checkpoint = Checkpoint(f"/committed/{dir_name}")
 
-    def reported_checkpoints(self, session: context._Session, timeout_s: float | None) -> list[Any]:
+    def reported_checkpoints(self, session: context._Session, timeout_s: float | None, validated: bool) -> list[Any]:
         return [context.ReportedCheckpoint(Checkpoint("/committed/a"), {"n": session.report_index})]
 
 

@@ -68,10 +68,12 @@ def run_summary(run: Path | RunView) -> dict[str, Any]:
         "best_checkpoint": record.best_checkpoint,
         "latest_checkpoint": record.latest_checkpoint,
         "checkpoints": record.checkpoints,
+        "checkpoint_status": record.checkpoint_status,
         "score_attribute": record.score_attribute,
         "error": info.get("error"),
         "upload_error": info.get("upload_error"),  # training ended, its last uploads to remote storage failed
         "attempt_errors": info.get("attempt_errors", []),
+        "validation_errors": info.get("validation_errors", []),
         "preempted": info.get("preempted"),
         "resizes": info.get(
             "resizes", []
@@ -158,6 +160,11 @@ def main_show(run: str, as_json: bool) -> int:
             f"  attempt {entry['attempt']} failed: {entry['error']}"
             + (f" (log: {entry['log']})" if entry.get("log") else "")
         )
+    for entry in s["validation_errors"]:
+        print(
+            f"  validation of {entry['checkpoint']} failed: {entry['error']}"
+            + (f" (log: {entry['log']})" if entry.get("log") else "")
+        )
     if s["error"] and not s["attempt_errors"]:
         print(f"  error: {s['error']}")
     if s["upload_error"]:
@@ -177,6 +184,9 @@ def main_show(run: str, as_json: bool) -> int:
     print(f"  checkpoints ({len(s['checkpoints'])} kept" + (f", scored by {score!r}" if score else "") + "):")
     for path, metrics in s["checkpoints"]:
         marks = [m for m, p in (("latest", s["latest_checkpoint"]), ("best", s["best_checkpoint"])) if p == path]
+        status = s["checkpoint_status"].get(path)
+        if status in ("PENDING_VALIDATION", "VALIDATED"):
+            marks.append("validating" if status == "PENDING_VALIDATION" else "validated")
         print(f"    {os.path.basename(path)}  {format_metrics(metrics)}" + (f"  [{', '.join(marks)}]" if marks else ""))
     return 0
 

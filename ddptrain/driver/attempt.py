@@ -142,11 +142,17 @@ class ReportSink(Protocol):
 
     def name_problem(self, name: str, staged: Sequence[str] = ()) -> str | None: ...
 
-    def commit_checkpoint(self, staged: list[str], name: str, metrics: dict[str, Any], index: int) -> Checkpoint: ...
+    def commit_checkpoint(
+        self, staged: list[str], name: str, metrics: dict[str, Any], index: int, validation: bytes | None = None
+    ) -> Checkpoint: ...
 
     def after_report(self, metrics: list[dict[str, Any]], checkpoint: Checkpoint | None) -> None: ...
 
-    def reported_checkpoints(self) -> list[tuple[str, dict[str, Any]]]: ...
+    def reported_checkpoints(self) -> list[tuple[str, dict[str, Any], str]]: ...
+
+    def poll_validations(self) -> bool: ...
+
+    def validating(self) -> bool: ...
 
 
 @dataclass
@@ -197,8 +203,9 @@ class Attempt:
         # uploads (ASYNC) or for an earlier round to commit: (index, entries by rank).
         self.to_commit: collections.deque[tuple[int, list[protocol.Report]]] = collections.deque()
         self.uploaded: dict[int, dict[int, str]] = {}  # report index -> rank -> its uploaded folder
-        # get_all_reported_checkpoints() calls waiting for earlier reports: (rank, index, deadline)
-        self.checkpoint_waiters: list[tuple[int, int, float | None]] = []
+        # get_all_reported_checkpoints() calls waiting for earlier reports (and validations, if
+        # `validated`): (rank, index, deadline, validated)
+        self.checkpoint_waiters: list[tuple[int, int, float | None, bool]] = []
         self.watch = Watch(context.run_dir, group.ask, group.where)
         self.notice: preemption.Notice | None = None  # the preemption notice the workers were given
         self.after_notice: Checkpoint | None = None  # a checkpoint committed since
@@ -272,6 +279,8 @@ class Attempt:
             elif isinstance(event, StatesReported):
                 self.watch.on_states(event.states)
             elif isinstance(event, TickDue):
+                if self.reports.poll_validations():
+                    self._answer_checkpoint_waiters()
                 self._check_rounds()
                 self.context.progress.tick()
                 self.watch.check(event.last_output)
@@ -359,7 +368,7 @@ class Attempt:
                     self._add_to_round("collective", message.index, message.rank, message)
                 elif isinstance(message, protocol.CheckpointsQuery):
                     deadline = None if message.timeout_s is None else self.clock() + message.timeout_s
-                    self.checkpoint_waiters.append((message.rank, message.index, deadline))
+                    self.checkpoint_waiters.append((message.rank, message.index, deadline, message.validated))
                     self._answer_checkpoint_waiters()
                 else:
                     _logger.warning("ddptrain: unexpected message %r ignored", message)
@@ -422,7 +431,8 @@ class Attempt:
             problem = self.reports.name_problem(name, [staged_of[r] for r in ranks])
             if problem is None:
                 staged = [self._collect(r, index, staged_of[r]) for r in ranks]
-                checkpoint = self.reports.commit_checkpoint(staged, name, entries[0].metrics, index)
+                validation = next((e.validation for e in entries if e.validation is not None), None)
+                checkpoint = self.reports.commit_checkpoint(staged, name, entries[0].metrics, index, validation)
                 if self.notice is not None:
                     self.after_notice = checkpoint
                 if self.back:
@@ -438,16 +448,19 @@ class Attempt:
 
     def _answer_checkpoint_waiters(self) -> None:
         """Reply to each ``get_all_reported_checkpoints()`` call once no report round up to the
-        caller's last report is in flight any more (as Ray), or its ``timeout_s`` is over."""
+        caller's last report is in flight any more (as Ray) and, for ``VALIDATED``, no
+        validation is queued or running; or once its ``timeout_s`` is over."""
         if not self.checkpoint_waiters:
             return
         now = self.clock()
         in_flight = [*self.rounds["report"], *(index for index, _ in self.to_commit)]
         oldest = min(in_flight, default=None)  # the lowest index in flight
+        validating = self.reports.validating()
         waiting = []
-        for rank, index, deadline in self.checkpoint_waiters:
-            if oldest is not None and oldest <= index and (deadline is None or now < deadline):
-                waiting.append((rank, index, deadline))
+        for rank, index, deadline, validated in self.checkpoint_waiters:
+            busy = (oldest is not None and oldest <= index) or (validated and validating)
+            if busy and (deadline is None or now < deadline):
+                waiting.append((rank, index, deadline, validated))
                 continue
             reported = self.reports.reported_checkpoints()
             self.group.send(rank, protocol.CheckpointsReply(reported))
@@ -484,7 +497,7 @@ class Attempt:
         reports = self.rounds["report"]
         waiting = [*self.rounds["collective"].values(), *(reports[i] for i in self.staged_rounds)]
         if self.checkpoint_waiters:
-            last = max(index for _, index, _ in self.checkpoint_waiters)
+            last = max(index for _, index, _, _ in self.checkpoint_waiters)
             waiting += [r for i, r in reports.items() if i <= last and i not in self.staged_rounds]
         return waiting
 

@@ -6,6 +6,7 @@ or remote storage. There are no restarts (there is no process to restart)."""
 from __future__ import annotations
 
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -46,6 +47,7 @@ class LocalReports:
         checkpoint: Checkpoint | None,
         dir_name: str | None,
         upload: context.Upload,
+        validation: bytes | None = None,
     ) -> None:
         """Persist report ``session.report_index``; ``session.checkpoint`` becomes the committed
         checkpoint, if one was passed. In this process an ``ASYNC`` upload is made before this
@@ -69,16 +71,27 @@ class LocalReports:
             problem = run.name_problem(name, [staged]) if in_place else None
             if problem is not None:
                 raise ValueError(problem)
-            committed = run.commit_checkpoint([staged], name, metrics, index)
+            committed = run.commit_checkpoint([staged], name, metrics, index, validation)
         run.after_report([metrics], committed)
+        run.poll_validations()
         if committed is not None:
             session.checkpoint = committed
 
     def reported_checkpoints(
-        self, session: context._Session, timeout_s: float | None
+        self, session: context._Session, timeout_s: float | None, validated: bool
     ) -> list[context.ReportedCheckpoint]:
-        """The run's kept checkpoints, from its index in this process (``timeout_s``: nothing to wait for)."""
-        return [context.ReportedCheckpoint(c, metrics) for c, metrics in self.run.checkpoints.reported_checkpoints()]
+        """The run's kept checkpoints, from its index in this process; ``validated``: once no
+        validation is queued or running (or ``timeout_s`` is over)."""
+        run = self.run
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        run.poll_validations()
+        while validated and run.validating() and (deadline is None or time.monotonic() < deadline):
+            time.sleep(0.05)
+            run.poll_validations()
+        return [
+            context.ReportedCheckpoint(c, metrics, context.ReportedCheckpointStatus(status))
+            for c, metrics, status in run.checkpoints.reported_with_status()
+        ]
 
 
 def fit_local(run: Run, fn: Callable[[], Any], dataset_shards: dict[str, Any], experiment_name: str) -> Result:
@@ -136,5 +149,6 @@ def _fit_in_process(run: Run, body: Callable[[int], list[Any]]) -> Result:
         except WorkerGroupError as error:
             run.ended(error=error.failures[0].headline() if error.failures else str(error))
             raise
+        run.finish_validations()  # bounded: DDPTRAIN_VALIDATION_WAIT_S
         run.ended()
     return run.result(return_values)

@@ -148,6 +148,21 @@ class Progress:
         with self._lock:
             self._checkpoint = os.path.basename(checkpoint_path)
 
+    def validated(self, name: str, metrics: dict[str, Any], seconds: float) -> None:
+        """A checkpoint's validation ended: its metrics (merged into the checkpoint's)."""
+        self._say(
+            f"ddptrain: {name} validated in {seconds:.1f} s: {format_metrics(metrics, limit=6) or '(no metrics)'}"
+        )
+
+    def validation_failed(self, name: str, error: str, log: str, kept: bool) -> None:
+        """A checkpoint's validation failed (or was killed): its traceback's last lines, and
+        what became of the checkpoint's score."""
+        lines = [line for line in error.strip().splitlines() if line.strip()]
+        shown = "\n    ".join(lines[-6:])
+        score = "it keeps the metrics it was reported with" if kept else "it is not validated"
+        where = f" (output: {log})" if log else ""
+        self._say(f"ddptrain: the validation of {name} failed{where}; {score}:\n    {shown}")
+
     def restarting(self, attempt: int, reason: str, resume_from: str | None) -> None:
         self._attempt = attempt
         start = resume_from or "scratch"

@@ -21,24 +21,26 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ddptrain import _env
 from ddptrain.callbacks import TrainRunContext
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.config import CheckpointConfig
 from ddptrain.driver.attempt import AttemptContext
 from ddptrain.driver.plan import Plan
 from ddptrain.driver.progress import Progress
+from ddptrain.driver.validation import Finished, Task, Validations
 from ddptrain.errors import ControllerError, StorageError, WorkerFailure, disk_full_error
 from ddptrain.result import Result
 from ddptrain.storage import layout as storage
 from ddptrain.storage.base import RunStorage
-from ddptrain.storage.checkpoint_manager import CheckpointManager
+from ddptrain.storage.checkpoint_manager import COMMITTED, VALIDATED, CheckpointManager
 from ddptrain.storage.location import RunLocation
 from ddptrain.storage.open import run_storage
 from ddptrain.wire import protocol
 
 if TYPE_CHECKING:
     from ddptrain.backend import BackendConfig
-    from ddptrain.config import DataConfig, RunConfig, ScalingConfig
+    from ddptrain.config import DataConfig, RunConfig, ScalingConfig, ValidationConfig
     from ddptrain.data.ingest import DatasetIngest
 
 __all__ = ["Run"]
@@ -65,6 +67,7 @@ class Run:
         backend_config: BackendConfig,
         dataset_config: DataConfig,
         datasets: DatasetIngest | None = None,
+        validation_config: ValidationConfig | None = None,
     ) -> None:
         self.payload = payload
         self.datasets = datasets
@@ -103,6 +106,16 @@ class Run:
         self.progress.scored = bool(
             run_config.checkpoint_config and run_config.checkpoint_config.checkpoint_score_attribute
         )
+        task_config = validation_config.task_config if validation_config is not None else None
+        self.validation_config = validation_config
+        # The checkpoints reported with `validation=...`, validated one at a time beside training.
+        self.validations = Validations(
+            validation_config.fn if validation_config is not None else None,
+            task_config.fn_kwargs if task_config is not None else None,
+            self.layout.logs / "validation",
+            uses_gpu=validation_config is not None and validation_config.uses_gpu,
+        )
+        self._attempt = 0  # the attempt of the latest report (for the validation lines)
         self._run_json: dict[str, Any] = {}
         self._ended_line: tuple[bool, tuple[str, dict[str, Any]] | None, str] | None = None  # for the console
 
@@ -119,6 +132,7 @@ class Run:
             report_index=len(self.metrics_history) + self._lost_reports,
             argv=tuple(sys.argv),
             log_level=self.run_config.logging_config.log_level if self.run_config.logging_config else "INFO",
+            validates=self.validation_config is not None,
         )
 
     def dataset_shards(self) -> dict[int, Any] | None:
@@ -156,6 +170,7 @@ class Run:
     def record_metrics(self, metrics: dict[str, Any], attempt: int) -> None:
         """Record rank 0's metrics of one report: one JSON line, written by :meth:`flush_metrics`."""
         self.metrics_history.append(metrics)
+        self._attempt = attempt
         world_size = self._plan.world_size if self._plan is not None else 1
         self.report_world_sizes.append(world_size)
         line = {
@@ -196,16 +211,83 @@ class Run:
         """Why a checkpoint may not be committed as ``name`` from ``staged``, or ``None`` when it may."""
         return self.storage.name_problem(name, staged)
 
-    def commit_checkpoint(self, staged: list[str], name: str, metrics: dict[str, Any], index: int) -> Checkpoint:
-        """Commit staged files as checkpoint ``name``, record it, and apply retention."""
+    def commit_checkpoint(
+        self, staged: list[str], name: str, metrics: dict[str, Any], index: int, validation: bytes | None = None
+    ) -> Checkpoint:
+        """Commit staged files as checkpoint ``name``, record it, and apply retention;
+        ``validation`` (the report's request): queue its validation."""
         self.flush_metrics()  # a checkpoint's report is on disk before the checkpoint
-        checkpoint = self.storage.commit(staged, name, metrics, index)
+        checkpoint = self.storage.commit(staged, name, metrics, index, validating=validation is not None)
         self.progress.committed(checkpoint.path)
+        if validation is not None:
+            self.validations.submit(Task(name, checkpoint, index, self._attempt, validation))
+            self.poll_validations()  # started now when none runs
         return checkpoint
 
-    def reported_checkpoints(self) -> list[tuple[str, dict[str, Any]]]:
-        """Every checkpoint reported so far, with its metrics (``get_all_reported_checkpoints()``)."""
-        return [(c.path, m) for c, m in self.checkpoints.reported_checkpoints()]
+    def reported_checkpoints(self) -> list[tuple[str, dict[str, Any], str]]:
+        """Every checkpoint reported so far, with its metrics and status (``get_all_reported_checkpoints()``)."""
+        return [(c.path, m, status) for c, m, status in self.checkpoints.reported_with_status()]
+
+    # ----------------------------------------------------------------- validations
+    def validating(self) -> bool:
+        """Whether a validation is queued or running."""
+        return bool(self.validations.pending)
+
+    def poll_validations(self) -> bool:
+        """Take in the validations that ended and start the next one; whether one ended."""
+        done = self.validations.poll()
+        for finished in done:
+            self._validated(finished)
+        return bool(done)
+
+    def finish_validations(self) -> None:
+        """Training is done: wait for the validations left (``DDPTRAIN_VALIDATION_WAIT_S``)."""
+        for finished in self.validations.finish(_env.validation_wait_s(), self.progress.say):
+            self._validated(finished)
+
+    def _stop_validations(self) -> None:
+        """``fit()`` ends another way (a failure, Ctrl-C, a preemption): kill the running
+        validation, drop the queued ones; their checkpoints stay ``COMMITTED``."""
+        try:
+            for finished in self.validations.close("the run stopped before it ended"):
+                self._validated(finished)
+        except Exception as exc:  # the error that stopped the run is the one to raise
+            _logger.warning("ddptrain: recording the validations the run stopped failed: %r", exc)
+
+    def _validated(self, finished: Finished) -> None:
+        """Merge a validation's metrics into its checkpoint (retention may now delete others),
+        append its line to ``metrics.jsonl``, and say it on the console; a failure is said
+        with its traceback and recorded in ``run.json``."""
+        task = finished.task
+        status = VALIDATED if finished.ran else COMMITTED
+        merged = self.checkpoints.validated(task.name, finished.metrics or {}, status)
+        line = {
+            "time": time.time(),
+            "attempt": task.attempt,
+            "validation": {
+                "checkpoint": task.name,
+                "report": task.index,
+                "metrics": storage.to_jsonable(finished.metrics or {}),
+                "error": finished.error,
+                "seconds": round(finished.seconds, 3),
+                "started": finished.started,
+            },
+        }
+        self._metrics_lines.append((line, json.dumps(line) + "\n"))
+        self.flush_metrics()
+        position = task.index - 1 - self._lost_reports  # that report in metrics_history (Result.metrics)
+        if finished.metrics and 0 <= position < len(self.metrics_history):
+            self.metrics_history[position] = {**self.metrics_history[position], **finished.metrics}
+        if finished.error is None:
+            self.progress.validated(task.name, finished.metrics or {}, finished.seconds)
+            self.storage.reported(None)
+            return
+        self.progress.validation_failed(task.name, finished.error, finished.log, merged is not None and finished.ran)
+        errors = self._run_json.setdefault("validation_errors", [])
+        errors.append({"checkpoint": task.name, "error": finished.error.strip().splitlines()[-1], "log": finished.log})
+        if self._run_json.get("status") in ("RUNNING", "RESTARTING"):
+            self.save_status(self._run_json["status"])
+        self.storage.reported(None)
 
     def after_report(self, metrics: list[dict[str, Any]], checkpoint: Checkpoint | None) -> None:
         """Every rank made its report (and its checkpoint is committed and acknowledged)."""
@@ -299,6 +381,7 @@ class Run:
                             self.save_status(status, error=f"{type(exc).__name__}: {exc}")
                     raise
                 finally:
+                    self._stop_validations()  # none is left running or queued past fit()
                     if self.storage.metrics_open:
                         with contextlib.suppress(OSError):  # as above
                             self.flush_metrics()  # what a failure cut short between two batches

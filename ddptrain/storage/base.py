@@ -31,7 +31,7 @@ from ddptrain.config import CheckpointConfig
 from ddptrain.errors import WorkerFailure
 from ddptrain.storage import layout
 from ddptrain.storage import metrics as run_metrics
-from ddptrain.storage.checkpoint_manager import CheckpointManager
+from ddptrain.storage.checkpoint_manager import COMMITTED, PENDING_VALIDATION, CheckpointManager
 from ddptrain.storage.location import Earlier, RunLocation
 from ddptrain.storage.lock import RunLock
 from ddptrain.wire.protocol import StorageSpec
@@ -160,7 +160,10 @@ class RunStorage(ABC):
             self._metrics_file.write("".join(text for _, text in lines))
             self._metrics_file.flush()
         for line, text in lines:
-            self._summary.add(line, self._summary.offset + len(text))
+            if "metrics" in line:
+                self._summary.add(line, self._summary.offset + len(text))
+            else:  # a validation's line (``Run._validated``): not a report
+                self._summary.offset += len(text)
         if time.monotonic() >= self._summary_due:
             self.write_summary()
 
@@ -251,10 +254,14 @@ class RunStorage(ABC):
         """The staged folder of ``rank`` as the driver commits it (see ``CopyBackRunStorage``)."""
         return staged
 
-    def commit(self, staged: list[str], name: str, metrics: dict[str, Any], index: int) -> Checkpoint:
+    def commit(
+        self, staged: list[str], name: str, metrics: dict[str, Any], index: int, validating: bool = False
+    ) -> Checkpoint:
         """Commit staged folders (earlier ones win on a clash) as checkpoint ``name`` of report
-        ``index``, record it in the index and apply retention; crash-consistent."""
-        return self.checkpoints.commit(staged, name, metrics, index)
+        ``index``, record it in the index and apply retention; crash-consistent. ``validating``:
+        a validation of it follows (retention keeps it until then)."""
+        status = PENDING_VALIDATION if validating else COMMITTED
+        return self.checkpoints.commit(staged, name, metrics, index, status)
 
     # ----------------------------------------------------------------- after reports, at the end
     @property

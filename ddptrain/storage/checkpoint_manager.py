@@ -42,11 +42,15 @@ class RunDirectoryError(DdpTrainError, RuntimeError):
     """A run directory cannot be resumed; nothing in it was changed."""
 
 
+COMMITTED, PENDING_VALIDATION, VALIDATED = "COMMITTED", "PENDING_VALIDATION", "VALIDATED"  # an entry's status
+
+
 @dataclass
 class _Entry:
     dir_name: str
     metrics: dict[str, Any]
     report_index: int
+    status: str = COMMITTED  # PENDING_VALIDATION until its validation ended (then VALIDATED)
 
 
 @dataclass
@@ -122,12 +126,23 @@ class CheckpointManager:
         :meth:`best_checkpoints`; what ``get_all_reported_checkpoints()`` returns."""
         return [(self._checkpoint(e), e.metrics) for e in sorted(self._entries, key=self._score)]
 
+    def reported_with_status(self) -> list[tuple[Checkpoint, dict[str, Any], str]]:
+        """:meth:`reported_checkpoints` with each one's status (``COMMITTED``,
+        ``PENDING_VALIDATION`` or ``VALIDATED``)."""
+        return [(self._checkpoint(e), e.metrics, e.status) for e in sorted(self._entries, key=self._score)]
+
+    def statuses(self) -> dict[str, str]:
+        """Each kept checkpoint's path and status."""
+        return {self._checkpoint(e).path: e.status for e in self._entries}
+
     def is_committed(self, dir_name: str) -> bool:
         """Whether ``dir_name`` is a kept checkpoint of this run."""
         return any(e.dir_name == dir_name for e in self._entries)
 
     # ----------------------------------------------------------------- changes
-    def commit(self, staged: list[str], name: str, metrics: dict[str, Any], report_index: int) -> Checkpoint:
+    def commit(
+        self, staged: list[str], name: str, metrics: dict[str, Any], report_index: int, status: str = COMMITTED
+    ) -> Checkpoint:
         """Commit staged files as checkpoint ``name`` and apply retention, crash-consistently.
 
         See the module docstring for the steps; a crash at any point is finished or undone by
@@ -138,9 +153,11 @@ class CheckpointManager:
             name: The checkpoint's folder name.
             metrics: Rank 0's metrics of the report.
             report_index: The report's index (1 for a run's first report).
+            status: ``PENDING_VALIDATION``: a validation of it follows (retention keeps it until
+                :meth:`validated`).
         """
         final = storage.safe_child(self.run_dir, name)
-        entry = _Entry(name, storage.to_jsonable(metrics), report_index)
+        entry = _Entry(name, storage.to_jsonable(metrics), report_index, status)
         building = storage.build_checkpoint(self.run_dir, staged, name)
         intent = self.layout.intent
         try:
@@ -158,12 +175,37 @@ class CheckpointManager:
 
     def _doomed(self, entry: _Entry) -> list[_Entry]:
         """What retention deletes once ``entry`` is committed: every checkpoint outside the
-        top ``num_to_keep`` by score, except ``entry``, the new latest (Ray's rule)."""
+        top ``num_to_keep`` by score, except ``entry``, the new latest (Ray's rule), and those
+        pending validation (their score is not known yet)."""
         keep = self.config.num_to_keep
         entries = [e for e in self._entries if e.dir_name != entry.dir_name] + [entry]
         if keep is None:
             return []
-        return [e for e in sorted(entries, key=self._score)[:-keep] if e is not entry]
+        ranked = sorted(entries, key=self._score)[:-keep]
+        return [e for e in ranked if e is not entry and e.status != PENDING_VALIDATION]
+
+    def validated(self, dir_name: str, metrics: dict[str, Any], status: str = VALIDATED) -> dict[str, Any] | None:
+        """The validation of checkpoint ``dir_name`` ended: its ``metrics`` are merged into the
+        checkpoint's (same keys overwrite, as in Ray; empty for a validation that failed), it
+        is ``status`` (``COMMITTED``: it never ran), and retention is applied again (the latest
+        is kept). Returns the merged metrics, or ``None`` if the checkpoint is no longer kept."""
+        entry = next((e for e in self._entries if e.dir_name == dir_name), None)
+        if entry is None:
+            return None
+        entry.metrics = {**entry.metrics, **storage.to_jsonable(metrics)}
+        entry.status = status
+        latest = self._latest or entry
+        doomed = {e.dir_name for e in self._doomed(latest)}
+        self._entries = [e for e in self._entries if e.dir_name not in doomed]
+        self._write()
+        for name in sorted(doomed):
+            self._delete(name)
+        return entry.metrics
+
+    @property
+    def pending_validation(self) -> list[str]:
+        """The kept checkpoints whose validation has not ended, oldest first."""
+        return [e.dir_name for e in self._entries if e.status == PENDING_VALIDATION]
 
     def _record(self, entry: _Entry) -> None:
         """Add ``entry`` as the latest checkpoint, rewrite the index, then delete what
@@ -261,7 +303,7 @@ class CheckpointManager:
         try:
             data = json.loads(path.read_text())
             raw = data["entry"]
-            entry = _Entry(str(raw["dir_name"]), dict(raw["metrics"]), int(raw["report_index"]))
+            entry = _Entry(str(raw["dir_name"]), dict(raw["metrics"]), int(raw["report_index"]), _status(raw))
             intent = _Intent(entry, str(data["building"]), [str(name) for name in data["delete"]])
             for name in [entry.dir_name, *intent.delete]:
                 storage.safe_child(self.run_dir, name)  # refuse names escaping the run dir
@@ -297,7 +339,7 @@ class CheckpointManager:
                 return
             version = data.get("version")
             entries = [
-                _Entry(str(e["dir_name"]), dict(e.get("metrics", {})), int(e.get("report_index", 0)))
+                _Entry(str(e["dir_name"]), dict(e.get("metrics", {})), int(e.get("report_index", 0)), _status(e))
                 for e in data.get("checkpoints", [])
             ]
             latest_name = data.get("latest")
@@ -323,6 +365,13 @@ class CheckpointManager:
         self._entries = present
         self._latest = latest
         self._report_index = report_index
+
+
+def _status(raw: dict[str, Any]) -> str:
+    """An index entry's status. A validation an earlier run left pending never ends: that
+    checkpoint is ``COMMITTED`` (its reported metrics only)."""
+    status = raw.get("status")
+    return VALIDATED if status == VALIDATED else COMMITTED
 
 
 def read_config(run_dir: str) -> CheckpointConfig:

@@ -27,6 +27,7 @@ __all__ = [
     "read_metrics_summary",
     "read_metrics_tail",
     "read_metrics_after",
+    "iter_validation_lines",
 ]
 
 _LINE_MAX_BYTES = 16 << 20  # a longer metrics line is skipped
@@ -52,12 +53,24 @@ def _metric_line(raw: bytes) -> dict[str, Any] | None:
 
 
 def _parses(raw: bytes) -> bool:
-    """Whether a line that is not a report is JSON all the same (a cut one is not)."""
+    """Whether a line that is not a report, nor a validation's, is JSON all the same (a cut
+    one is not)."""
     try:
-        json.loads(raw)
+        line = json.loads(raw)
     except ValueError:
         return False
-    return True
+    return _validation_line(line) is None
+
+
+def _validation_line(line: Any) -> dict[str, Any] | None:
+    """A validation's line (``{"time", "attempt", "validation": {"checkpoint", "report",
+    "metrics", "error", "seconds"}}``, written when a checkpoint's validation ended), or ``None``."""
+    if not isinstance(line, dict) or not isinstance(line.get("validation"), dict):
+        return None
+    validation = line["validation"]
+    if not isinstance(validation.get("checkpoint"), str) or not isinstance(validation.get("metrics"), dict):
+        return None
+    return line
 
 
 def _checked_line(line: Any) -> dict[str, Any] | None:
@@ -181,6 +194,27 @@ def iter_metric_lines(run_dir: str | os.PathLike[str]) -> Iterator[dict[str, Any
     with f:
         for raw, _ in _lines(f, 0, unended=True):  # a last line without its newline counts when whole
             line = None if raw is None else _metric_line(raw)
+            if line is not None:
+                yield line
+
+
+def iter_validation_lines(run_dir: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+    """Every validation's line in the run's ``metrics.jsonl`` (see :func:`_validation_line`), oldest first.
+
+    Raises:
+        RunFileError: ``metrics.jsonl`` cannot be read (see :func:`open_file`).
+    """
+    f = open_file(run_dir, RunLayout.METRICS)
+    if f is None:
+        return
+    with f:
+        for raw, _ in _lines(f, 0):
+            if raw is None or b'"validation"' not in raw:
+                continue
+            try:
+                line = _validation_line(json.loads(raw))
+            except ValueError:
+                continue
             if line is not None:
                 yield line
 

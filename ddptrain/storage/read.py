@@ -82,6 +82,15 @@ def _is_failure(value: Any) -> bool:
     )
 
 
+def _is_validation_error(value: Any) -> bool:
+    return (
+        isinstance(value, dict)
+        and _is_text(value.get("checkpoint"))
+        and _is_text(value.get("error"))
+        and (value.get("log") is None or _is_text(value["log"]))
+    )
+
+
 # The fields of run.json that are read, and whether a value is what ddptrain writes there.
 _FIELDS: dict[str, Callable[[Any], bool]] = {
     "status": lambda value: value in STATUSES,
@@ -91,6 +100,7 @@ _FIELDS: dict[str, Callable[[Any], bool]] = {
     "error": _is_text,
     "upload_error": _is_text,
     "attempt_errors": lambda value: isinstance(value, list) and all(map(_is_failure, value)),
+    "validation_errors": lambda value: isinstance(value, list) and all(map(_is_validation_error, value)),
     "num_workers": _is_count,
     "use_gpu": lambda value: isinstance(value, bool),
     "hosts": _are_texts,
@@ -349,7 +359,10 @@ class RunRecord:
             but no status, RUNNING otherwise), ABORTED when it says RUNNING or RESTARTING but
             no live driver holds the run any more.
         metrics: The summary of its reports (empty when ``metrics.jsonl`` cannot be read).
-        checkpoints: Each kept checkpoint's path and metrics, in the index's order.
+        checkpoints: Each kept checkpoint's path and metrics (validated ones merged in), in the
+            index's order.
+        checkpoint_status: Each kept checkpoint's path and status (``COMMITTED``,
+            ``PENDING_VALIDATION``, ``VALIDATED``).
         best_checkpoint: The best kept checkpoint's path (by the score attribute).
         latest_checkpoint: The latest committed checkpoint's path.
         score_attribute: The metric checkpoints are scored by.
@@ -361,6 +374,7 @@ class RunRecord:
     status: str
     metrics: MetricsSummary
     checkpoints: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    checkpoint_status: dict[str, str] = field(default_factory=dict)
     best_checkpoint: str | None = None
     latest_checkpoint: str | None = None
     score_attribute: str | None = None
@@ -405,6 +419,7 @@ def read_run(view: RunView) -> RunRecord:
     try:
         manager = view.checkpoints()
         record.checkpoints = [(c.path, m) for c, m in manager.reported_checkpoints()]
+        record.checkpoint_status = manager.statuses()
         ranked = manager.best_checkpoints()
         record.best_checkpoint = ranked[-1][0].path if ranked else None
         record.latest_checkpoint = manager.latest.path if manager.latest else None

@@ -24,7 +24,7 @@ from typing import Any
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.config import CheckpointConfig
 from ddptrain.storage import layout as storage
-from ddptrain.storage.checkpoint_manager import CheckpointManager, _Entry, read_config
+from ddptrain.storage.checkpoint_manager import COMMITTED, CheckpointManager, _Entry, read_config
 from ddptrain.storage.remote import RemoteRoot
 
 __all__ = ["RemoteCheckpointManager", "upload_checkpoint", "remote_checkpoint"]
@@ -110,14 +110,16 @@ class RemoteCheckpointManager(CheckpointManager):
         super()._write()
         self.remote.upload_file(str(self.layout.index), posixpath.join(self.run_path, _LAYOUT.INDEX))
 
-    def commit(self, staged: list[str], name: str, metrics: dict[str, Any], report_index: int) -> Checkpoint:
+    def commit(
+        self, staged: list[str], name: str, metrics: dict[str, Any], report_index: int, status: str = COMMITTED
+    ) -> Checkpoint:
         """Commit checkpoint ``name`` from the folders the ranks uploaded to (``staged``,
         earlier ranks win on a file clash): copy staged files into place, then upload the
         index (the commit point) and apply retention."""
         storage.check_dir_name(name)
         final = posixpath.join(self.run_path, name)
         moved = [folder for folder in staged if folder.rstrip("/") != final]
-        entry = _Entry(name, storage.to_jsonable(metrics), report_index)
+        entry = _Entry(name, storage.to_jsonable(metrics), report_index, status)
         backup = None
         if moved:
             replaced = next((e for e in self._entries if e.dir_name == name), None)

@@ -117,6 +117,9 @@ class Report:
     staged: str | None  # the folder the rank's checkpoint files were staged in
     dir_name: str | None  # ``checkpoint_dir_name``
     pending: bool = False  # its checkpoint files are being uploaded: an ``Uploaded`` follows
+    validation: bytes | None = (
+        None  # validate the checkpoint: cloudpickled (fn, args, fn_kwargs), for the driver to pass on
+    )
 
 
 @dataclass(frozen=True)
@@ -143,11 +146,13 @@ class Collective:
 
 @dataclass(frozen=True)
 class CheckpointsQuery:
-    """``get_all_reported_checkpoints()``: answer once reports up to ``index`` are in."""
+    """``get_all_reported_checkpoints()``: answer once reports up to ``index`` are in (and,
+    ``validated``, once no validation is queued or running)."""
 
     rank: int
     index: int
     timeout_s: float | None
+    validated: bool = False
 
 
 @dataclass(frozen=True)
@@ -231,9 +236,9 @@ class Preempt:
 
 @dataclass(frozen=True)
 class CheckpointsReply:
-    """The run's reported checkpoints: ``(path, metrics)`` pairs, oldest first."""
+    """The run's reported checkpoints: ``(path, metrics, status)``, worst first."""
 
-    reported: list[tuple[str, dict[str, Any]]]
+    reported: list[tuple[str, dict[str, Any], str]]
 
 
 # ================================================================= the agent's pipe
@@ -370,6 +375,7 @@ class RunInfo:
     report_index: int = 0  # the number of the run's next report
     argv: tuple[str, ...] = ()
     log_level: str = "INFO"
+    validates: bool = False  # the trainer has a ``ValidationConfig`` (``report(validation=True)`` works)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,79 @@
+"""The validation process: a plain ``python`` that runs :func:`main` on a folder.
+
+Started by :class:`ddptrain.driver.validation.Validations` in a private folder (mode 0700)
+that holds ``task.pkl``: the cloudpickled request (the trainer's ``ValidationConfig`` function
+and keyword arguments, the report's own request, the ``Checkpoint``, the driver's
+``sys.path``, whether ``import ray`` is ddptrain's).
+It pins itself to ``DDPTRAIN_VALIDATION_CPUS`` if set, calls the function, and writes
+``result.json`` (``{"metrics": ...}`` or ``{"error": traceback}``) atomically. It imports
+neither torch nor the driver: only what the function itself needs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+import cloudpickle
+
+from ddptrain import _env, ray_compat
+from ddptrain.storage.layout import to_jsonable
+
+__all__ = ["main"]
+
+
+def _call(request: dict[str, Any]) -> dict[str, Any]:
+    cpus = _env.validation_cpus()
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    sys.path[:] = list(request["sys_path"])
+    if request["ray_compat"]:  # under `ddptrain run`: the function may use `ray.train`, as the workers do
+        ray_compat.install()
+    fn, kwargs = cloudpickle.loads(request["default"]) if request["default"] is not None else (None, {})
+    own_fn, args, own_kwargs = cloudpickle.loads(request["spec"])
+    if own_fn is not None:  # Ray's earlier form: report(validate_fn=..., validate_config=...)
+        fn, kwargs = own_fn, {}
+    elif own_kwargs is not None:  # report(validation=ValidationTaskConfig(fn_kwargs=...))
+        kwargs = own_kwargs
+    if fn is None:
+        raise ValueError("no validation function: give the trainer `validation_config=ValidationConfig(fn)`")
+    metrics = fn(request["checkpoint"], *args, **(kwargs or {}))
+    if not isinstance(metrics, dict):
+        raise TypeError(f"the validation function must return a dict of metrics, got {type(metrics).__name__}")
+    return {"metrics": to_jsonable(metrics)}
+
+
+def _watch_driver(driver_pid: int) -> None:
+    """End this process's group (it and what the function started) once the driver is gone:
+    a driver killed with SIGKILL cannot kill its validation itself."""
+    while os.getppid() == driver_pid:
+        time.sleep(0.5)
+    os.killpg(0, signal.SIGKILL)
+
+
+def main(folder: str) -> int:
+    """Run the validation of ``folder``'s request; its result (or error) goes to ``result.json``."""
+    threading.Thread(target=_watch_driver, args=(os.getppid(),), daemon=True, name="driver-watch").start()
+    with open(os.path.join(folder, "task.pkl"), "rb") as f:
+        request = cloudpickle.load(f)
+    try:
+        result = _call(request)
+    except BaseException as exc:  # the function's error is the result: the driver reports it
+        text = "".join(traceback.format_exception(exc))
+        print(text, file=sys.stderr, flush=True)
+        result = {"error": text}
+    part = os.path.join(folder, "result.json.part")
+    with open(part, "w") as f:
+        json.dump(result, f)
+    os.replace(part, os.path.join(folder, "result.json"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
