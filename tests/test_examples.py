@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from example_runner import run_example_in_process
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -48,11 +49,16 @@ def test_dataset_shard_example(storage: str) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_checkpoint_resume(storage: str) -> None:
-    first = run_example(
-        "checkpoint_resume.py", storage, "--storage-path", storage, "--name", "demo", "--epochs", "3", "--crash-at", "1"
+def test_checkpoint_resume(storage: str, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
+    # Both drivers are the example's main() in this process (the tests above run scripts as a
+    # user types them): what this test is about is the crash, the restart and the resume by name.
+    args = ("--storage-path", storage, "--name", "demo")
+    first = run_example_in_process(
+        "checkpoint_resume.py", *args, "--epochs", "3", "--crash-at", "1", monkeypatch=monkeypatch, capfd=capfd
     )
     assert "last attempt started at epoch 1" in first
-    second = run_example("checkpoint_resume.py", storage, "--storage-path", storage, "--name", "demo", "--epochs", "5")
+    second = run_example_in_process(
+        "checkpoint_resume.py", *args, "--epochs", "5", monkeypatch=monkeypatch, capfd=capfd
+    )
     assert "last attempt started at epoch 3" in second
     assert "final metrics: {'epoch': 4" in second

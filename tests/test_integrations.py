@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import struct
 import subprocess
@@ -54,7 +55,7 @@ def _mlflow_func(config: dict[str, Any]) -> str:
         raise RuntimeError("the function failed after logging")
     if config.get("end_run", True):
         mlflow.end_run()
-    return type(mlflow).__name__
+    return f"{type(mlflow).__name__}, imported: {'mlflow' in sys.modules}"
 
 
 def _fit(func: Any, storage: str, config: dict[str, Any], name: str, max_failures: int = 0) -> train.Result:
@@ -77,16 +78,35 @@ def _mlflow_runs(uri: str, experiment: str) -> list[Any]:
     return client.search_runs([found.experiment_id])
 
 
-def test_mlflow_one_run_from_rank_zero_with_params_and_metrics(storage: str, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def _migrated_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An MLflow sqlite database with its schema made: each new one costs seconds of migrations."""
     pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    path = tmp_path_factory.mktemp("mlflow") / "template.db"
+    MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
+    return path
+
+
+@pytest.fixture
+def mlflow_uri(_migrated_db: Path, tmp_path: Path) -> str:
+    """A test's own tracking URI: a copy of the migrated database."""
+    path = tmp_path / "mlflow.db"
+    shutil.copyfile(_migrated_db, path)
+    return f"sqlite:///{path}"
+
+
+def test_mlflow_one_run_from_rank_zero_with_params_and_metrics(storage: str, mlflow_uri: str) -> None:
+    from mlflow.tracking import MlflowClient
+
+    uri = mlflow_uri
     # No end_run() in the function: ddptrain ends the run when the function returns.
     config = {"uri": uri, "lr": 0.05, "model": {"width": 4}, "end_run": False}
     result = _fit(_mlflow_func, storage, config, "mlrun")
 
-    assert result.return_values == ["module", "NoOp"]  # rank 1 got the no-op
+    # Rank 1 got the no-op, without the seconds of importing mlflow.
+    assert result.return_values == ["module, imported: True", "NoOp, imported: False"]
     runs = _mlflow_runs(uri, "mlrun")  # the experiment defaults to the ddptrain run's name
     assert len(runs) == 1
     run = runs[0]
@@ -100,11 +120,10 @@ def test_mlflow_one_run_from_rank_zero_with_params_and_metrics(storage: str, tmp
     assert [m.value for m in history] == pytest.approx(reported)
 
 
-def test_mlflow_restart_logs_on_into_the_same_run(storage: str, tmp_path: Path) -> None:
-    pytest.importorskip("mlflow")
+def test_mlflow_restart_logs_on_into_the_same_run(storage: str, tmp_path: Path, mlflow_uri: str) -> None:
     from mlflow.tracking import MlflowClient
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_uri
     config = {"uri": uri, "lr": 0.05, "crash_file": str(tmp_path / "crashed")}
     _fit(_mlflow_func, storage, config, "restarted", max_failures=1)
 
@@ -116,22 +135,20 @@ def test_mlflow_restart_logs_on_into_the_same_run(storage: str, tmp_path: Path) 
     assert runs[0].info.status == "FINISHED"
 
 
-def test_mlflow_run_of_a_failed_function_ends_failed(storage: str, tmp_path: Path) -> None:
-    pytest.importorskip("mlflow")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+def test_mlflow_run_of_a_failed_function_ends_failed(storage: str, mlflow_uri: str) -> None:
+    uri = mlflow_uri
     with pytest.raises(train.TrainingFailedError, match="the function failed after logging"):
         _fit(_mlflow_func, storage, {"uri": uri, "lr": 0.05, "raise_at_end": True}, "failing")
     runs = _mlflow_runs(uri, "failing")
     assert [r.info.status for r in runs] == ["FAILED"]
 
 
-def test_mlflow_named_experiment_must_exist_unless_created(tmp_path: Path) -> None:
-    pytest.importorskip("mlflow")
+def test_mlflow_named_experiment_must_exist_unless_created(mlflow_uri: str) -> None:
     import mlflow
 
     from ddptrain.integrations.mlflow import setup_mlflow
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = mlflow_uri
     try:
         with pytest.raises(ValueError, match="create_experiment_if_not_exists"):
             setup_mlflow(tracking_uri=uri, experiment_name="nowhere")
@@ -149,7 +166,8 @@ def _wandb_func(config: dict[str, Any]) -> str:
 
     run = setup_wandb(config, project="ddptrain-tests")
     _steps(config, lambda step, loss: run.log({"loss": loss, "step": step}))
-    return type(run).__name__  # no run.finish(): ddptrain finishes it when the function returns
+    # No run.finish(): ddptrain finishes it when the function returns.
+    return f"{type(run).__name__}, imported: {'wandb' in sys.modules}"
 
 
 def _wandb_records(path: Path) -> Iterator[Any]:
@@ -185,8 +203,8 @@ def test_wandb_offline_one_run_from_rank_zero_with_history(
     monkeypatch.setenv("WANDB_SILENT", "true")
     result = _fit(_wandb_func, storage, {"lr": 0.05, "model": {"width": 4}}, "wbrun")
 
-    assert result.return_values[1] == "NoOp"
-    assert result.return_values[0] != "NoOp"
+    assert result.return_values[1] == "NoOp, imported: False"  # the no-op, without importing wandb
+    assert result.return_values[0].endswith(", imported: True") and not result.return_values[0].startswith("NoOp")
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     records = list(_wandb_records(next(runs[0].glob("run-*.wandb"))))

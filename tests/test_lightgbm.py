@@ -8,13 +8,14 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
 lightgbm = pytest.importorskip("lightgbm")
+
+from example_runner import run_example_in_process  # noqa: E402
 
 import ddptrain as train  # noqa: E402
 from ddptrain.lightgbm import (  # noqa: E402
@@ -206,18 +207,20 @@ def test_workers_on_two_hosts_with_their_own_networks(netns, storage: str) -> No
 
 
 @pytest.mark.timeout(120)
-def test_the_example_restarts_and_loads_the_final_model(storage: str) -> None:
-    example = Path(__file__).resolve().parent.parent / "examples" / "lightgbm_classifier.py"
-    proc = subprocess.run(
-        [sys.executable, str(example), "--rounds", "60", "--crash-at", "23", "--storage-path", storage],
-        capture_output=True,
-        text=True,
-        timeout=110,
+def test_the_example_restarts_and_loads_the_final_model(
+    storage: str, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # The example's main() in this process (a script driver would import torch and start a
+    # fork server of its own first): the crash, the restart and the loaded model are the point.
+    out = run_example_in_process(
+        "lightgbm_classifier.py",
+        *("--rounds", "60", "--crash-at", "23", "--storage-path", storage),
+        monkeypatch=monkeypatch,
+        capfd=capfd,
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "rank 1: simulating a crash after round 23" in proc.stdout
-    assert "attempt starts at round 20" in proc.stdout  # resumed from the checkpoint of round 20
-    assert "loaded a booster of" in proc.stdout and "validation logloss" in proc.stdout
+    assert "rank 1: simulating a crash after round 23" in out
+    assert "attempt starts at round 20" in out  # resumed from the checkpoint of round 20
+    assert "loaded a booster of" in out and "validation logloss" in out
 
 
 def test_configs_and_callbacks_check_their_arguments() -> None:

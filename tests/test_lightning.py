@@ -17,6 +17,8 @@ import torch
 pytest.importorskip("lightning")
 pytest.importorskip("pytorch_lightning")
 
+from example_runner import run_example_in_process  # noqa: E402
+
 import ddptrain as train  # noqa: E402
 from ddptrain.lightning import (  # noqa: E402
     PackageMismatchError,
@@ -281,29 +283,21 @@ def test_import_ddptrain_imports_no_framework_and_a_missing_framework_names_the_
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_example_lightning_classifier_pytorch_lightning_with_a_crash(storage: str) -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(EXAMPLES / "lightning_classifier.py"),
-            "--package",
-            "pytorch_lightning",
-            "--epochs",
-            "2",
-            "--crash-at",
-            "1",
-            "--storage-path",
-            storage,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
+def test_example_lightning_classifier_pytorch_lightning_with_a_crash(
+    storage: str, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # The example's main() in this process, which has Lightning imported already (a script
+    # driver would import torch, pytorch_lightning and start a fork server of its own first).
+    out = run_example_in_process(
+        "lightning_classifier.py",
+        *("--package", "pytorch_lightning", "--epochs", "2", "--crash-at", "1", "--storage-path", storage),
+        monkeypatch=monkeypatch,
+        capfd=capfd,
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "[rank0] attempt starts at epoch 0" in proc.stdout
-    assert "[rank0] attempt starts at epoch 1" in proc.stdout
-    assert "epochs reported: [0, 1]" in proc.stdout
-    assert "loaded Classifier (pytorch_lightning) from" in proc.stdout
+    assert "[rank0] attempt starts at epoch 0" in out
+    assert "[rank0] attempt starts at epoch 1" in out
+    assert "epochs reported: [0, 1]" in out
+    assert "loaded Classifier (pytorch_lightning) from" in out
 
 
 def _gpus() -> int:

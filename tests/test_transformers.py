@@ -15,6 +15,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from example_runner import run_example_in_process  # noqa: E402
+
 import ddptrain as train  # noqa: E402
 from ddptrain.huggingface.transformers import RayTrainReportCallback, prepare_trainer  # noqa: E402
 from ddptrain.torch import TorchTrainer  # noqa: E402
@@ -174,31 +176,29 @@ def test_prepare_trainer_warns_when_each_cpu_worker_would_train_alone(
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.usefixtures("accelerate_on_cpu")
-def test_example_transformers_tiny_bert(storage: str) -> None:
-    proc = subprocess.run(
-        [sys.executable, str(EXAMPLES / "transformers_tiny_bert.py"), "--epochs", "1", "--storage-path", storage],
-        capture_output=True,
-        text=True,
-        timeout=240,
+def test_example_transformers_tiny_bert(
+    storage: str, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # The example's main() in this process: the workers are what it is about (a script driver
+    # would add its own torch import and fork server).
+    out = run_example_in_process(
+        "transformers_tiny_bert.py", "--epochs", "1", "--storage-path", storage, monkeypatch=monkeypatch, capfd=capfd
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "steps reported: [8]" in proc.stdout  # 256 rows / 2 workers / batch 16
-    assert "loaded BertForSequenceClassification from" in proc.stdout
+    assert "steps reported: [8]" in out  # 256 rows / 2 workers / batch 16
+    assert "loaded BertForSequenceClassification from" in out
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_example_accelerate_merges_every_rank_state(storage: str) -> None:
-    proc = subprocess.run(
-        [sys.executable, str(EXAMPLES / "transformers_accelerate.py"), "--epochs", "1", "--storage-path", storage],
-        capture_output=True,
-        text=True,
-        timeout=240,
+def test_example_accelerate_merges_every_rank_state(
+    storage: str, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    out = run_example_in_process(
+        "transformers_accelerate.py", "--epochs", "1", "--storage-path", storage, monkeypatch=monkeypatch, capfd=capfd
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "[rank0] 2 processes (DistributedType.MULTI_CPU)" in proc.stdout
-    assert "'random_states_0.pkl', 'random_states_1.pkl'" in proc.stdout  # both ranks' files, one checkpoint
-    assert "'model.safetensors'" in proc.stdout
+    assert "[rank0] 2 processes (DistributedType.MULTI_CPU)" in out
+    assert "'random_states_0.pkl', 'random_states_1.pkl'" in out  # both ranks' files, one checkpoint
+    assert "'model.safetensors'" in out
 
 
 def _ray_imports(source: str) -> str:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from example_runner import run_example_in_process
 
 import ddptrain as train
 from ddptrain import tune
@@ -240,17 +241,13 @@ def test_restore_after_the_driver_is_killed(storage: str, tmp_path: Path, monkey
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_tune_sweep_example(storage: str) -> None:
-    example = Path(__file__).resolve().parent.parent / "examples" / "tune_sweep.py"
-    proc = subprocess.run(
-        [sys.executable, str(example), "--epochs", "2", "--lrs", "0.2,0.0001"],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, "DDPTRAIN_STORAGE_PATH": storage},
+def test_tune_sweep_example(storage: str, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
+    # The example's main() in this process (a script driver would import torch and start a
+    # fork server of its own first).
+    monkeypatch.setenv("DDPTRAIN_STORAGE_PATH", storage)
+    out = run_example_in_process(
+        "tune_sweep.py", "--epochs", "2", "--lrs", "0.2,0.0001", monkeypatch=monkeypatch, capfd=capfd
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = proc.stdout
     assert "Sweep finished in" in out and ": 2 trials (" in out
     assert "best lr: 0.2" in out and "loaded the best checkpoint from" in out
 

@@ -4,6 +4,7 @@ logs on into the same MLflow / W&B run instead of starting another one."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -14,7 +15,7 @@ from typing import Any
 from ddptrain.context import ContextError, get_context
 from ddptrain.storage.layout import RunLayout, write_json_atomic
 
-__all__ = ["NoOp", "Caller", "caller", "flatten", "load_id", "missing", "save_id"]
+__all__ = ["NoOp", "Caller", "caller", "flatten", "load_id", "missing", "noop_if_installed", "save_id"]
 
 _logger = logging.getLogger(__name__)
 
@@ -82,6 +83,18 @@ def missing(library: str, package: str) -> ImportError:
         f"ddptrain.integrations.{library} needs {package}, which is not installed: "
         f"`pip install ddptrain[{library}]` (or `pip install {package}`)."
     )
+
+
+def noop_if_installed(library: str, package: str) -> NoOp:
+    """The no-op for a rank that does not log: the library must be installed (the same
+    ImportError on every rank), but is not imported (seconds of start-up for nothing)."""
+    try:
+        found = importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise missing(library, package)
+    return NoOp()
 
 
 def flatten(config: Mapping[str, Any] | None, prefix: str = "") -> dict[str, Any]:

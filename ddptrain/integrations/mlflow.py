@@ -46,7 +46,8 @@ def setup_mlflow(
     Call it inside the training function. On rank 0 (on every rank with
     ``rank_zero_only=False``) it sets the tracking URI, picks the experiment, starts a run,
     logs ``config`` as the run's parameters (nested keys joined with ``/``) and returns the
-    ``mlflow`` module with that run active. Other ranks get a no-op object: its methods accept
+    ``mlflow`` module with that run active. Other ranks get a no-op object (mlflow is not
+    imported there, only looked up, so a missing install fails on every rank): its methods accept
     anything and do nothing, so the same code runs on every rank and logs once.
 
     Settings come from the arguments, else from MLflow's own environment variables
@@ -93,10 +94,10 @@ def setup_mlflow(
                 mlflow.log_metric("loss", train_one_epoch(), step=epoch)
             mlflow.end_run()
     """
-    mlflow = _import_mlflow()
     where = _tracking.caller()
     if rank_zero_only and where.rank not in (None, 0):
-        return _tracking.NoOp()
+        return _tracking.noop_if_installed("mlflow", "mlflow")
+    mlflow = _import_mlflow()
     if tracking_token:
         os.environ["MLFLOW_TRACKING_TOKEN"] = tracking_token
     if tracking_uri:

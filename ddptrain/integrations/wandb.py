@@ -89,10 +89,10 @@ def setup_wandb(
                 run.log({"loss": train_one_epoch()})
             run.finish()
     """
-    wandb = _import_wandb()
     where = _tracking.caller()
     if rank_zero_only and where.rank not in (None, 0):
-        return _tracking.NoOp()
+        return _tracking.noop_if_installed("wandb", "wandb")
+    wandb = _import_wandb()
     settings = dict(config or {})
     legacy = dict(settings.pop("wandb", None) or {})
     if legacy:
