@@ -13,9 +13,7 @@ worker dies with it through ``PR_SET_PDEATHSIG``.
 How workers start (``Bootstrap.start``):
 
 - ``"shared"`` (CPU runs): the agent loads the user's function once and then forks, so the
-  user's imports are shared by every worker (and, for a function that uses ddptrain's
-  DistributedDataParallel helpers, what DDP imports at its first use: ``_preload_for_workers``).
-  If loading it started threads or CUDA, a fork
+  user's imports are shared by every worker. If loading it started threads or CUDA, a fork
   would not be safe: the agent then replaces itself with a fresh one (``exec``) that starts
   the workers the ``"clean"`` way.
 - ``"clean"`` (GPU runs): the agent forks before anything of the user's is loaded, and each
@@ -106,23 +104,6 @@ def _fork_worker(spec: WorkerSpec, boot: WorkerBoot, close_fds: list[int]) -> Ch
     for fd in (out_w, err_w, status_w):
         os.close(fd)
     return Child(rank=spec.rank, pid=pid, fds={out_r: Kind.STDOUT, err_r: Kind.STDERR}, status_fd=status_r)
-
-
-# Modules whose presence after loading the user's function says its workers will wrap models in
-# DistributedDataParallel: TorchTrainer's prepare_model and RaySGD's TrainingOperator.
-_DDP_USERS = ("ddptrain.torch.train_loop_utils", "ddptrain.util.sgd.torch")
-
-
-def _preload_for_workers() -> None:
-    """Import, once and before the fork, what each worker would otherwise import for itself.
-
-    DistributedDataParallel's first use in a process imports ``torch._dynamo`` (2.5 s of CPU on
-    a small VM, 5 s per worker when two import it at once on two cores). A function that loaded
-    ddptrain's DDP helpers gets it from the agent's memory instead, after a restart from a warm
-    agent too. It starts no thread (checked after it, as for the user's imports).
-    """
-    if any(name in sys.modules for name in _DDP_USERS):
-        import torch._dynamo  # noqa: F401
 
 
 def _fork_unsafe_after_loading() -> str | None:
@@ -247,7 +228,6 @@ def _run(bootstrap: Bootstrap, out_fd: int, own_path: list[str]) -> tuple[int, b
         boot = WorkerBoot(bootstrap.run, bootstrap.store, bootstrap.payload)
         if bootstrap.start == "shared" and bootstrap.payload is not None:
             boot = dataclasses.replace(boot, user=load_user(bootstrap.payload))
-            _preload_for_workers()
             reason = _fork_unsafe_after_loading()
             if reason is not None:
                 _exec_clean(bootstrap, out_fd, reason)
