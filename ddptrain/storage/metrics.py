@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -188,14 +188,7 @@ def iter_metric_lines(run_dir: str | os.PathLike[str]) -> Iterator[dict[str, Any
     Raises:
         RunFileError: ``metrics.jsonl`` cannot be read (see :func:`open_file`).
     """
-    f = open_file(run_dir, RunLayout.METRICS)
-    if f is None:
-        return
-    with f:
-        for raw, _ in _lines(f, 0, unended=True):  # a last line without its newline counts when whole
-            line = None if raw is None else _metric_line(raw)
-            if line is not None:
-                yield line
+    yield from _parsed_lines(run_dir, _metric_line, unended=True)  # a last line without its newline counts when whole
 
 
 def iter_validation_lines(run_dir: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
@@ -204,17 +197,30 @@ def iter_validation_lines(run_dir: str | os.PathLike[str]) -> Iterator[dict[str,
     Raises:
         RunFileError: ``metrics.jsonl`` cannot be read (see :func:`open_file`).
     """
+    yield from _parsed_lines(run_dir, _validation_raw)
+
+
+def _validation_raw(raw: bytes) -> dict[str, Any] | None:
+    """:func:`_validation_line` of a raw line (``None``: not JSON, or not a validation's)."""
+    if b'"validation"' not in raw:  # most lines are reports: not parsed twice
+        return None
+    try:
+        return _validation_line(json.loads(raw))
+    except ValueError:
+        return None
+
+
+def _parsed_lines(
+    run_dir: str | os.PathLike[str], parse: Callable[[bytes], dict[str, Any] | None], unended: bool = False
+) -> Iterator[dict[str, Any]]:
+    """The lines of the run's ``metrics.jsonl`` that ``parse`` accepts, oldest first, read as it
+    goes (``unended``: a whole last line without its newline counts)."""
     f = open_file(run_dir, RunLayout.METRICS)
     if f is None:
         return
     with f:
-        for raw, _ in _lines(f, 0):
-            if raw is None or b'"validation"' not in raw:
-                continue
-            try:
-                line = _validation_line(json.loads(raw))
-            except ValueError:
-                continue
+        for raw, _ in _lines(f, 0, unended=unended):
+            line = None if raw is None else parse(raw)
             if line is not None:
                 yield line
 
