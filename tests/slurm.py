@@ -70,7 +70,7 @@ ReturnToService=2
 SlurmdTimeout=30
 InactiveLimit=0
 KillWait=2
-MinJobAge=30
+MinJobAge=4
 """
 
 
