@@ -9,9 +9,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -40,12 +42,25 @@ def _fit(loop: Any, storage: str, validate: Any, hosts: list[str], host: str, wo
     ).fit()
 
 
+_HOSTILE = ("sub dir $HOME 'q\"", "we ird;$(touch x) ü.txt")  # copied as they are, nothing run
+
+
+def _checkpoint_with_hostile_names(step: int) -> None:
+    folder = tempfile.mkdtemp()
+    Path(folder, "step").write_text(str(step))
+    Path(folder, _HOSTILE[0]).mkdir()
+    Path(folder, *_HOSTILE).write_text(f"nested {step}")
+    train.report({"loss": 1.0, "step": step}, checkpoint=train.Checkpoint(folder), validation=True)
+    shutil.rmtree(folder)
+
+
 def _where_it_ran(checkpoint: train.Checkpoint, scores: dict[str, float]) -> dict[str, Any]:
     print("validating on the host", flush=True)
     step = _step(checkpoint)
     server = os.environ.get("SSH_CONNECTION", "").split()
     return {
         "acc": scores[str(step)],
+        "nested": Path(checkpoint.path, *_HOSTILE).read_text(),
         "server": server[2] if len(server) == 4 else None,  # the address of the sshd it came through
         "path": checkpoint.path,
         "mode": oct(os.stat(os.path.dirname(checkpoint.path)).st_mode & 0o777),
@@ -61,7 +76,7 @@ def test_a_validation_runs_on_the_listed_host_on_a_copy_of_the_checkpoint(ssh, i
         checkpoint = train.get_context().get_world_rank() == 0
         for step in (0, 1):
             if checkpoint:
-                _report(step, validation=True)
+                _checkpoint_with_hostile_names(step)
             else:
                 train.report({"loss": 1.0, "step": step})
 
@@ -77,6 +92,7 @@ def test_a_validation_runs_on_the_listed_host_on_a_copy_of_the_checkpoint(ssh, i
         # It read a copy in a private folder on the host, not the run directory it cannot see.
         assert metrics["path"].startswith("/tmp/ddptrain-validation-") and metrics["path"].endswith("/checkpoint")
         assert metrics["mode"] == "0o700" and metrics["cuda"] == ""
+        assert metrics["nested"] == f"nested {line['report'] - 1}"
         assert not os.path.exists(os.path.dirname(metrics["path"]))  # removed afterwards
     # Its metrics rank the checkpoints (0.9 is the best), and the log is the run's.
     [(worse, _), (best, best_metrics)] = result.best_checkpoints

@@ -28,7 +28,7 @@ from ddptrain.config import CheckpointConfig
 from ddptrain.driver.attempt import AttemptContext
 from ddptrain.driver.plan import Plan
 from ddptrain.driver.progress import Progress
-from ddptrain.driver.validation import Finished, LocalHost, Task, Validations
+from ddptrain.driver.validation import Finished, LocalHost, Task, Validations, Where
 from ddptrain.driver.validation_ssh import SSHValidationHost, validation_host
 from ddptrain.errors import ControllerError, StorageError, WorkerFailure, disk_full_error
 from ddptrain.result import Result
@@ -43,7 +43,6 @@ if TYPE_CHECKING:
     from ddptrain.backend import BackendConfig
     from ddptrain.config import DataConfig, RunConfig, ScalingConfig, ValidationConfig
     from ddptrain.data.ingest import DatasetIngest
-    from ddptrain.launch.hosts import HostSpec
 
 __all__ = ["Run"]
 
@@ -113,27 +112,18 @@ class Run:
         self.validation_config = validation_config
         # The checkpoints reported with `validation=...`, validated one at a time beside training.
         uses_gpu = validation_config is not None and validation_config.uses_gpu
+        where: Where = LocalHost(uses_gpu)
+        if validator is not None:  # with what the run's agents get there (the storage's credentials)
+            where = SSHValidationHost(validator, self._env_vars, uses_gpu, (str(self.layout.run_json), self.run_id))
         self.validations = Validations(
             validation_config.fn if validation_config is not None else None,
             task_config.fn_kwargs if task_config is not None else None,
             self.layout.logs / "validation",
-            where=LocalHost(uses_gpu) if validator is None else self._validation_host(validator, uses_gpu),
+            where,
         )
         self._attempt = 0  # the attempt of the latest report (for the validation lines)
         self._run_json: dict[str, Any] = {}
         self._ended_line: tuple[bool, tuple[str, dict[str, Any]] | None, str] | None = None  # for the console
-
-    def _validation_host(self, host: HostSpec, uses_gpu: bool) -> SSHValidationHost:
-        """The SSH host the validations run on, with what the run's agents get there: its
-        Python and working directory, the forwarded environment and the run's own."""
-        return SSHValidationHost(
-            host,
-            {**_env.forwarded_env(), **self._env_vars},
-            host.python or sys.executable,
-            host.workdir or os.getcwd(),
-            uses_gpu,
-            probe=(str(self.layout.run_json), self.run_id),
-        )
 
     # ----------------------------------------------------------------- what workers get
     def run_info(self, attempt: int) -> protocol.RunInfo:

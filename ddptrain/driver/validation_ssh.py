@@ -14,10 +14,13 @@ directory), and the driver's ``sys.path`` is merged with the host's as for the w
 from __future__ import annotations
 
 import json
+import os
+import sys
 from typing import Any
 
 import cloudpickle
 
+from ddptrain import _env
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.driver.validation import Process, parse_result
 from ddptrain.errors import ConfigError
@@ -27,6 +30,8 @@ from ddptrain.launch.ssh_process import SSHHost, SSHProcess
 from ddptrain.wire.boot import PIN
 
 __all__ = ["SSHValidationHost", "validation_host"]
+
+_CLEANUP_WAIT_S = 10.0  # at the end of the run, for the last validation's folder to be removed
 
 
 def validation_host(name: str | None, hosts: list[HostSpec] | None) -> HostSpec | None:
@@ -63,39 +68,39 @@ class SSHValidationHost:
     """A listed SSH host where the run's validations run, one at a time.
 
     Args:
-        host: The host (after ``~/.ssh/config`` lookups).
-        env: The environment of the agents there (the forwarded variables, the run's own).
-        python: Python executable on the host.
-        workdir: Working directory there.
+        host: The host (after ``~/.ssh/config`` lookups); its ``python`` and ``workdir`` are the
+            driver's ``sys.executable`` and working directory unless it gives them, as for its agent.
+        env_vars: The run's environment of workers on other hosts (``worker_runtime_env``, the
+            storage's credentials); with the forwarded variables of the driver's
+            (``DDPTRAIN_FORWARD_ENV``), what the agents get there.
         uses_gpu: Leave the host's GPUs visible to the function (its ``gpus=`` if the host list
             gives them), else ``CUDA_VISIBLE_DEVICES=""``.
         probe: The run's ``run.json`` and the run's id: a host that reads that id there sees the
             run directory (no copy of a checkpoint is needed).
 
     Raises:
-        ConfigError: A variable of ``env`` cannot be passed to a host.
+        ConfigError: A variable of the environment cannot be passed to a host.
     """
 
     def __init__(
         self,
         host: HostSpec,
-        env: dict[str, str],
-        python: str,
-        workdir: str | None,
+        env_vars: dict[str, str],
         uses_gpu: bool = False,
         probe: tuple[str, str] | None = None,
     ) -> None:
-        env = dict(env)
+        env = {**_env.forwarded_env(), **env_vars}
         env.setdefault("OMP_NUM_THREADS", "1")
         if not uses_gpu:
             env["CUDA_VISIBLE_DEVICES"] = ""
         elif host.gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu) for gpu in host.gpus)
         self.name = host.name
-        self.workdir = workdir
-        self._host = SSHHost(host, env, python, workdir)
+        self.workdir = host.workdir or os.getcwd()
+        self._host = SSHHost(host, env, host.python or sys.executable, self.workdir)
         self._probe = probe
         self._shared: bool | None = None  # whether the host sees the run directory, once asked
+        self._last: SSHProcess | None = None
 
     def start(self, request: dict[str, Any], log: str) -> Process:
         # On the host: the driver's sys.path merged with the host's own, '' meaning `workdir` there.
@@ -114,20 +119,29 @@ class SSHValidationHost:
             return [self._host.python, "-c", PIN + code]  # the working directory is off sys.path
 
         process = SSHProcess(self._host, "validation", setup, program, log, "result.json")
+        self._last = process
         return _SSHValidation(process, self.name, log)
 
     def close(self) -> None:
+        """Close the connection, once the last validation's folder is removed from the host
+        (bounded: one whose host stopped answering keeps it; the process there removes it itself
+        once its stdin ends)."""
+        if self._last is not None:
+            self._last.wait(_CLEANUP_WAIT_S)
         self._host.close()
 
     def _sees_run_dir(self, files: HostFiles) -> bool:
+        """Whether the host reads this run's id in its ``run.json`` (asked once; a failed
+        connection raises, and the next validation asks again)."""
         if self._shared is None:
-            self._shared = False
+            shared = False
             if self._probe is not None:
                 path, run_id = self._probe
                 try:
-                    self._shared = json.loads(files.read_file(path) or b"{}").get("run_id") == run_id
+                    shared = json.loads(files.read_file(path) or b"{}").get("run_id") == run_id
                 except (ValueError, AttributeError):
                     pass
+            self._shared = shared
         return self._shared
 
 
@@ -144,7 +158,7 @@ class _SSHValidation:
         return self.process.ended()
 
     def kill(self, grace_s: float) -> None:
-        self.process.kill(grace_s + 5.0)  # its stdin closes: it kills itself at once; then the cleanup
+        self.process.kill(grace_s)  # its stdin closes: it kills itself at once
 
     def outcome(self) -> tuple[dict[str, Any] | None, str]:
         process = self.process

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -142,8 +143,9 @@ class SSHProcess:
         return self._done.is_set()
 
     def kill(self, timeout_s: float) -> None:
-        """End it: close its stdin (the program then kills itself and what it started), or stop
-        its setup; wait up to ``timeout_s`` for it to end, then drop its channel."""
+        """End it: close its stdin (the program then kills itself and what it started, and
+        removes its folder), or stop its setup; wait up to ``timeout_s`` for it to end (its
+        thread then reads back what is left and removes the folder: :meth:`wait`)."""
         with self._lock:
             self._killed = True
             channel, files = self._channel, self._files
@@ -152,12 +154,20 @@ class SSHProcess:
                 channel.shutdown_write()
             except (OSError, EOFError):
                 pass
-        elif files is not None:
+            deadline = time.monotonic() + timeout_s
+            while not (channel.status_event.is_set() or self._done.is_set()) and time.monotonic() < deadline:
+                self._done.wait(0.05)
+            if not (channel.status_event.is_set() or self._done.is_set()):
+                _logger.warning("ddptrain: the program on host %r did not end in %.0f s", self.host.name, timeout_s)
+                channel.close()  # sshd closes its stdin too
+            return
+        if files is not None:
             files.close()  # stops a copy in progress: its thread then ends
-        if not self._done.wait(timeout_s):
-            _logger.warning("ddptrain: the %s on host %r did not end in %.0f s", self.folder, self.host.name, timeout_s)
-            if channel is not None:
-                channel.close()
+        self._done.wait(timeout_s)
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for its thread to be done (result read, folder removed)."""
+        return self._done.wait(timeout_s)
 
     # ----------------------------------------------------------------- its thread
     def _run(self) -> None:
@@ -200,8 +210,19 @@ class SSHProcess:
         except Exception as exc:  # paramiko's, OSError, EOFError: the connection failed
             self.error = f"host {self.host.name!r}: {type(exc).__name__}: {exc}"
         finally:
-            self._clean(made)
-            self._done.set()
+            try:
+                self._clean(made)
+            finally:
+                if self.error is not None and not self._killed:
+                    self._say(f"ddptrain: {self.error}\n")  # its log says why it has no output
+                self._done.set()
+
+    def _say(self, text: str) -> None:
+        try:
+            with open(self._log, "a") as out:
+                out.write(text)
+        except OSError as exc:
+            _logger.warning("ddptrain: cannot write %s: %s", self._log, exc)
 
     def _copy_output(self, channel: Any) -> None:
         """Append the program's output to the log file until it ends (the first line, the
