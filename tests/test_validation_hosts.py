@@ -29,11 +29,14 @@ pytestmark = pytest.mark.ssh
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _fit(loop: Any, storage: str, validate: Any, hosts: list[str], host: str, workers: int = 0, **kwargs: Any):
+def _fit(
+    loop: Any, storage: str, validate: Any, hosts: list[str], host: str, workers: int = 0, gpus: int = 0, **kwargs: Any
+):
+    task = ValidationTaskConfig(fn_kwargs=kwargs)
     return train.DataParallelTrainer(
         loop,
         scaling_config=train.ScalingConfig(num_workers=workers, hosts=hosts),
-        validation_config=ValidationConfig(validate, task_config=ValidationTaskConfig(fn_kwargs=kwargs), host=host),
+        validation_config=ValidationConfig(validate, task, {"num_gpus": gpus} if gpus else None, host=host),
         run_config=train.RunConfig(
             name="run",
             storage_path=storage,
@@ -86,6 +89,8 @@ def test_a_validation_runs_on_the_listed_host_on_a_copy_of_the_checkpoint(ssh, i
     lines = _validation_lines(storage)
     assert [(v["checkpoint"], v["error"]) for v in lines] == [("checkpoint_000001", None), ("checkpoint_000002", None)]
     host = ssh.hosts[-1]
+    # Two logins on the host: its agent's, and one for both validations.
+    assert host.log.read_text().count("Accepted publickey") == 2
     for line in lines:
         metrics = line["metrics"]
         assert metrics["server"] == host.addr  # it ran through the host's sshd
@@ -107,7 +112,12 @@ def _hangs(checkpoint: train.Checkpoint, pids: str) -> dict[str, Any]:
     # Its private folder on the host (where its request is): on its command line.
     folder = re.search(r"/tmp/ddptrain-validation-[0-9a-f]+", Path("/proc/self/cmdline").read_text())
     with open(pids, "a") as f:
-        started = {"pids": [os.getpid(), child.pid], "path": checkpoint.path, "folder": folder and folder[0]}
+        started = {
+            "pids": [os.getpid(), child.pid],
+            "path": checkpoint.path,
+            "folder": folder and folder[0],
+            "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        }
         f.write(json.dumps(started) + "\n")
     time.sleep(60)
     return {"acc": 1.0}
@@ -141,7 +151,8 @@ def test_a_hanging_validation_on_a_host_is_killed_at_its_timeout(
         return started, listed
 
     start = time.monotonic()
-    result = _fit(loop, storage, _hangs, ["localhost", "h0"], "h0", pids=str(pids))
+    # Asked for a GPU: the host's GPUs its host list gives stay visible.
+    result = _fit(loop, storage, _hangs, ["localhost", "h0 gpus=1,3"], "h0", gpus=1, pids=str(pids))
     assert time.monotonic() - start < 30
     started, listed = result.return_value
     assert listed == ["VALIDATED"]
@@ -150,6 +161,7 @@ def test_a_hanging_validation_on_a_host_is_killed_at_its_timeout(
     assert _gone(started["pids"])  # the function and what it started
     # h0 sees the run directory (same file system): the checkpoint was not copied.
     assert started["path"] == str(Path(storage, "run", "checkpoint_000001"))
+    assert started["cuda"] == "1,3"
 
 
 def _fails(checkpoint: train.Checkpoint) -> dict[str, Any]:
