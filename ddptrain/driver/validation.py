@@ -35,7 +35,7 @@ import cloudpickle
 from ddptrain import _env, ray_compat
 from ddptrain.checkpoint import Checkpoint
 
-__all__ = ["Finished", "LocalHost", "Process", "Task", "Validations", "Where"]
+__all__ = ["Finished", "LocalHost", "Process", "Task", "Validations", "Where", "parse_result"]
 
 _logger = logging.getLogger(__name__)
 
@@ -290,14 +290,14 @@ class _LocalProcess:
         _kill_group(self.process.pid)  # what the function started and left behind
         self.log_file.close()
         try:
-            result = read_result(self.folder)
+            result = _read_result(self.folder)
         finally:
             shutil.rmtree(self.folder, ignore_errors=True)
         code = self.process.returncode
         return result, f"The validation process exited with code {code} without a result; see {self.log}."
 
 
-def read_result(folder: str) -> dict[str, Any] | None:
+def _read_result(folder: str) -> dict[str, Any] | None:
     """The ``result.json`` a validation process wrote in ``folder`` (``None``: none, or not a dict)."""
     try:
         with open(os.path.join(folder, "result.json"), "rb") as f:
