@@ -7,7 +7,7 @@ import math
 import os
 import tempfile
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -257,10 +257,10 @@ class ValidationConfig:
 
     ``report(metrics, checkpoint=..., validation=True)`` (or a :class:`ValidationTaskConfig`)
     asks for ``fn(checkpoint, **fn_kwargs) -> dict`` to run on that checkpoint once it is
-    committed, in a process of its own on the driver's host, while training goes on. One
-    validation runs at a time, in report order; its metrics are merged into the checkpoint's
-    (same keys overwrite) and can rank it (``CheckpointConfig.checkpoint_score_attribute``).
-    See the checkpoints guide.
+    committed, in a process of its own (not a training worker) on the driver's host or on
+    ``host``, while training goes on. One validation runs at a time, in report order; its
+    metrics are merged into the checkpoint's (same keys overwrite) and can rank it
+    (``CheckpointConfig.checkpoint_score_attribute``). See the checkpoints guide.
 
     Args:
         fn: ``fn(checkpoint, **fn_kwargs) -> dict`` of metrics. It runs on CPU (no GPU is
@@ -268,7 +268,13 @@ class ValidationConfig:
         task_config: The default ``fn_kwargs``; a ``ValidationTaskConfig`` given to
             ``report()`` replaces them.
         ray_remote_kwargs: Ray's resource request; ddptrain reads ``num_gpus`` only (> 0: the
-            driver's GPUs stay visible to ``fn``).
+            GPUs of the host it runs on stay visible to ``fn``).
+        host: ddptrain's own, keyword only: the name of one of the run's hosts
+            (``ScalingConfig(hosts=...)``, as the host list writes it) to run the validations
+            on, over SSH with that host's settings; ``None`` (default): the driver's host. ``fn``
+            is imported there as the workers import the training function, and a checkpoint
+            on the driver's disk is copied to the host first unless the host sees the run
+            directory; ddptrain must be installed there, as for workers.
 
     Example:
         >>> def validate(checkpoint, data_path):
@@ -280,8 +286,14 @@ class ValidationConfig:
     fn: Any
     task_config: ValidationTaskConfig | None = None
     ray_remote_kwargs: dict[str, Any] | None = None
+    host: str | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
+        if self.host is not None and (not isinstance(self.host, str) or not self.host.strip()):
+            raise ConfigError(
+                f"`ValidationConfig(host=...)` must be the name of one of the run's hosts, or None (this "
+                f"machine), got {self.host!r}."
+            )
         if not callable(self.fn):
             raise ConfigError(
                 f"`ValidationConfig(fn=...)` must be a function (checkpoint, **fn_kwargs) -> dict, got {self.fn!r}."

@@ -652,6 +652,35 @@ def test_a_missing_extra_is_named() -> None:
     assert "pip install ddptrain[s3]" in out.stdout, out.stdout + out.stderr
 
 
+def _validate_on_host(checkpoint: train.Checkpoint) -> dict[str, Any]:
+    with checkpoint.as_directory() as d:  # downloaded from the store, with the driver's credentials
+        epoch = int(Path(d, "epoch").read_text())
+    return {"val": 0.5 + epoch, "path": checkpoint.path, "over_ssh": "SSH_CONNECTION" in os.environ}
+
+
+@pytest.mark.ssh
+def test_a_validation_on_an_ssh_host_reads_the_checkpoint_from_the_store(s3: S3, ssh) -> None:
+    def loop() -> None:
+        d = tempfile.mkdtemp()
+        Path(d, "epoch").write_text("0")
+        train.report({"epoch": 0}, checkpoint=train.Checkpoint(d), validation=True)
+
+    bucket = s3.bucket()
+    result = train.DataParallelTrainer(
+        loop,
+        scaling_config=train.ScalingConfig(num_workers=0, hosts=["localhost", "h0"]),
+        validation_config=train.ValidationConfig(_validate_on_host, host="h0"),
+        run_config=train.RunConfig(name="val", storage_path=f"s3://{bucket}/exp"),
+    ).fit()
+    # Passed as it is (no copy): the host read it from the store.
+    assert result.metrics == {
+        "epoch": 0,
+        "val": 0.5,
+        "path": f"s3://{bucket}/exp/val/checkpoint_000001",
+        "over_ssh": True,
+    }
+
+
 @pytest.mark.ssh
 def test_workers_on_ssh_hosts_upload_with_the_drivers_credentials(s3: S3, ssh) -> None:
     bucket = s3.bucket()

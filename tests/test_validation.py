@@ -300,3 +300,28 @@ def test_a_failed_training_kills_its_validation(storage: str, tmp_path: Path) ->
     assert not any(map(_alive, started))
     [line] = _validation_lines(storage)
     assert line["error"] == "Validation killed: the run stopped before it ended."
+
+
+def _parent(checkpoint: train.Checkpoint) -> dict[str, Any]:
+    return {"acc": 1.0, "parent": os.getppid()}
+
+
+def test_a_validation_host_must_be_one_of_the_runs_hosts(storage: str) -> None:
+    def fit(host: str, hosts: list[str] | None) -> train.Result:
+        return train.DataParallelTrainer(
+            lambda: _report(0, validation=True),
+            scaling_config=train.ScalingConfig(num_workers=0, hosts=hosts),
+            validation_config=ValidationConfig(_parent, host=host),
+            run_config=train.RunConfig(name="run", storage_path=storage),
+        ).fit()
+
+    with pytest.raises(ConfigError, match=r"host='h9'\)` is not one of the run's hosts \(localhost, h0\)"):
+        fit("h9", ["localhost", "h0"])
+    with pytest.raises(ConfigError, match="names a host, but the run has no host list"):
+        fit("h0", None)
+    with pytest.raises(ConfigError, match="must be the name of one of the run's hosts"):
+        ValidationConfig(_parent, host="")
+    assert not Path(storage, "run").exists()  # failed at once
+    # This machine's name in the host list: validated here, without SSH (the driver started it).
+    result = fit("localhost", ["localhost", "h0"])
+    assert result.metrics["parent"] == os.getpid()

@@ -28,7 +28,8 @@ from ddptrain.config import CheckpointConfig
 from ddptrain.driver.attempt import AttemptContext
 from ddptrain.driver.plan import Plan
 from ddptrain.driver.progress import Progress
-from ddptrain.driver.validation import Finished, Task, Validations
+from ddptrain.driver.validation import Finished, LocalHost, Task, Validations, Where
+from ddptrain.driver.validation_ssh import SSHValidationHost, validation_host
 from ddptrain.errors import ControllerError, StorageError, WorkerFailure, disk_full_error
 from ddptrain.result import Result
 from ddptrain.storage import layout as storage
@@ -91,6 +92,7 @@ class Run:
         self.metrics_history: list[dict[str, Any]] = []
         self.report_world_sizes: list[int] = []  # of each report of metrics_history
         hosts = Plan.read_hosts(scaling_config)  # a bad host list fails here, before any host is reached
+        validator = validation_host(validation_config.host if validation_config is not None else None, hosts)
         self.storage: RunStorage = run_storage(
             self.where, run_config.checkpoint_config or CheckpointConfig(), over_hosts=hosts is not None
         )
@@ -109,11 +111,15 @@ class Run:
         task_config = validation_config.task_config if validation_config is not None else None
         self.validation_config = validation_config
         # The checkpoints reported with `validation=...`, validated one at a time beside training.
+        uses_gpu = validation_config is not None and validation_config.uses_gpu
+        where: Where = LocalHost(uses_gpu)
+        if validator is not None:  # with what the run's agents get there (the storage's credentials)
+            where = SSHValidationHost(validator, self._env_vars, uses_gpu, (str(self.layout.run_json), self.run_id))
         self.validations = Validations(
             validation_config.fn if validation_config is not None else None,
             task_config.fn_kwargs if task_config is not None else None,
             self.layout.logs / "validation",
-            uses_gpu=validation_config is not None and validation_config.uses_gpu,
+            where,
         )
         self._attempt = 0  # the attempt of the latest report (for the validation lines)
         self._run_json: dict[str, Any] = {}

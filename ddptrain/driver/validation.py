@@ -2,12 +2,14 @@
 
 Each checkpoint reported with ``validation=...`` is queued once committed; one validation runs
 at a time, in report order (as Ray's ``MAX_IN_FLIGHT_VALIDATIONS = 1``: a second process would
-take the training's CPU share), in a process of its own on the driver's host
+take the training's CPU share), in a process of its own
 (:mod:`ddptrain.driver.validation_child`, a plain ``python`` that imports neither torch nor
-the driver), in its own session so that whatever it starts is killed with it. The driver
-polls it (:meth:`Validations.poll`), never waits on it, except at the end of ``fit()``
-(:meth:`Validations.finish`, bounded by ``DDPTRAIN_VALIDATION_WAIT_S``). A validation running
-past ``DDPTRAIN_VALIDATION_TIMEOUT_S`` is killed and reported as failed.
+the driver), in its own session so that whatever it starts is killed with it. Where it runs
+is a :class:`Where`: the driver's host (:class:`LocalHost`, the default) or a listed SSH host
+(``ValidationConfig(host=...)``, :class:`ddptrain.driver.validation_ssh.SSHValidationHost`).
+The driver polls it (:meth:`Validations.poll`), never waits on it, except at the end of
+``fit()`` (:meth:`Validations.finish`, bounded by ``DDPTRAIN_VALIDATION_WAIT_S``). A
+validation running past ``DDPTRAIN_VALIDATION_TIMEOUT_S`` is killed and reported as failed.
 """
 
 from __future__ import annotations
@@ -26,14 +28,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 import cloudpickle
 
 from ddptrain import _env, ray_compat
 from ddptrain.checkpoint import Checkpoint
 
-__all__ = ["Finished", "Task", "Validations"]
+__all__ = ["Finished", "LocalHost", "Process", "Task", "Validations", "Where", "parse_result"]
 
 _logger = logging.getLogger(__name__)
 
@@ -71,13 +73,36 @@ class Finished:
     started: float | None = None  # when its process started (``time.time()``)
 
 
+class Process(Protocol):
+    """One validation's process, wherever it runs."""
+
+    def ended(self) -> bool:
+        """Whether it ended. Never blocks."""
+
+    def kill(self, grace_s: float) -> None:
+        """End it and what it started (bounded by about ``grace_s``)."""
+
+    def outcome(self) -> tuple[dict[str, Any] | None, str]:
+        """Once ended: its result (``result.json``, ``None`` if it wrote none), and what to say
+        when there is none; what it left behind (processes, its folder) is removed."""
+
+
+class Where(Protocol):
+    """Where the run's validations run."""
+
+    def start(self, request: dict[str, Any], log: str) -> Process:
+        """Start the validation of ``request`` (``checkpoint``: the committed checkpoint), its
+        output appended to the file ``log``."""
+
+    def close(self) -> None:
+        """Nothing more runs there (its connection closes). Safe to call twice."""
+
+
 @dataclass
 class _Running:
     task: Task
-    process: subprocess.Popen[bytes]
-    folder: str
+    process: Process
     log: str
-    log_file: IO[bytes]
     started: float
     wall_started: float
 
@@ -89,7 +114,7 @@ class Validations:
         fn: The trainer's ``ValidationConfig.fn`` (``None``: only ``report(validate_fn=...)``).
         fn_kwargs: Its default keyword arguments (``ValidationConfig.task_config``).
         log_dir: Where each validation's output goes (``<checkpoint>.log``).
-        uses_gpu: Leave the driver's GPUs visible to the function (else ``CUDA_VISIBLE_DEVICES=""``).
+        where: Where they run (default: this machine, no GPU visible).
         clock: ``time.monotonic`` (a test's fake clock).
     """
 
@@ -98,12 +123,12 @@ class Validations:
         fn: Callable[..., Any] | None,
         fn_kwargs: dict[str, Any] | None,
         log_dir: Path,
-        uses_gpu: bool = False,
+        where: Where | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._default = cloudpickle.dumps((fn, dict(fn_kwargs or {}))) if fn is not None else None
         self.log_dir = log_dir
-        self.uses_gpu = uses_gpu
+        self.where: Where = where if where is not None else LocalHost()
         self.clock = clock
         self.queue: collections.deque[Task] = collections.deque()
         self.running: _Running | None = None
@@ -125,7 +150,7 @@ class Validations:
         running = self.running
         if running is not None:
             timed_out = self.clock() - running.started > _env.validation_timeout_s()
-            if running.process.poll() is not None or timed_out:
+            if running.process.ended() or timed_out:
                 done.append(self._reap(running, timed_out))
         if self.running is None and self.queue:
             self._start(self.queue.popleft())
@@ -157,11 +182,11 @@ class Validations:
             done.append(self._reap(running, False, why))
         done += [Finished(task, None, f"Validation not run: {why}.", "", 0.0, ran=False) for task in self.queue]
         self.queue.clear()
+        self.where.close()
         return done
 
     # ----------------------------------------------------------------- the process
     def _start(self, task: Task) -> None:
-        folder = tempfile.mkdtemp(prefix="ddptrain-validation-")  # 0700: the pickled function is private
         request = {
             "default": self._default,
             "spec": task.spec,
@@ -169,19 +194,59 @@ class Validations:
             "sys_path": list(sys.path),
             "ray_compat": ray_compat.installed(),
         }
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = str(self.log_dir / f"{task.name}.log")
+        started_at = time.time()
+        process = self.where.start(request, log)
+        self.running = _Running(task, process, log, self.clock(), started_at)
+        _logger.info("ddptrain: validating checkpoint %s (%s, log %s)", task.name, process, log)
+
+    def _reap(self, running: _Running, timed_out: bool, why: str | None = None) -> Finished:
+        """End ``running`` (killed if it still runs) and read its result."""
+        self.running = None
+        process = running.process
+        error = None
+        if not process.ended():
+            process.kill(_env.shutdown_grace_s())
+            if timed_out:
+                error = (
+                    f"Validation killed after {_env.validation_timeout_s():g} s (DDPTRAIN_VALIDATION_TIMEOUT_S); "
+                    f"its output is in {running.log}."
+                )
+            else:
+                error = f"Validation killed: {why}."
+        seconds = self.clock() - running.started
+        result, failure = process.outcome()
+        if error is None and result is None:
+            error = failure
+        if error is None and result is not None:
+            error = result.get("error")
+        metrics = result.get("metrics") if result is not None and error is None else None
+        return Finished(running.task, metrics, error, running.log, seconds, why is None, running.wall_started)
+
+
+class LocalHost:
+    """The driver's host: a ``python`` started here, in a private temp folder.
+
+    Args:
+        uses_gpu: Leave the driver's GPUs visible to the function (else ``CUDA_VISIBLE_DEVICES=""``).
+    """
+
+    def __init__(self, uses_gpu: bool = False) -> None:
+        self.uses_gpu = uses_gpu
+
+    def start(self, request: dict[str, Any], log: str) -> Process:
+        folder = tempfile.mkdtemp(prefix="ddptrain-validation-")  # 0700: the pickled function is private
         log_file = None
         try:
             with open(os.path.join(folder, "task.pkl"), "wb") as f:
                 cloudpickle.dump(request, f)
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            log = str(self.log_dir / f"{task.name}.log")
             log_file = open(log, "ab")  # noqa: SIM115 (closed when the process is reaped)
             env = dict(os.environ)
             env.setdefault("OMP_NUM_THREADS", "1")
             if not self.uses_gpu:
                 env["CUDA_VISIBLE_DEVICES"] = ""
             root = str(Path(__file__).resolve().parents[2])  # where this ddptrain is imported from
-            started_at = time.time()
             process = subprocess.Popen(
                 [sys.executable, "-c", _CHILD, root, folder],
                 stdin=subprocess.DEVNULL,
@@ -199,44 +264,53 @@ class Validations:
         if cpus:  # from its start: its imports take CPU too (it pins itself again, for what it starts)
             with contextlib.suppress(OSError):
                 os.sched_setaffinity(process.pid, cpus)
-        self.running = _Running(task, process, folder, log, log_file, self.clock(), started_at)
-        _logger.info("ddptrain: validating checkpoint %s (pid %d, log %s)", task.name, process.pid, log)
+        return _LocalProcess(process, folder, log_file, log)
 
-    def _reap(self, running: _Running, timed_out: bool, why: str | None = None) -> Finished:
-        """End ``running`` (killed if it still runs) and read its result."""
-        self.running = None
-        process = running.process
-        error = None
-        if process.poll() is None:
-            _kill(process, _env.shutdown_grace_s())
-            if timed_out:
-                error = (
-                    f"Validation killed after {_env.validation_timeout_s():g} s (DDPTRAIN_VALIDATION_TIMEOUT_S); "
-                    f"its output is in {running.log}."
-                )
-            else:
-                error = f"Validation killed: {why}."
-        else:
-            _kill_group(process.pid)  # what the function started and left behind
-        running.log_file.close()
-        seconds = self.clock() - running.started
+    def close(self) -> None:
+        pass
+
+
+class _LocalProcess:
+    def __init__(self, process: subprocess.Popen[bytes], folder: str, log_file: IO[bytes], log: str) -> None:
+        self.process = process
+        self.folder = folder
+        self.log_file = log_file
+        self.log = log
+
+    def __str__(self) -> str:
+        return f"pid {self.process.pid}"
+
+    def ended(self) -> bool:
+        return self.process.poll() is not None
+
+    def kill(self, grace_s: float) -> None:
+        _kill(self.process, grace_s)
+
+    def outcome(self) -> tuple[dict[str, Any] | None, str]:
+        _kill_group(self.process.pid)  # what the function started and left behind
+        self.log_file.close()
         try:
-            result = _read_result(running.folder)
+            result = _read_result(self.folder)
         finally:
-            shutil.rmtree(running.folder, ignore_errors=True)
-        if error is None and result is None:
-            error = f"The validation process exited with code {process.returncode} without a result; see {running.log}."
-        if error is None and result is not None:
-            error = result.get("error")
-        metrics = result.get("metrics") if result is not None and error is None else None
-        return Finished(running.task, metrics, error, running.log, seconds, why is None, running.wall_started)
+            shutil.rmtree(self.folder, ignore_errors=True)
+        code = self.process.returncode
+        return result, f"The validation process exited with code {code} without a result; see {self.log}."
 
 
 def _read_result(folder: str) -> dict[str, Any] | None:
+    """The ``result.json`` a validation process wrote in ``folder`` (``None``: none, or not a dict)."""
     try:
-        with open(os.path.join(folder, "result.json")) as f:
-            result = json.load(f)
-    except (OSError, ValueError):
+        with open(os.path.join(folder, "result.json"), "rb") as f:
+            return parse_result(f.read())
+    except OSError:
+        return None
+
+
+def parse_result(data: bytes | None) -> dict[str, Any] | None:
+    """A ``result.json``'s content as a dict (``None``: none, or not a dict)."""
+    try:
+        result = json.loads(data) if data is not None else None
+    except ValueError:
         return None
     return result if isinstance(result, dict) else None
 

@@ -3,10 +3,15 @@
 Started by :class:`ddptrain.driver.validation.Validations` in a private folder (mode 0700)
 that holds ``task.pkl``: the cloudpickled request (the trainer's ``ValidationConfig`` function
 and keyword arguments, the report's own request, the ``Checkpoint``, the driver's
-``sys.path``, whether ``import ray`` is ddptrain's).
+``sys.path``, whether ``import ray`` is ddptrain's; on another host, the working directory
+there).
 It pins itself to ``DDPTRAIN_VALIDATION_CPUS`` if set, calls the function, and writes
 ``result.json`` (``{"metrics": ...}`` or ``{"error": traceback}``) atomically. It imports
 neither torch nor the driver: only what the function itself needs.
+
+It ends with what it started: on the driver's host the driver kills its process group and
+it watches the driver's pid; on an SSH host (``remote=True``) it is in a session of its own,
+kills its group once its stdin (the SSH channel) ends, as the agent does, and when it is done.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -24,6 +30,7 @@ import cloudpickle
 
 from ddptrain import _env, ray_compat
 from ddptrain.storage.layout import to_jsonable
+from ddptrain.wire.boot import worker_sys_path
 
 __all__ = ["main"]
 
@@ -32,7 +39,10 @@ def _call(request: dict[str, Any]) -> dict[str, Any]:
     cpus = _env.validation_cpus()
     if cpus:
         os.sched_setaffinity(0, cpus)
-    sys.path[:] = list(request["sys_path"])
+    if request.get("cwd") is not None:  # another host: as its workers, the driver's path merged with its own
+        sys.path[:] = worker_sys_path(list(request["sys_path"]), request["cwd"], list(sys.path))
+    else:
+        sys.path[:] = list(request["sys_path"])
     if request["ray_compat"]:  # under `ddptrain run`: the function may use `ray.train`, as the workers do
         ray_compat.install()
     fn, kwargs = cloudpickle.loads(request["default"]) if request["default"] is not None else (None, {})
@@ -57,9 +67,33 @@ def _watch_driver(driver_pid: int) -> None:
     os.killpg(0, signal.SIGKILL)
 
 
-def main(folder: str) -> int:
-    """Run the validation of ``folder``'s request; its result (or error) goes to ``result.json``."""
-    threading.Thread(target=_watch_driver, args=(os.getppid(),), daemon=True, name="driver-watch").start()
+def _watch_stdin(folder: str) -> None:
+    """On an SSH host: end this process's group once stdin ends (the driver killed the
+    validation, or died, or the connection dropped), and remove its folder (it holds the
+    pickled function)."""
+    try:
+        while os.read(0, 4096):
+            pass
+    except OSError:
+        pass
+    try:  # in a session of its own: it outlives the group
+        subprocess.Popen(["rm", "-rf", "--", folder], start_new_session=True, stdout=subprocess.DEVNULL)
+    finally:
+        os.killpg(0, signal.SIGKILL)
+
+
+def main(folder: str, remote: bool = False) -> int:
+    """Run the validation of ``folder``'s request; its result (or error) goes to ``result.json``.
+    ``remote``: on an SSH host (see the module docstring)."""
+    if remote:
+        try:
+            os.setsid()  # its own session and group: what the function starts is killed with it
+        except OSError:  # a group leader already (sshd starts each command in a session of its own)
+            if os.getpgid(0) != os.getpid():
+                os.setpgid(0, 0)
+        threading.Thread(target=_watch_stdin, args=(folder,), daemon=True, name="stdin-watch").start()
+    else:
+        threading.Thread(target=_watch_driver, args=(os.getppid(),), daemon=True, name="driver-watch").start()
     with open(os.path.join(folder, "task.pkl"), "rb") as f:
         request = cloudpickle.load(f)
     try:
@@ -72,6 +106,10 @@ def main(folder: str) -> int:
     with open(part, "w") as f:
         json.dump(result, f)
     os.replace(part, os.path.join(folder, "result.json"))
+    if remote:  # what the function started and left behind (the driver kills it on its own host)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.killpg(0, signal.SIGKILL)
     return 0
 
 

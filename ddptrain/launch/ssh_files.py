@@ -166,6 +166,60 @@ class HostFiles:
             else:
                 sftp.put(source, target)
 
+    # ----------------------------------------------------------------- a private folder of one program
+    def make_private_dir(self, remote: str) -> None:
+        """Create the folder ``remote`` (a fresh, unguessable name), private to the SSH user (0700).
+
+        Raises:
+            LaunchError: It exists already, or could not be made (the error names the host).
+        """
+        try:
+            self._sftp().mkdir(remote, 0o700)  # fails if it exists: nobody else's folder is used
+            self._sftp().chmod(remote, 0o700)  # whatever the SFTP server's umask did
+        except LaunchError:
+            raise
+        except Exception as exc:
+            raise self._failed(f"creating the private folder {remote}", exc) from exc
+
+    def write_file(self, remote: str, data: bytes) -> None:
+        """Write ``data`` to the file ``remote`` on the host (in a folder of :meth:`make_private_dir`)."""
+        try:
+            with self._sftp().open(remote, "wb") as f:
+                f.write(data)
+        except LaunchError:
+            raise
+        except Exception as exc:
+            raise self._failed(f"writing {remote}", exc) from exc
+
+    def read_file(self, remote: str) -> bytes | None:
+        """The content of the file ``remote`` on the host; ``None`` if it cannot be read there
+        (missing, not this user's). A failed connection raises (the error names the host)."""
+        try:
+            with self._sftp().open(remote, "rb") as f:
+                return bytes(f.read())
+        except (FileNotFoundError, PermissionError):  # as paramiko raises SFTP's own answers
+            return None
+        except LaunchError:
+            raise
+        except Exception as exc:
+            raise self._failed(f"reading {remote}", exc) from exc
+
+    def remove_dir(self, remote: str, timeout_s: float) -> None:
+        """Remove the folder ``remote`` and what it holds from the host, waiting up to ``timeout_s``.
+
+        Raises:
+            LaunchError: The connection failed (the error names the host).
+        """
+        try:
+            channel = self._client.get_transport().open_session()
+            try:
+                channel.exec_command(f"rm -rf -- {shlex.quote(remote)}")
+                channel.status_event.wait(timeout_s)
+            finally:
+                channel.close()
+        except Exception as exc:
+            raise self._failed(f"removing {remote}", exc) from exc
+
     def close(self) -> None:
         """Remove the staging folder from the host (one that stopped answering keeps it: the
         next run there removes it), and close SFTP."""
