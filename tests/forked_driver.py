@@ -1,0 +1,126 @@
+"""A driver script run in a process forked from the test process, for the tests that kill drivers.
+
+A script started with ``python script.py`` pays its own torch import (seconds of CPU on the CI
+machine) before its run starts; a child forked from the test process, which has imported torch
+and the driver already, starts its run at once. Everything after the fork is the script's own:
+its ``__main__``, its stdout and stderr (pipes, as ``subprocess.Popen`` gives them), a root logger
+without handlers (warnings reach stderr as they do in a script) and default signal handlers. Its
+agents start as new processes (``DDPTRAIN_AGENT_FORKSERVER=0``): the test process's own agent fork
+servers stay its own. Killing it is killing a driver: its agents and workers see it die.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+__all__ = ["ForkedDriver"]
+
+
+class ForkedDriver:
+    """``python script args...`` in a forked child; the part of ``subprocess.Popen`` tests use
+    (``pid``, ``stdout``, ``kill``, ``poll``, ``communicate``, ``returncode``), text mode."""
+
+    def __init__(self, script: Path | str, args: list[str]) -> None:
+        import ddptrain.driver.controller  # noqa: F401  (imports torch here once: the child need not)
+
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover (the child)
+            os.close(out_r)
+            os.close(err_r)
+            _run_script_and_exit(str(script), args, out_w, err_w)
+        os.close(out_w)
+        os.close(err_w)
+        self.pid = pid
+        self.returncode: int | None = None
+        self.stdout = open(out_r, encoding="utf-8", errors="replace")  # noqa: SIM115
+        self.stderr = open(err_r, encoding="utf-8", errors="replace")  # noqa: SIM115
+
+    def kill(self) -> None:
+        """SIGKILL the driver (nothing if it was reaped already)."""
+        if self.returncode is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+    def send_signal(self, signum: int) -> None:
+        """Send ``signum`` to the driver (nothing if it was reaped already)."""
+        if self.returncode is None:
+            os.kill(self.pid, signum)
+
+    def poll(self) -> int | None:
+        """The exit code (``-N``: killed by signal N) once the driver ended, else ``None``."""
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def communicate(self, timeout: float) -> tuple[str, str]:
+        """Read stdout and stderr to their end and wait for the driver to exit, within
+        ``timeout`` seconds (``subprocess.TimeoutExpired`` after it, as ``Popen`` raises)."""
+        deadline = time.monotonic() + timeout
+        texts: dict[str, str] = {}
+        readers = [
+            threading.Thread(target=lambda n=name, f=f: texts.__setitem__(n, f.read()), daemon=True)
+            for name, f in (("out", self.stdout), ("err", self.stderr))
+        ]
+        for reader in readers:
+            reader.start()
+        for reader in readers:
+            reader.join(max(0.0, deadline - time.monotonic()))
+        while self.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if self.returncode is None or any(reader.is_alive() for reader in readers):
+            raise subprocess.TimeoutExpired(f"forked driver {self.pid}", timeout)
+        self.stdout.close()
+        self.stderr.close()
+        return texts["out"], texts["err"]
+
+
+def _run_script_and_exit(script: str, args: list[str], out_w: int, err_w: int) -> None:  # pragma: no cover
+    code = 1
+    try:
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(out_w, 1)
+        os.dup2(err_w, 2)
+        for fd in (devnull, out_w, err_w):
+            os.close(fd)
+        sys.stdin = open(0, closefd=False)  # noqa: SIM115
+        sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+        sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+        for signum in (signal.SIGTERM, signal.SIGALRM, signal.SIGHUP):
+            signal.signal(signum, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        root = logging.getLogger()
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+        root.setLevel(logging.WARNING)
+        os.environ["DDPTRAIN_AGENT_FORKSERVER"] = "0"
+        os.environ.pop("PYTEST_CURRENT_TEST", None)
+        sys.argv = [script, *args]
+        runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not isinstance(exc.code, int | None):
+            print(exc.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
