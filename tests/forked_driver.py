@@ -29,7 +29,7 @@ class ForkedDriver:
     """``python script args...`` in a forked child; the part of ``subprocess.Popen`` tests use
     (``pid``, ``stdout``, ``kill``, ``poll``, ``communicate``, ``returncode``), text mode."""
 
-    def __init__(self, script: Path | str, args: list[str]) -> None:
+    def __init__(self, script: Path | str, args: list[str], env: dict[str, str] | None = None) -> None:
         import ddptrain.driver.controller  # noqa: F401  (imports torch here once: the child need not)
 
         out_r, out_w = os.pipe()
@@ -40,7 +40,7 @@ class ForkedDriver:
         if pid == 0:  # pragma: no cover (the child)
             os.close(out_r)
             os.close(err_r)
-            _run_script_and_exit(str(script), args, out_w, err_w)
+            _run_script_and_exit(str(script), args, env, out_w, err_w)
         os.close(out_w)
         os.close(err_w)
         self.pid = pid
@@ -66,7 +66,7 @@ class ForkedDriver:
                 self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
 
-    def communicate(self, timeout: float) -> tuple[str, str]:
+    def communicate(self, timeout: float = 60.0) -> tuple[str, str]:
         """Read stdout and stderr to their end and wait for the driver to exit, within
         ``timeout`` seconds (``subprocess.TimeoutExpired`` after it, as ``Popen`` raises)."""
         deadline = time.monotonic() + timeout
@@ -88,7 +88,9 @@ class ForkedDriver:
         return texts["out"], texts["err"]
 
 
-def _run_script_and_exit(script: str, args: list[str], out_w: int, err_w: int) -> None:  # pragma: no cover
+def _run_script_and_exit(
+    script: str, args: list[str], env: dict[str, str] | None, out_w: int, err_w: int
+) -> None:  # pragma: no cover
     code = 1
     try:
         devnull = os.open(os.devnull, os.O_RDONLY)
@@ -107,6 +109,9 @@ def _run_script_and_exit(script: str, args: list[str], out_w: int, err_w: int) -
         for handler in list(root.handlers):
             root.removeHandler(handler)
         root.setLevel(logging.WARNING)
+        if env is not None:
+            os.environ.clear()
+            os.environ.update(env)
         os.environ["DDPTRAIN_AGENT_FORKSERVER"] = "0"
         os.environ.pop("PYTEST_CURRENT_TEST", None)
         sys.argv = [script, *args]
