@@ -27,13 +27,17 @@ __all__ = ["ForkedDriver"]
 
 class ForkedDriver:
     """``python script args...`` in a forked child; the part of ``subprocess.Popen`` tests use
-    (``pid``, ``stdout``, ``kill``, ``poll``, ``communicate``, ``returncode``), text mode."""
+    (``pid``, ``stdout``, ``kill``, ``poll``, ``wait``, ``communicate``, ``returncode``), text mode."""
 
-    def __init__(self, script: Path | str, args: list[str], env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, script: Path | str, args: list[str], env: dict[str, str] | None = None, capture_stderr: bool = True
+    ) -> None:
+        """``capture_stderr=False``: the driver's stderr is the test process's (``Popen``'s
+        ``stderr=None``), for tests that read only its stdout."""
         import ddptrain.driver.controller  # noqa: F401  (imports torch here once: the child need not)
 
         out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
+        err_r, err_w = os.pipe() if capture_stderr else (os.open(os.devnull, os.O_RDONLY), os.dup(2))
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
@@ -66,6 +70,16 @@ class ForkedDriver:
                 self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
 
+    def wait(self, timeout: float = 60.0) -> int:
+        """Wait for the driver to exit (``subprocess.TimeoutExpired`` after ``timeout`` seconds)."""
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"forked driver {self.pid}", timeout)
+            time.sleep(0.02)
+        assert self.returncode is not None
+        return self.returncode
+
     def communicate(self, timeout: float = 60.0) -> tuple[str, str]:
         """Read stdout and stderr to their end and wait for the driver to exit, within
         ``timeout`` seconds (``subprocess.TimeoutExpired`` after it, as ``Popen`` raises)."""
@@ -79,9 +93,8 @@ class ForkedDriver:
             reader.start()
         for reader in readers:
             reader.join(max(0.0, deadline - time.monotonic()))
-        while self.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-        if self.returncode is None or any(reader.is_alive() for reader in readers):
+        self.wait(max(0.0, deadline - time.monotonic()))
+        if any(reader.is_alive() for reader in readers):
             raise subprocess.TimeoutExpired(f"forked driver {self.pid}", timeout)
         self.stdout.close()
         self.stderr.close()
