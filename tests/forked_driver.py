@@ -30,14 +30,26 @@ class ForkedDriver:
     (``pid``, ``stdout``, ``kill``, ``poll``, ``wait``, ``communicate``, ``returncode``), text mode."""
 
     def __init__(
-        self, script: Path | str, args: list[str], env: dict[str, str] | None = None, capture_stderr: bool = True
+        self,
+        script: Path | str,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        capture_stderr: bool = True,
+        discard_output: bool = False,
     ) -> None:
         """``capture_stderr=False``: the driver's stderr is the test process's (``Popen``'s
-        ``stderr=None``), for tests that read only its stdout."""
+        ``stderr=None``), for tests that read only its stdout. ``discard_output``: stdout and
+        stderr go to /dev/null (``subprocess.DEVNULL``)."""
         import ddptrain.driver.controller  # noqa: F401  (imports torch here once: the child need not)
 
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe() if capture_stderr else (os.open(os.devnull, os.O_RDONLY), os.dup(2))
+        def devnull() -> tuple[int, int]:
+            return os.open(os.devnull, os.O_RDONLY), os.open(os.devnull, os.O_WRONLY)
+
+        out_r, out_w = devnull() if discard_output else os.pipe()
+        if discard_output:
+            err_r, err_w = devnull()
+        else:
+            err_r, err_w = os.pipe() if capture_stderr else (os.open(os.devnull, os.O_RDONLY), os.dup(2))
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
