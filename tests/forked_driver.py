@@ -36,17 +36,23 @@ class ForkedDriver:
         env: dict[str, str] | None = None,
         capture_stderr: bool = True,
         discard_output: bool = False,
+        terminal: int | None = None,
     ) -> None:
         """``capture_stderr=False``: the driver's stderr is the test process's (``Popen``'s
         ``stderr=None``), for tests that read only its stdout. ``discard_output``: stdout and
-        stderr go to /dev/null (``subprocess.DEVNULL``)."""
+        stderr go to /dev/null (``subprocess.DEVNULL``). ``terminal``: a pty's fd the driver gets
+        as its stdin, stdout and stderr (then ``stdout`` and ``stderr`` here read nothing)."""
         import ddptrain.driver.controller  # noqa: F401  (imports torch here once: the child need not)
 
         def devnull() -> tuple[int, int]:
             return os.open(os.devnull, os.O_RDONLY), os.open(os.devnull, os.O_WRONLY)
 
-        out_r, out_w = devnull() if discard_output else os.pipe()
-        if discard_output:
+        out_r, out_w = devnull() if discard_output or terminal is not None else os.pipe()
+        if terminal is not None:
+            err_r, err_w = os.open(os.devnull, os.O_RDONLY), os.dup(terminal)
+            os.close(out_w)
+            out_w = os.dup(terminal)
+        elif discard_output:
             err_r, err_w = devnull()
         else:
             err_r, err_w = os.pipe() if capture_stderr else (os.open(os.devnull, os.O_RDONLY), os.dup(2))
@@ -56,7 +62,7 @@ class ForkedDriver:
         if pid == 0:  # pragma: no cover (the child)
             os.close(out_r)
             os.close(err_r)
-            _run_script_and_exit(str(script), args, env, out_w, err_w)
+            _run_script_and_exit(str(script), args, env, out_w, err_w, terminal)
         os.close(out_w)
         os.close(err_w)
         self.pid = pid
@@ -114,11 +120,11 @@ class ForkedDriver:
 
 
 def _run_script_and_exit(
-    script: str, args: list[str], env: dict[str, str] | None, out_w: int, err_w: int
+    script: str, args: list[str], env: dict[str, str] | None, out_w: int, err_w: int, terminal: int | None
 ) -> None:  # pragma: no cover
     code = 1
     try:
-        devnull = os.open(os.devnull, os.O_RDONLY)
+        devnull = os.open(os.devnull, os.O_RDONLY) if terminal is None else os.dup(terminal)
         os.dup2(devnull, 0)
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
