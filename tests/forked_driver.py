@@ -34,28 +34,29 @@ class ForkedDriver:
         script: Path | str,
         args: list[str],
         env: dict[str, str] | None = None,
-        capture_stderr: bool = True,
-        discard_output: bool = False,
+        stdout: str = "pipe",
+        stderr: str = "pipe",
         terminal: int | None = None,
     ) -> None:
-        """``capture_stderr=False``: the driver's stderr is the test process's (``Popen``'s
-        ``stderr=None``), for tests that read only its stdout. ``discard_output``: stdout and
-        stderr go to /dev/null (``subprocess.DEVNULL``). ``terminal``: a pty's fd the driver gets
-        as its stdin, stdout and stderr (then ``stdout`` and ``stderr`` here read nothing)."""
+        """``stdout``: ``"pipe"`` (read it from :attr:`stdout`) or ``"devnull"``; ``stderr``: the
+        same, ``"inherit"`` (the test process's, ``Popen``'s ``stderr=None``) or ``"stdout"``
+        (``subprocess.STDOUT``). ``terminal``: a pty's fd the driver gets as its stdin, stdout
+        and stderr (then :attr:`stdout` and :attr:`stderr` read nothing)."""
         import ddptrain.driver.controller  # noqa: F401  (imports torch here once: the child need not)
 
-        def devnull() -> tuple[int, int]:
-            return os.open(os.devnull, os.O_RDONLY), os.open(os.devnull, os.O_WRONLY)
+        def nothing_to_read(write_fd: int) -> tuple[int, int]:
+            return os.open(os.devnull, os.O_RDONLY), write_fd
 
-        out_r, out_w = devnull() if discard_output or terminal is not None else os.pipe()
         if terminal is not None:
-            err_r, err_w = os.open(os.devnull, os.O_RDONLY), os.dup(terminal)
-            os.close(out_w)
-            out_w = os.dup(terminal)
-        elif discard_output:
-            err_r, err_w = devnull()
+            (out_r, out_w), (err_r, err_w) = nothing_to_read(os.dup(terminal)), nothing_to_read(os.dup(terminal))
         else:
-            err_r, err_w = os.pipe() if capture_stderr else (os.open(os.devnull, os.O_RDONLY), os.dup(2))
+            out_r, out_w = os.pipe() if stdout == "pipe" else nothing_to_read(os.open(os.devnull, os.O_WRONLY))
+            err_r, err_w = {
+                "pipe": os.pipe,
+                "devnull": lambda: nothing_to_read(os.open(os.devnull, os.O_WRONLY)),
+                "inherit": lambda: nothing_to_read(os.dup(2)),
+                "stdout": lambda: nothing_to_read(os.dup(out_w)),
+            }[stderr]()
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()

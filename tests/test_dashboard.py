@@ -236,7 +236,7 @@ def test_a_running_runs_chart_gains_points(browser, tmp_path: Path) -> None:
     storage = tmp_path / "runs"
     script = tmp_path / "live.py"
     script.write_text(LIVE.replace("STORAGE", repr(str(storage))))
-    proc = ForkedDriver(script, [], capture_stderr=False)  # a driver process of its own, forked
+    proc = ForkedDriver(script, [], stderr="inherit")  # a driver process of its own, forked
     dashboard = Dashboard(str(storage), port=0).start()
     fresh(browser)
     try:

@@ -159,7 +159,7 @@ def test_ddptrain_stack_prints_every_ranks_stack_of_a_live_run(storage: str, tmp
         "    train.DataParallelTrainer(sleepy_train_loop, scaling_config=train.ScalingConfig(num_workers=2),\n"
         "        run_config=train.RunConfig(name='live', storage_path=sys.argv[1])).fit()\n"
     )
-    live = ForkedDriver(script, [storage], discard_output=True)  # a driver process of its own, forked
+    live = ForkedDriver(script, [storage], stdout="devnull", stderr="devnull")  # a driver process of its own, forked
     try:
         metrics = os.path.join(storage, "live", "metrics.jsonl")
         deadline = time.monotonic() + 60

@@ -152,7 +152,7 @@ def start_driver_on_two_hosts(tmp_path: Path, storage: str) -> ForkedDriver:
     returned once both remote workers run."""
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
-    proc = ForkedDriver(script, [storage], capture_stderr=False)
+    proc = ForkedDriver(script, [storage], stderr="inherit")
     seen = 0
     for line in proc.stdout:
         seen += "worker up" in line
@@ -1080,7 +1080,7 @@ def test_a_killed_drivers_staging_folder_is_removed_by_the_next_run(
     before = set(staging_folders())
     script = tmp_path / "driver.py"
     script.write_text(STAGING_DRIVER)
-    proc = ForkedDriver(script, [storage, iso], capture_stderr=False)  # a driver process of its own
+    proc = ForkedDriver(script, [storage, iso], stderr="inherit")  # a driver process of its own
     try:
         assert any("worker up" in line for line in proc.stdout)
     finally:
