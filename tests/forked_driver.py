@@ -7,6 +7,12 @@ its ``__main__``, its stdout and stderr (pipes, as ``subprocess.Popen`` gives th
 without handlers (warnings reach stderr as they do in a script) and default signal handlers. Its
 agents start as new processes (``DDPTRAIN_AGENT_FORKSERVER=0``): the test process's own agent fork
 servers stay its own. Killing it is killing a driver: its agents and workers see it die.
+
+Not for tests of what a driver process imports or where it imports it from (its modules are the
+test process's), nor for drivers that compute with torch themselves (``use_local``: OpenMP after
+a fork). conftest's leftover check finds processes by the tag in ``/proc/PID/environ``, which a
+forked child shows as the test process's start-up environment (without the tag): the tests reap
+their forked driver themselves (its agents and workers are tagged as always).
 """
 
 from __future__ import annotations
