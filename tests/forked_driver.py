@@ -17,6 +17,7 @@ their forked driver themselves (its agents and workers are tagged as always).
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import runpy
@@ -65,8 +66,13 @@ class ForkedDriver:
             }[stderr]()
         sys.stdout.flush()
         sys.stderr.flush()
+        # Garbage of earlier runs in this process (e.g. a store kept alive by a caught error's
+        # traceback) is freed here, where its threads exist: in the child its C++ destructor
+        # would join a thread the fork did not copy (std::system_error, abort).
+        gc.collect()
         pid = os.fork()
         if pid == 0:  # pragma: no cover (the child)
+            gc.freeze()  # and what is left of this process's objects is never collected there
             os.close(out_r)
             os.close(err_r)
             _run_script_and_exit(str(script), args, env, out_w, err_w, terminal)
