@@ -27,6 +27,7 @@ import atexit
 import collections
 import contextlib
 import ctypes
+import io
 import json
 import logging
 import os
@@ -39,6 +40,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Mapping
 from pathlib import Path
 
 __all__ = ["ForkedDriver", "zygote_pids"]
@@ -323,7 +325,7 @@ def _serve(fd: int, parent: int, ddptrain_init: str) -> None:  # pragma: no cove
     _die_with(parent)
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
     sock = socket.socket(fileno=fd)
-    own_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    own_path = _python_path(os.environ)
     try:
         import ddptrain
         import ddptrain.driver.controller  # noqa: F401  (torch and the driver: what every driver imports)
@@ -381,6 +383,27 @@ def _serve(fd: int, parent: int, ddptrain_init: str) -> None:  # pragma: no cove
         sock.send(f"P {pid}".encode())
 
 
+def _python_path(env: Mapping[str, str]) -> list[str]:
+    """The folders ``PYTHONPATH`` puts on ``sys.path`` (relative ones from the working directory)."""
+    return [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+
+
+def _output(fd: int, unbuffered: bool, errors: str) -> io.TextIOWrapper:
+    """``sys.stdout`` (1) or ``sys.stderr`` (2) on ``fd`` as Python makes them (``PYTHONUNBUFFERED``:
+    written through; else line-buffered on a terminal and for stderr, block-buffered otherwise)."""
+    raw = io.FileIO(fd, "w", closefd=False)
+    line_buffering = not unbuffered and (raw.isatty() or fd == 2)
+    buffer = raw if unbuffered else io.BufferedWriter(raw)
+    return io.TextIOWrapper(
+        buffer,  # type: ignore[arg-type]
+        encoding="utf-8",
+        errors=errors,
+        newline="\n",
+        line_buffering=line_buffering,
+        write_through=unbuffered,
+    )
+
+
 def _run_script_and_exit(request: dict, fds: list[int], site_path: list[str]) -> None:  # pragma: no cover
     code = 1
     try:
@@ -391,8 +414,8 @@ def _run_script_and_exit(request: dict, fds: list[int], site_path: list[str]) ->
         env: dict[str, str] = request["env"]
         unbuffered = bool(env.get("PYTHONUNBUFFERED"))
         sys.stdin = open(0, closefd=False)  # noqa: SIM115
-        sys.stdout = open(1, "w", buffering=1 if unbuffered or os.isatty(1) else -1, closefd=False)  # noqa: SIM115
-        sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)  # noqa: SIM115
+        sys.stdout = _output(1, unbuffered, "strict")
+        sys.stderr = _output(2, unbuffered, "backslashreplace")
         for signum in (signal.SIGTERM, signal.SIGALRM, signal.SIGHUP):
             signal.signal(signum, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -407,7 +430,7 @@ def _run_script_and_exit(request: dict, fds: list[int], site_path: list[str]) ->
         os.environ["DDPTRAIN_AGENT_FORKSERVER"] = "0"
         os.environ.pop("PYTEST_CURRENT_TEST", None)
         script = os.path.abspath(request["script"])
-        python_path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        python_path = _python_path(env)
         sys.path[:] = [os.path.dirname(script), *python_path, *site_path]
         sys.argv = [request["script"], *request["args"]]
         runpy.run_path(script, run_name="__main__")
