@@ -4,13 +4,14 @@ kill, interrupt or watch a driver.
 ``python script.py`` pays a torch import (seconds of CPU on the CI machine) before its run starts.
 :class:`ForkedDriver` asks a zygote for the process instead: one helper per test process, started
 at the first ``ForkedDriver``, that imports ``ddptrain.driver.controller`` (torch and the driver)
-and nothing of the tests, starts no thread and never runs a fit. For each driver it forks a child
-that takes the test's script, arguments, environment (``os.environ`` at the call when ``env`` is
-not given), working directory, umask and standard streams (pipes or a pty, passed as file
-descriptors), and runs the script as ``__main__`` with the ``sys.path``, buffering, default signal
-handlers and handler-less root logger that ``python script.py`` would have. Its agents start as new
-processes (``DDPTRAIN_AGENT_FORKSERVER=0``). Killing it is killing a driver: its agents and workers
-see it die.
+and nothing of the tests, starts no Python thread (numpy's OpenBLAS pool stops itself at a fork)
+and never runs a fit. For each driver it forks a child that takes the test's script, arguments,
+environment (``os.environ`` at the call when ``env`` is not given), working directory, umask and
+standard streams (pipes or a pty, passed as file descriptors), and runs the script as ``__main__``
+with the ``sys.path``, buffering, default signal handlers and handler-less root logger that
+``python script.py`` would have. Its agents start as new processes
+(``DDPTRAIN_AGENT_FORKSERVER=0``). Killing it is killing a driver: its agents and workers see it
+die.
 
 The zygote runs with the test session's environment, conftest's tag included, so its drivers show
 the tag in ``/proc/PID/environ``: conftest's leftover check counts a driver a test left running,
