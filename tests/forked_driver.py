@@ -336,7 +336,7 @@ def _serve(fd: int, parent: int, ddptrain_init: str) -> None:  # pragma: no cove
         if threading.active_count() != 1:
             raise RuntimeError(f"the zygote's imports started threads: {threading.enumerate()}")
     except BaseException:
-        sock.send(("E " + traceback.format_exc()).encode()[:_MAX_MESSAGE])
+        sock.send(("E " + traceback.format_exc()[-50_000:]).encode())  # a packet fits a socket buffer
         os._exit(1)
     # What ``python script.py`` has after the script's folder and PYTHONPATH's entries.
     site_path = [p for p in sys.path[1:] if p not in own_path]
@@ -396,7 +396,7 @@ def _output(fd: int, unbuffered: bool, errors: str) -> io.TextIOWrapper:
     line_buffering = not unbuffered and (raw.isatty() or fd == 2)
     buffer = raw if unbuffered else io.BufferedWriter(raw)
     return io.TextIOWrapper(
-        buffer,  # type: ignore[arg-type]
+        buffer,
         encoding="utf-8",
         errors=errors,
         newline="\n",
