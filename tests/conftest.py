@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import tempfile
 import time
 import uuid
@@ -27,6 +28,9 @@ def tagged_processes() -> list[int]:
     from ddptrain.launch import forkserver
 
     servers = set(forkserver.server_pids())  # this process's agent fork servers outlive a test on purpose
+    forked_driver = sys.modules.get("forked_driver")
+    if forked_driver is not None:  # and so does the zygote of its forked drivers (not the drivers)
+        servers.update(forked_driver.zygote_pids())
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid() or int(entry.name) in servers:

@@ -7,13 +7,12 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
+from forked_driver import ForkedDriver
 
 import ddptrain as train
 
@@ -122,13 +121,9 @@ def assert_nothing_left_over(run_dir: Path) -> None:
     assert committed <= found
 
 
-def start(script: Path, storage: str, name_format: str, steps: int, crash: str = "none") -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, str(script), storage, name_format, str(steps), crash],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+def start(script: Path, storage: str, name_format: str, steps: int, crash: str = "none") -> ForkedDriver:
+    """The driver script in a process of its own (forked: it need not import torch again)."""
+    return ForkedDriver(script, [storage, name_format, str(steps), crash])
 
 
 def finish(script: Path, storage: str, name_format: str, steps: int) -> tuple[dict, str]:
@@ -188,7 +183,7 @@ def kill_at_random(script: Path, storage: str, name_format: str, kills: int) -> 
         # The first kill lands while checkpoints are committed, the second during the start-up
         # that recovers from it; a soak run's further kills pick either (one in four at start-up).
         if kill == 1 or (kill > 1 and rng.random() < 0.25):  # start-up: resume, recovery of the crash
-            time.sleep(rng.uniform(0.5, 4.0))
+            time.sleep(rng.uniform(0.0, 2.0))  # a forked driver's run starts at once, its agent in ~2-4 s
         else:  # while checkpoints are committed, one every few milliseconds
             proc.stdout.readline()
             time.sleep(rng.uniform(0.0, 0.3))

@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import textwrap
 import threading
@@ -15,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from forked_driver import ForkedDriver
 
 import ddptrain as train
 from ddptrain.storage.checkpoint_manager import RunDirectoryError
@@ -341,21 +341,23 @@ RESUME_SCRIPT = textwrap.dedent(
 
 
 def run_script(script: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=120)
+    """The driver script in a process of its own (forked: it need not import torch again)."""
+    proc = ForkedDriver(script, list(args))
+    out, err = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess([str(script), *args], proc.returncode or 0, out, err)
 
 
 @pytest.mark.timeout(180)
 def test_killed_driver_resumes_loudly_from_the_last_committed_checkpoint(storage: str, tmp_path: Path) -> None:
     script = tmp_path / "resume.py"
     script.write_text(RESUME_SCRIPT)
-    proc = subprocess.Popen([sys.executable, str(script), storage, "100000"], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
+    proc = ForkedDriver(script, [storage, "100000"])  # a driver process of its own
     for line in proc.stdout:  # let it commit a good number of checkpoints, then kill it mid-stream
         if line.startswith("[rank0] step 40"):
             break
     proc.kill()
-    proc.wait()
-    proc.stdout.close()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, err
 
     run_dir = Path(storage, "resumable")
     crashed = train.Result.from_path(run_dir)  # a crashed run directory is loadable

@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from forked_driver import ForkedDriver
 from run_folders import write_run
 
 import ddptrain as train
@@ -235,7 +236,7 @@ def test_a_running_runs_chart_gains_points(browser, tmp_path: Path) -> None:
     storage = tmp_path / "runs"
     script = tmp_path / "live.py"
     script.write_text(LIVE.replace("STORAGE", repr(str(storage))))
-    proc = subprocess.Popen([sys.executable, str(script)], env={**os.environ, "PYTHONPATH": ROOT})
+    proc = ForkedDriver(script, [], stderr="inherit")  # a driver process of its own, forked
     dashboard = Dashboard(str(storage), port=0).start()
     fresh(browser)
     try:
@@ -255,7 +256,7 @@ def test_a_running_runs_chart_gains_points(browser, tmp_path: Path) -> None:
         fresh(browser)  # stop polling before the server goes
     finally:
         dashboard.stop()
-        proc.wait(timeout=60)
+        proc.communicate(timeout=60)
 
 
 def api(dashboard: Dashboard, path: str, *, token: str | None = "", host: str | None = None, timeout_s: float = 20):  # type: ignore[no-untyped-def]

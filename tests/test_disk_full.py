@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from forked_driver import ForkedDriver
 
 import ddptrain as train
 from ddptrain.config import CheckpointConfig
@@ -144,20 +144,21 @@ _CHILD = textwrap.dedent(
 def _fit_in_child(storage_path: Path, loop: str, config: dict | None = None) -> dict:
     """Run fit() in a child process; fails the test if it is still running after _HANG_S."""
     args = json.dumps({"storage": str(storage_path), "loop": loop, "config": config or {}})
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _CHILD, _TESTS, args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
+    fd, script = tempfile.mkstemp(prefix="disk-full-driver-", suffix=".py")  # not on the small disk
     try:
-        out, err = proc.communicate(timeout=_HANG_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        proc.communicate()
-        pytest.fail(f"fit() hung on a full disk (still running after {_HANG_S} s)")
-    lines = [line for line in out.decode(errors="replace").splitlines() if line.startswith("RESULT ")]
-    assert lines, f"the child printed no result (exit code {proc.returncode}):\n{err.decode(errors='replace')[-3000:]}"
+        with os.fdopen(fd, "w") as f:
+            f.write(_CHILD)
+        proc = ForkedDriver(script, [_TESTS, args])  # forked from this process: no torch import of its own
+        try:
+            out, err = proc.communicate(timeout=_HANG_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # its agents and workers see their driver die
+            proc.communicate()
+            pytest.fail(f"fit() hung on a full disk (still running after {_HANG_S} s)")
+    finally:
+        os.unlink(script)
+    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    assert lines, f"the child printed no result (exit code {proc.returncode}):\n{err[-3000:]}"
     result: dict = json.loads(lines[-1][len("RESULT ") :])
     return result
 

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from forked_driver import ForkedDriver
 
 import ddptrain as train
 from ddptrain.torch import TorchConfig, TorchTrainer
@@ -157,14 +158,13 @@ DRIVER_SCRIPT = textwrap.dedent(
 )
 
 
-def start_driver(tmp_path: Path, storage: str) -> subprocess.Popen[str]:
+def start_driver(tmp_path: Path, storage: str) -> ForkedDriver:
+    """The driver script in a process of its own (forked from this one: no torch import of its
+    own), returned once both workers run."""
     script = tmp_path / "driver.py"
     script.write_text(DRIVER_SCRIPT)
-    proc = subprocess.Popen(
-        [sys.executable, str(script), storage], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    proc = ForkedDriver(script, [storage], stderr="stdout")
     seen = 0
-    assert proc.stdout is not None
     for line in proc.stdout:
         seen += "worker up" in line
         if seen == 2:
@@ -187,7 +187,7 @@ def test_workers_exit_when_the_driver_is_killed(tmp_path: Path, storage: str) ->
     from conftest import tagged_processes
 
     proc = start_driver(tmp_path, storage)
-    assert len(tagged_processes()) >= 4  # the driver, the agent and two workers
+    assert proc.pid in tagged_processes() and len(tagged_processes()) >= 4  # the driver, the agent and two workers
     proc.kill()
     proc.wait()
     deadline = time.monotonic() + 10

@@ -6,6 +6,7 @@ import os
 import time
 
 import pytest
+from forked_driver import ForkedDriver
 
 import ddptrain as train
 from ddptrain.torch import TorchTrainer
@@ -158,9 +159,7 @@ def test_ddptrain_stack_prints_every_ranks_stack_of_a_live_run(storage: str, tmp
         "    train.DataParallelTrainer(sleepy_train_loop, scaling_config=train.ScalingConfig(num_workers=2),\n"
         "        run_config=train.RunConfig(name='live', storage_path=sys.argv[1])).fit()\n"
     )
-    live = subprocess.Popen(
-        [sys.executable, str(script), storage], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+    live = ForkedDriver(script, [storage], stdout="devnull", stderr="devnull")  # a driver process of its own, forked
     try:
         metrics = os.path.join(storage, "live", "metrics.jsonl")
         deadline = time.monotonic() + 60

@@ -7,13 +7,12 @@ import os
 import pty
 import re
 import select
-import subprocess
-import sys
 import tempfile
 import textwrap
 from pathlib import Path
 
 import pytest
+from forked_driver import ForkedDriver
 
 import ddptrain as train
 from ddptrain.driver.progress import format_metrics
@@ -120,7 +119,7 @@ def test_on_a_terminal_the_status_line_is_redrawn_and_worker_lines_stay_whole(tm
     parent, child = pty.openpty()
     env = {**os.environ, "PYTHONPATH": ROOT, "TERM": "xterm", "COLUMNS": "200"}
     env.pop("DDPTRAIN_PROGRESS", None)
-    proc = subprocess.Popen([sys.executable, str(script)], stdin=child, stdout=child, stderr=child, env=env)
+    proc = ForkedDriver(script, [], env=env, terminal=child)  # a driver process of its own, forked
     os.close(child)
     out = b""
     while True:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from forked_driver import ForkedDriver
 
 import ddptrain as train
 from ddptrain.errors import ConfigError, StorageError, WorkerGroupError
@@ -486,13 +487,7 @@ def test_ctrl_c_ends_a_driver_whose_store_stopped_answering(s3: S3, tmp_path: Pa
     script = tmp_path / "driver.py"
     script.write_text(CTRL_C_SCRIPT)
     env = {**os.environ, "DDPTRAIN_STORAGE_TIMEOUT_S": "600", "PYTHONPATH": ROOT}
-    proc = subprocess.Popen(
-        [sys.executable, str(script), f"s3://{bucket}/exp", when],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+    proc = ForkedDriver(script, [f"s3://{bucket}/exp", when], env=env)  # a driver process of its own
     try:
         assert proc.stdout is not None and proc.stderr is not None
         line = proc.stdout.readline()
@@ -779,12 +774,7 @@ def test_random_driver_kills_never_leave_a_half_checkpoint_on_the_store(
     rng = random.Random(seed)
     seen = -1  # the latest committed step seen on the store so far
     for kill in range(int(os.environ.get("DDPTRAIN_SOAK_KILLS", "2"))):
-        proc = subprocess.Popen(
-            [sys.executable, str(script), storage, name, "100000", modes[kill % 2]],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        proc = ForkedDriver(script, [storage, name, "100000", modes[kill % 2]])  # a driver process of its own
         assert proc.stdout is not None
         proc.stdout.readline()  # checkpoints are being committed
         time.sleep(rng.uniform(0.0, 1.0))
@@ -793,11 +783,10 @@ def test_random_driver_kills_never_leave_a_half_checkpoint_on_the_store(
         assert proc.returncode == -signal.SIGKILL, f"kill {kill} (seed {seed}): the run failed on its own:\n{err}"
         seen = max(seen, _assert_store_consistent(s3, run))
     last = max(seen, _assert_store_consistent(s3, run))
-    done = subprocess.run(
-        [sys.executable, str(script), storage, name, "+2", modes[1]], capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr
-    summary = json.loads(done.stdout.split("RESULT ", 1)[1])
+    done = ForkedDriver(script, [storage, name, "+2", modes[1]])
+    out, err = done.communicate(timeout=120)
+    assert done.returncode == 0, err
+    summary = json.loads(out.split("RESULT ", 1)[1])
     # Never from scratch, never from before a checkpoint once committed: a checkpoint whose
     # replacement a kill interrupted is put back (the store may not list it right after the kill).
     assert summary["start"] >= last + 1, f"seed {seed}"
@@ -888,7 +877,23 @@ def _ddptrain(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_the_cli_reads_a_run_on_remote_storage(s3: S3, tmp_path: Path) -> None:
+def _ddptrain_here(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess[str]:
+    """The `ddptrain` command's own entry point, in this process (no interpreter to start)."""
+    from ddptrain.cli.main import main
+
+    capsys.readouterr()
+    try:
+        code = main(list(args))
+    except SystemExit as exc:  # argparse's errors
+        code = exc.code if isinstance(exc.code, int) else 1
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["ddptrain", *args], code, out, err)
+
+
+def test_the_cli_reads_a_run_on_remote_storage(s3: S3, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`ddptrain runs/show/logs/export/plot` on a run's URI, from a machine without the driver's
+    working copy. The first command is the real `ddptrain` process; the others call its entry
+    point in this process (each process would import s3fs and the CLI again)."""
     bucket = s3.bucket()
     TorchTrainer(
         _chatty,
@@ -908,39 +913,39 @@ def test_the_cli_reads_a_run_on_remote_storage(s3: S3, tmp_path: Path) -> None:
     assert row.split()[1] == "FINISHED" and "epoch=2" in row and "checkpoint_000002" in row
     assert f"1 run(s) in s3://{bucket}/exp" in runs.stdout
 
-    show = _ddptrain("show", uri)
+    show = _ddptrain_here(capsys, "show", uri)
     assert show.returncode == 0, show.stderr
     assert f"run 'run': FINISHED  ({uri})" in show.stdout
     assert "epoch: last 2, min 0, max 2" in show.stdout
     assert "checkpoint_000002  epoch=1 score=0.9  [best]" in show.stdout
     assert "checkpoint_000003  epoch=2 score=0.1  [latest]" in show.stdout
-    data = json.loads(_ddptrain("show", uri, "--json").stdout)
+    data = json.loads(_ddptrain_here(capsys, "show", uri, "--json").stdout)
     assert data["path"] == uri and data["latest_checkpoint"] == f"{uri}/checkpoint_000003"
 
-    logs = _ddptrain("logs", uri, "--rank", "1")
+    logs = _ddptrain_here(capsys, "logs", uri, "--rank", "1")
     assert logs.returncode == 0, logs.stderr
     assert [line for line in logs.stdout.splitlines() if "at epoch" in line] == [
         f"rank 1 at epoch {e}" for e in range(3)
     ]
-    missing = _ddptrain("logs", uri, "--rank", "5")
+    missing = _ddptrain_here(capsys, "logs", uri, "--rank", "5")
     assert missing.returncode == 1 and f"no log {uri}/logs/attempt_0/rank_5.log (attempts: [0])" in missing.stderr
-    follow = _ddptrain("logs", uri, "--follow")
+    follow = _ddptrain_here(capsys, "logs", uri, "--follow")
     assert follow.returncode == 2 and "without --follow" in follow.stderr
 
-    export = _ddptrain("export", uri, "--format", "json")
+    export = _ddptrain_here(capsys, "export", uri, "--format", "json")
     assert [(r["report"], r["epoch"], r["score"]) for r in json.loads(export.stdout)] == [
         (1, 0, 0.5),
         (2, 1, 0.9),
         (3, 2, 0.1),
     ]
     if importlib.util.find_spec("matplotlib") is not None:
-        plot = _ddptrain("plot", uri, "-o", str(tmp_path / "plot.png"))
+        plot = _ddptrain_here(capsys, "plot", uri, "-o", str(tmp_path / "plot.png"))
         assert plot.returncode == 0 and (tmp_path / "plot.png").read_bytes().startswith(b"\x89PNG"), plot.stderr
 
-    nothing = _ddptrain("show", f"s3://{bucket}/exp/nope")
+    nothing = _ddptrain_here(capsys, "show", f"s3://{bucket}/exp/nope")
     assert nothing.returncode == 2
     assert f"ddptrain show: no run 's3://{bucket}/exp/nope'" in nothing.stderr and "run.json" in nothing.stderr
-    assert "no runs in" in _ddptrain("runs", f"s3://{bucket}/empty").stdout
+    assert "no runs in" in _ddptrain_here(capsys, "runs", f"s3://{bucket}/empty").stdout
 
 
 def test_the_cli_names_the_missing_extra_for_a_uri() -> None:

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from forked_driver import ForkedDriver
 
 import ddptrain as train
 from ddptrain.launch.hosts import HostSpec
@@ -146,12 +147,12 @@ if __name__ == "__main__":
 """
 
 
-def start_driver_on_two_hosts(tmp_path: Path, storage: str) -> subprocess.Popen[str]:
-    """A driver script in its own process, returned once both remote workers run."""
+def start_driver_on_two_hosts(tmp_path: Path, storage: str) -> ForkedDriver:
+    """A driver script in its own process (forked from this one: no torch import of its own),
+    returned once both remote workers run."""
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
-    proc = subprocess.Popen([sys.executable, str(script), storage], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
+    proc = ForkedDriver(script, [storage], stderr="inherit")
     seen = 0
     for line in proc.stdout:
         seen += "worker up" in line
@@ -1079,8 +1080,7 @@ def test_a_killed_drivers_staging_folder_is_removed_by_the_next_run(
     before = set(staging_folders())
     script = tmp_path / "driver.py"
     script.write_text(STAGING_DRIVER)
-    proc = subprocess.Popen([sys.executable, str(script), storage, iso], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
+    proc = ForkedDriver(script, [storage, iso], stderr="inherit")  # a driver process of its own
     try:
         assert any("worker up" in line for line in proc.stdout)
     finally:

@@ -11,6 +11,7 @@ import socket
 from pathlib import Path
 
 import pytest
+from forked_driver import ForkedDriver
 
 import ddptrain as train
 from ddptrain.wire import channel, protocol
@@ -198,8 +199,6 @@ def test_private_run_files_are_0600_in_a_0700_folder(storage: str) -> None:
 
 
 def test_a_second_driver_on_a_live_run_fails_at_once_naming_it(storage: str, tmp_path: Path) -> None:
-    import subprocess
-    import sys
     import time
 
     script = tmp_path / "live.py"
@@ -213,9 +212,7 @@ def test_a_second_driver_on_a_live_run_fails_at_once_naming_it(storage: str, tmp
         "        run_config=train.RunConfig(name='live', storage_path=sys.argv[1])).fit()\n"
     )
     env = {**os.environ, "PYTHONPATH": os.path.dirname(__file__)}
-    live = subprocess.Popen(
-        [sys.executable, str(script), storage], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+    live = ForkedDriver(script, [storage], env=env, stdout="devnull", stderr="devnull")  # a driver of its own, forked
     try:
         metrics = Path(storage, "live", "metrics.jsonl")
         deadline = time.monotonic() + 60

@@ -1,0 +1,454 @@
+"""A driver script run as a process of its own without its own torch import, for the tests that
+kill, interrupt or watch a driver.
+
+``python script.py`` pays a torch import (seconds of CPU on the CI machine) before its run starts.
+:class:`ForkedDriver` asks a zygote for the process instead: one helper per test process, started
+at the first ``ForkedDriver``, that imports ``ddptrain.driver.controller`` (torch and the driver)
+and nothing of the tests, starts no Python thread (numpy's OpenBLAS pool stops itself at a fork)
+and never runs a fit. For each driver it forks a child that takes the test's script, arguments,
+environment (``os.environ`` at the call when ``env`` is not given), working directory, umask and
+standard streams (pipes or a pty, passed as file descriptors), and runs the script as ``__main__``
+with the ``sys.path``, buffering, default signal handlers and handler-less root logger that
+``python script.py`` would have. Its agents start as new processes
+(``DDPTRAIN_AGENT_FORKSERVER=0``). Killing it is killing a driver: its agents and workers see it
+die.
+
+The zygote runs with the test session's environment, conftest's tag included, so its drivers show
+the tag in ``/proc/PID/environ``: conftest's leftover check counts a driver a test left running,
+and skips the zygote itself (:func:`zygote_pids`). The zygote ends with the test process (end of
+its socket, parent-death signal), and its drivers with it.
+
+Not for tests of what a driver process imports or where it imports it from: torch and ddptrain
+were imported by the zygote, before the script's environment and ``sys.path`` applied.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import contextlib
+import ctypes
+import io
+import json
+import logging
+import os
+import runpy
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Mapping
+from pathlib import Path
+
+__all__ = ["ForkedDriver", "zygote_pids"]
+
+_START_TIMEOUT_S = 180.0  # the first driver waits for the zygote's torch import (a loaded CI machine)
+_MAX_MESSAGE = 1 << 20  # a request: the script, its arguments and its whole environment
+# The environment of the test session (conftest's tag set, no test's monkeypatching yet): the
+# zygote's, whichever test starts it.
+_SESSION_ENV = dict(os.environ)
+
+
+class ForkedDriver:
+    """``python script args...`` as a child of the zygote; the part of ``subprocess.Popen`` tests
+    use (``pid``, ``stdout``, ``stderr``, ``kill``, ``send_signal``, ``poll``, ``wait``,
+    ``communicate``, ``returncode``), in text mode."""
+
+    def __init__(
+        self,
+        script: Path | str,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        stdout: str = "pipe",
+        stderr: str = "pipe",
+        terminal: int | None = None,
+    ) -> None:
+        """``stdout``: ``"pipe"`` (read it from :attr:`stdout`) or ``"devnull"``; ``stderr``: the
+        same, ``"inherit"`` (the test process's, ``Popen``'s ``stderr=None``) or ``"stdout"``
+        (``subprocess.STDOUT``). ``terminal``: a pty's fd the driver gets as its stdin, stdout
+        and stderr (then :attr:`stdout` and :attr:`stderr` read nothing)."""
+        self.returncode: int | None = None
+        self._lock = threading.Lock()  # a signal is never sent to a pid the zygote has reaped
+        self._forked = threading.Event()
+        self._exited = threading.Event()
+        self._zygote_gone = ""  # why the zygote ended before reporting this driver's exit
+        self.pid = 0
+        ends: list[int] = []  # this process's copies of the child's stdin, stdout and stderr
+        readers: list[int] = []
+        try:
+            if terminal is not None:
+                ends = [os.dup(terminal) for _ in range(3)]
+                readers = [os.open(os.devnull, os.O_RDONLY), os.open(os.devnull, os.O_RDONLY)]
+            else:
+                ends.append(os.open(os.devnull, os.O_RDONLY))
+                for stream, choice in (("stdout", stdout), ("stderr", stderr)):
+                    if choice == "pipe":
+                        read_end, write_end = os.pipe()
+                    elif choice == "devnull":
+                        read_end, write_end = os.open(os.devnull, os.O_RDONLY), os.open(os.devnull, os.O_WRONLY)
+                    elif (stream, choice) == ("stderr", "inherit"):
+                        read_end, write_end = os.open(os.devnull, os.O_RDONLY), os.dup(2)
+                    elif (stream, choice) == ("stderr", "stdout"):
+                        read_end, write_end = os.open(os.devnull, os.O_RDONLY), os.dup(ends[1])
+                    else:
+                        raise ValueError(f"ForkedDriver: {stream}={choice!r} is not supported")
+                    readers.append(read_end)
+                    ends.append(write_end)
+            request = {
+                "script": str(script),
+                "args": [str(a) for a in args],
+                "env": dict(os.environ if env is None else env),
+                "cwd": os.getcwd(),
+                "umask": _umask(),
+            }
+            _zygote().fork(self, request, ends)
+        except BaseException:
+            for fd in readers:
+                os.close(fd)
+            raise
+        finally:
+            for fd in ends:
+                os.close(fd)
+        self.stdout = open(readers[0], encoding="utf-8", errors="replace")  # noqa: SIM115
+        self.stderr = open(readers[1], encoding="utf-8", errors="replace")  # noqa: SIM115
+
+    def kill(self) -> None:
+        """SIGKILL the driver (nothing once it has exited)."""
+        self.send_signal(signal.SIGKILL)
+
+    def send_signal(self, signum: int) -> None:
+        """Send ``signum`` to the driver (nothing once it has exited)."""
+        with self._lock:
+            if self.returncode is None and not self._zygote_gone:
+                os.kill(self.pid, signum)
+
+    def poll(self) -> int | None:
+        """The exit code (``-N``: killed by signal N) once the driver exited, else ``None``."""
+        if self._zygote_gone:
+            raise RuntimeError(self._zygote_gone)
+        return self.returncode
+
+    def wait(self, timeout: float = 60.0) -> int:
+        """Wait for the driver to exit (``subprocess.TimeoutExpired`` after ``timeout`` seconds)."""
+        if not self._exited.wait(timeout):
+            raise subprocess.TimeoutExpired(f"forked driver {self.pid}", timeout)
+        code = self.poll()
+        assert code is not None
+        return code
+
+    def communicate(self, timeout: float = 60.0) -> tuple[str, str]:
+        """Read stdout and stderr to their end and wait for the driver to exit, within
+        ``timeout`` seconds (``subprocess.TimeoutExpired`` after it, as ``Popen`` raises)."""
+        deadline = time.monotonic() + timeout
+        texts: dict[str, str] = {}
+        readers = [
+            threading.Thread(target=lambda n=name, f=f: texts.__setitem__(n, f.read()), daemon=True)
+            for name, f in (("out", self.stdout), ("err", self.stderr))
+        ]
+        for reader in readers:
+            reader.start()
+        for reader in readers:
+            reader.join(max(0.0, deadline - time.monotonic()))
+        self.wait(max(0.0, deadline - time.monotonic()))
+        if any(reader.is_alive() for reader in readers):
+            raise subprocess.TimeoutExpired(f"forked driver {self.pid}", timeout)
+        self.stdout.close()
+        self.stderr.close()
+        return texts["out"], texts["err"]
+
+    # Called by the zygote's reader thread.
+    def _started(self, pid: int) -> None:
+        self.pid = pid
+        self._forked.set()
+
+    def _ended(self, code: int) -> None:
+        with self._lock:
+            self.returncode = code
+        self._exited.set()
+
+    def _lost(self, why: str) -> None:
+        self._zygote_gone = why
+        self._forked.set()
+        self._exited.set()
+
+
+class _Zygote:
+    """The test process's end of the zygote: requests out, pids and exit codes back.
+
+    Messages, one per ``SOCK_SEQPACKET`` packet. To the zygote: a request as JSON with the child's
+    stdin, stdout and stderr as file descriptors; ``R <pid>`` once that driver's exit code is
+    recorded (the zygote then reaps it: until then its pid cannot be reused). From the zygote:
+    ``P <pid>`` for each fork, in order; ``X <pid> <exit code>``; ``E <text>`` if it failed to
+    start (then it exits).
+    """
+
+    def __init__(self) -> None:
+        self.owner = os.getpid()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        import ddptrain
+
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, __file__, str(theirs.fileno()), str(os.getpid()), str(ddptrain.__file__)],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                env=_SESSION_ENV,
+                pass_fds=(theirs.fileno(),),
+                start_new_session=True,  # Ctrl-C on the test's terminal is not for it
+            )
+        finally:
+            theirs.close()
+        self.sock = ours
+        self.alive = True
+        self.error = ""
+        self._send_lock = threading.Lock()
+        self._waiting: collections.deque[ForkedDriver] = collections.deque()  # for their pid, in order
+        self._drivers: dict[int, ForkedDriver] = {}
+        threading.Thread(target=self._read, name="forked-driver-zygote", daemon=True).start()
+
+    def fork(self, driver: ForkedDriver, request: dict, fds: list[int]) -> None:
+        with self._send_lock:
+            if not self.alive:
+                raise RuntimeError(self._why_gone())
+            self._waiting.append(driver)
+            try:
+                socket.send_fds(self.sock, [json.dumps(request).encode()], fds)
+            except OSError:
+                self._waiting.remove(driver)
+                raise
+        if not driver._forked.wait(_START_TIMEOUT_S):
+            raise RuntimeError(
+                f"the forked-driver zygote (pid {self.proc.pid}) did not fork {request['script']} in "
+                f"{_START_TIMEOUT_S:.0f} s ({'it is still running' if self.proc.poll() is None else self._why_gone()})"
+            )
+        if driver._zygote_gone:
+            raise RuntimeError(f"{request['script']} was not started: {driver._zygote_gone}")
+
+    def _why_gone(self) -> str:
+        code = self.proc.poll()
+        status = "is still running" if code is None else f"exited with status {code}"
+        return f"the forked-driver zygote (pid {self.proc.pid}) ended its socket and {status}" + (
+            f":\n{self.error}" if self.error else ""
+        )
+
+    def _send(self, message: bytes) -> None:
+        with self._send_lock, contextlib.suppress(OSError):
+            self.sock.send(message)
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self.sock.recv(_MAX_MESSAGE)
+            except OSError:
+                message = b""
+            if not message:
+                break
+            kind, _, rest = message.decode(errors="replace").partition(" ")
+            if kind == "P":
+                pid = int(rest)
+                driver = self._waiting.popleft()
+                self._drivers[pid] = driver
+                driver._started(pid)
+            elif kind == "X":
+                pid, code = (int(field) for field in rest.split())
+                ended = self._drivers.pop(pid, None)
+                if ended is not None:
+                    ended._ended(code)
+                self._send(f"R {pid}".encode())
+            elif kind == "E":
+                self.error = rest
+        with self._send_lock:
+            self.alive = False
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5.0)
+        why = self._why_gone()
+        for driver in [*self._waiting, *self._drivers.values()]:
+            driver._lost(why)
+
+    def close(self) -> None:
+        """End the zygote (its socket's end), within a bound."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5.0)
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5.0)
+        self.sock.close()
+
+
+_lock = threading.Lock()
+_zygotes: list[_Zygote] = []  # the one of this process, last
+
+
+def _zygote() -> _Zygote:
+    with _lock:
+        if not _zygotes or not _zygotes[-1].alive or _zygotes[-1].owner != os.getpid():
+            if not _zygotes:
+                atexit.register(_close_all)
+            _zygotes.append(_Zygote())
+        return _zygotes[-1]
+
+
+def _close_all() -> None:
+    for zygote in _zygotes:
+        if zygote.owner == os.getpid():
+            zygote.close()
+
+
+def zygote_pids() -> list[int]:
+    """The pids of this process's zygotes (they outlive a test on purpose; their drivers do not)."""
+    with _lock:
+        return [z.proc.pid for z in _zygotes if z.owner == os.getpid() and z.proc.poll() is None]
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+# The zygote (``python forked_driver.py FD PARENT DDPTRAIN_INIT``), and its children.
+
+
+def _die_with(parent: int) -> None:
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it died before the prctl
+        os._exit(1)
+
+
+def _serve(fd: int, parent: int, ddptrain_init: str) -> None:  # pragma: no cover (the zygote)
+    _die_with(parent)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+    sock = socket.socket(fileno=fd)
+    own_path = _python_path(os.environ)
+    try:
+        import ddptrain
+        import ddptrain.driver.controller  # noqa: F401  (torch and the driver: what every driver imports)
+
+        if os.path.realpath(str(ddptrain.__file__)) != os.path.realpath(ddptrain_init):
+            raise RuntimeError(f"the zygote imported ddptrain from {ddptrain.__file__}, the tests from {ddptrain_init}")
+        if threading.active_count() != 1:
+            raise RuntimeError(f"the zygote's imports started threads: {threading.enumerate()}")
+    except BaseException:
+        sock.send(("E " + traceback.format_exc()[-50_000:]).encode())  # a packet fits a socket buffer
+        os._exit(1)
+    # What ``python script.py`` has after the script's folder and PYTHONPATH's entries.
+    site_path = [p for p in sys.path[1:] if p not in own_path]
+    running: dict[int, int] = {}  # pidfd -> pid of a driver that has not exited
+    exited: set[int] = set()  # reported, not reaped yet
+    while True:
+        ready = select.select([sock, *running], [], [], 1.0)[0]
+        if os.getppid() != parent:
+            os._exit(0)
+        for pidfd in ready:
+            if pidfd is sock:
+                continue
+            pid = running.pop(pidfd)
+            os.close(pidfd)
+            info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            assert info is not None
+            code = -info.si_status if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED) else info.si_status
+            exited.add(pid)
+            sock.send(f"X {pid} {code}".encode())
+        if sock not in ready:
+            continue
+        try:
+            message, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 3)
+        except OSError:
+            message, fds = b"", []
+        if not message:  # the test process's end closed
+            os._exit(0)
+        if message.startswith(b"R "):
+            pid = int(message[2:])
+            if pid in exited:
+                exited.discard(pid)
+                os.waitpid(pid, 0)
+            continue
+        request = json.loads(message)
+        pid = os.fork()
+        if pid == 0:
+            sock.close()
+            for pidfd in running:
+                os.close(pidfd)
+            _die_with(os.getppid())  # a driver the tests can no longer see ends with the zygote
+            _run_script_and_exit(request, fds, site_path)
+        for fd in fds:
+            os.close(fd)
+        running[os.pidfd_open(pid)] = pid
+        sock.send(f"P {pid}".encode())
+
+
+def _python_path(env: Mapping[str, str]) -> list[str]:
+    """The folders ``PYTHONPATH`` puts on ``sys.path`` (relative ones from the working directory)."""
+    return [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+
+
+def _output(fd: int, unbuffered: bool, errors: str) -> io.TextIOWrapper:
+    """``sys.stdout`` (1) or ``sys.stderr`` (2) on ``fd`` as Python makes them (``PYTHONUNBUFFERED``:
+    written through; else line-buffered on a terminal and for stderr, block-buffered otherwise)."""
+    raw = io.FileIO(fd, "w", closefd=False)
+    line_buffering = not unbuffered and (raw.isatty() or fd == 2)
+    buffer = raw if unbuffered else io.BufferedWriter(raw)
+    return io.TextIOWrapper(
+        buffer,
+        encoding="utf-8",
+        errors=errors,
+        newline="\n",
+        line_buffering=line_buffering,
+        write_through=unbuffered,
+    )
+
+
+def _run_script_and_exit(request: dict, fds: list[int], site_path: list[str]) -> None:  # pragma: no cover
+    code = 1
+    try:
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+        for fd in fds:
+            os.close(fd)
+        env: dict[str, str] = request["env"]
+        unbuffered = bool(env.get("PYTHONUNBUFFERED"))
+        sys.stdin = open(0, closefd=False)  # noqa: SIM115
+        sys.stdout = _output(1, unbuffered, "strict")
+        sys.stderr = _output(2, unbuffered, "backslashreplace")
+        for signum in (signal.SIGTERM, signal.SIGALRM, signal.SIGHUP):
+            signal.signal(signum, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        root = logging.getLogger()
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+        root.setLevel(logging.WARNING)
+        os.chdir(request["cwd"])
+        os.umask(request["umask"])
+        os.environ.clear()  # putenv: torch's C++ code sees the driver's environment too
+        os.environ.update(env)
+        os.environ["DDPTRAIN_AGENT_FORKSERVER"] = "0"
+        os.environ.pop("PYTEST_CURRENT_TEST", None)
+        script = os.path.abspath(request["script"])
+        python_path = _python_path(env)
+        sys.path[:] = [os.path.dirname(script), *python_path, *site_path]
+        sys.argv = [request["script"], *request["args"]]
+        runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not isinstance(exc.code, int | None):
+            print(exc.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+if __name__ == "__main__":
+    _serve(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
