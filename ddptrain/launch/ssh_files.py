@@ -9,13 +9,14 @@ stopped answering (the driver then dropped the connection, which ended the copy)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shlex
 import socket
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ddptrain.errors import HostLostError, LaunchError, is_disk_full
@@ -58,6 +59,16 @@ class HostFiles:
         if lost is not None:
             return lost
         return LaunchError(f"host {self._host!r}: {doing} failed: {exc!r}", hosts=[self._host])
+
+    @contextlib.contextmanager
+    def _doing(self, doing: str) -> Iterator[None]:
+        """Errors of the SSH operation inside become :meth:`_failed`'s (a ``LaunchError`` passes)."""
+        try:
+            yield
+        except LaunchError:
+            raise
+        except Exception as exc:
+            raise self._failed(doing, exc) from exc
 
     def _sftp(self) -> Any:
         import paramiko  # loaded by the connection already: a lookup
@@ -149,12 +160,8 @@ class HostFiles:
         Raises:
             LaunchError: The copy failed (it names the host).
         """
-        try:
+        with self._doing(f"copying {local} to it"):
             self._push(local, remote)
-        except LaunchError:
-            raise
-        except Exception as exc:
-            raise self._failed(f"copying {local} to it", exc) from exc
 
     def _push(self, local: str, remote: str) -> None:
         sftp = self._sftp()
@@ -173,36 +180,24 @@ class HostFiles:
         Raises:
             LaunchError: It exists already, or could not be made (the error names the host).
         """
-        try:
+        with self._doing(f"creating the private folder {remote}"):
             self._sftp().mkdir(remote, 0o700)  # fails if it exists: nobody else's folder is used
             self._sftp().chmod(remote, 0o700)  # whatever the SFTP server's umask did
-        except LaunchError:
-            raise
-        except Exception as exc:
-            raise self._failed(f"creating the private folder {remote}", exc) from exc
 
     def write_file(self, remote: str, data: bytes) -> None:
         """Write ``data`` to the file ``remote`` on the host (in a folder of :meth:`make_private_dir`)."""
-        try:
-            with self._sftp().open(remote, "wb") as f:
-                f.write(data)
-        except LaunchError:
-            raise
-        except Exception as exc:
-            raise self._failed(f"writing {remote}", exc) from exc
+        with self._doing(f"writing {remote}"), self._sftp().open(remote, "wb") as f:
+            f.write(data)
 
     def read_file(self, remote: str) -> bytes | None:
         """The content of the file ``remote`` on the host; ``None`` if it cannot be read there
         (missing, not this user's). A failed connection raises (the error names the host)."""
-        try:
-            with self._sftp().open(remote, "rb") as f:
-                return bytes(f.read())
-        except (FileNotFoundError, PermissionError):  # as paramiko raises SFTP's own answers
-            return None
-        except LaunchError:
-            raise
-        except Exception as exc:
-            raise self._failed(f"reading {remote}", exc) from exc
+        with self._doing(f"reading {remote}"):
+            try:
+                with self._sftp().open(remote, "rb") as f:
+                    return bytes(f.read())
+            except (FileNotFoundError, PermissionError):  # as paramiko raises SFTP's own answers
+                return None
 
     def remove_dir(self, remote: str, timeout_s: float) -> None:
         """Remove the folder ``remote`` and what it holds from the host, waiting up to ``timeout_s``.
@@ -210,15 +205,13 @@ class HostFiles:
         Raises:
             LaunchError: The connection failed (the error names the host).
         """
-        try:
+        with self._doing(f"removing {remote}"):
             channel = self._client.get_transport().open_session()
             try:
                 channel.exec_command(f"rm -rf -- {shlex.quote(remote)}")
                 channel.status_event.wait(timeout_s)
             finally:
                 channel.close()
-        except Exception as exc:
-            raise self._failed(f"removing {remote}", exc) from exc
 
     def close(self) -> None:
         """Remove the staging folder from the host (one that stopped answering keeps it: the
