@@ -89,6 +89,21 @@ def max_pending_uploads() -> int:
     return value
 
 
+def upload_nice() -> int:
+    """How much lower the CPU priority of a worker's upload process is than the worker's
+    (``DDPTRAIN_UPLOAD_NICE``, an ``os.nice`` increment, 0 to 19)."""
+    raw = os.environ.get("DDPTRAIN_UPLOAD_NICE", "")
+    if raw == "":
+        return 10
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 19:
+        raise ValueError(f"`DDPTRAIN_UPLOAD_NICE` must be a whole number from 0 to 19, got {raw!r}.")
+    return value
+
+
 def stall_warn_s() -> float:
     """Seconds without any report or output from any rank before the driver warns, with every
     rank's process state and Python stack."""

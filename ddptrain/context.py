@@ -23,6 +23,7 @@ from ddptrain import _env
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.errors import DdpTrainError, StorageError
 from ddptrain.storage import layout as storage
+from ddptrain.storage.upload_process import UploadProcess
 from ddptrain.storage.uploads import CheckpointUploads
 from ddptrain.train_context import StorageContext, TrainContext
 from ddptrain.wire import protocol
@@ -55,7 +56,7 @@ class CheckpointUploadMode(enum.Enum):
 
     Members:
         SYNC: ``report()`` returns once the checkpoint files are in the run's storage.
-        ASYNC: ``report()`` returns at once; a thread of the worker uploads the files, in report
+        ASYNC: ``report()`` returns at once; a process of the worker uploads the files, in report
             order, and the driver commits the checkpoint once every rank's files are there. The
             folder must not be changed or deleted until then (``tempfile.mkdtemp()``, not a
             ``TemporaryDirectory`` that ends with the report); it is deleted after its upload by
@@ -169,6 +170,9 @@ class _Session:
     devices: list[Any] = field(default_factory=list)
     storage: RunStorage | None = None  # where reported checkpoints go (``None``: no run)
     uploads: CheckpointUploads | None = None  # its ASYNC uploads (made by the first one)
+    storage_spec: protocol.StorageSpec | None = None  # what ``storage`` was built from (a worker's)
+    run_name: str = ""
+    uploader: UploadProcess | None = None  # where its ASYNC uploads run (see upload_process)
     report_index: int = 0
     validates: bool = False  # the trainer has a ValidationConfig
     collective_index: int = 0
@@ -178,6 +182,13 @@ class _Session:
     def checkpoint_at(self, path: str) -> Checkpoint:
         """The run's checkpoint at ``path`` (a path the driver sent)."""
         return self.storage.checkpoint_at(path) if self.storage is not None else Checkpoint(path)
+
+    def upload_process(self) -> UploadProcess | None:
+        """The process this worker's ``ASYNC`` uploads run in (started by the first one);
+        ``None`` in local mode, whose uploads are made in the reporting thread."""
+        if self.uploader is None and self.storage_spec is not None:
+            self.uploader = UploadProcess(self.storage_spec, self.run_name)
+        return self.uploader
 
     def call_driver(self, message: Any) -> Any:
         """Send a message and wait for the driver's reply to it."""
@@ -231,6 +242,8 @@ def build_session(
         devices=list(place.devices),
         report_index=run.report_index,
         validates=run.validates,
+        storage_spec=run.storage if storage is not None and channel is not None else None,
+        run_name=run.name,
     )
 
 
@@ -353,8 +366,8 @@ def report(
     the checkpoint is committed (listed, kept by ``num_to_keep``, resumed from) only once every
     one of those ranks' files is there. With ``SYNC`` (the default) ``report`` returns on those
     ranks once it is committed, so the local folder may be deleted right after. With
-    ``ASYNC`` it returns at once and a thread of the worker uploads the files, in report
-    order, at most ``DDPTRAIN_MAX_PENDING_UPLOADS`` (2) at a time (a report beyond that
+    ``ASYNC`` it returns at once and an upload process of the worker uploads the files, in
+    report order, at most ``DDPTRAIN_MAX_PENDING_UPLOADS`` (2) at a time (a report beyond that
     waits); **the folder must not be changed or deleted until its upload is done**, and it is
     deleted after it by default. The worker waits for its uploads when the training function
     returns; one that fails fails the run with a ``StorageError`` naming the store.
@@ -481,7 +494,7 @@ class _ChannelReports:
 
             def in_background() -> None:
                 try:
-                    staged = persist_checkpoint(session, checkpoint, name, index, upload)
+                    staged = persist_checkpoint(session, checkpoint, name, index, upload, session.upload_process())
                 except BaseException as exc:
                     error = upload_error(session, exc, name, index)
                     channel.send_aside(protocol.Uploaded(rank, index, None, _pickled(error), _described(error)))
@@ -523,11 +536,19 @@ class _ChannelReports:
 CHANNEL_REPORTS: ReportSink = _ChannelReports()  # a worker's sink (its session holds the channel)
 
 
-def persist_checkpoint(session: _Session, checkpoint: Checkpoint, name: str, index: int, upload: Upload) -> str:
+def persist_checkpoint(
+    session: _Session,
+    checkpoint: Checkpoint,
+    name: str,
+    index: int,
+    upload: Upload,
+    uploader: UploadProcess | None = None,
+) -> str:
     """Put this rank's checkpoint files of report ``index`` where the driver commits them
     from (the run's storage decides: next to the run directory, a host's staging folder, or
     uploaded to the store), or check that the user put them in place (``NO_UPLOAD``,
     ``checkpoint_upload_fn``); then delete the local folder if asked. Returns the folder.
+    ``uploader``: where the files are uploaded from (default: this process).
 
     Raises:
         ValueError: A checkpoint put in place is not the run's checkpoint folder ``name``.
@@ -545,7 +566,8 @@ def persist_checkpoint(session: _Session, checkpoint: Checkpoint, name: str, ind
         staged = storage_.adopt(uploaded, name, "The checkpoint `checkpoint_upload_fn` returned")
     else:
         rank = session.context.get_world_rank()
-        staged = storage_.stage(checkpoint.path, name, session.attempt, index, rank, move=upload.delete_local)
+        stage = uploader.stage if uploader is not None else storage_.stage
+        staged = stage(checkpoint.path, name, session.attempt, index, rank, move=upload.delete_local)
     if upload.delete_local:
         shutil.rmtree(checkpoint.path, ignore_errors=True)
     return staged
@@ -589,6 +611,8 @@ def finish_uploads(session: _Session) -> None:
     """
     if session.uploads is not None:
         session.uploads.wait()
+    if session.uploader is not None:  # after a failure it ends with the worker process
+        session.uploader.close()
 
 
 def on_training_end(hook: Callable[[bool], None]) -> None:

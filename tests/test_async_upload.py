@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -249,3 +250,92 @@ def test_bad_upload_arguments_are_refused(tmp_path: Path) -> None:
         shutil.rmtree(d)
 
     _fit(loop, tmp_path, workers=0)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            found += [int(p) for p in f.read().split()]
+    return found
+
+
+def _uploader() -> int:
+    """The pid of this worker's upload process (a child running ddptrain.storage.upload_process)."""
+    for child in _children(os.getpid()):
+        with open(f"/proc/{child}/cmdline", "rb") as f:
+            if b"ddptrain.storage.upload_process" in f.read():
+                return child
+    raise AssertionError(f"no upload process among the worker's children {_children(os.getpid())}")
+
+
+def _report_async(step: int) -> None:
+    d = tempfile.mkdtemp()
+    Path(d, "model").write_text(str(step))
+    train.report({"step": step}, checkpoint=train.Checkpoint(d), checkpoint_upload_mode=ASYNC)
+
+
+def _uploader_loop(config: dict[str, Any]) -> dict[str, Any]:
+    _report_async(0)
+    train.get_all_reported_checkpoints()  # its upload is done: the uploader waits for the next
+    pid = _uploader()
+    return {"pid": pid, "nice": os.getpriority(os.PRIO_PROCESS, pid) - os.getpriority(os.PRIO_PROCESS, 0)}
+
+
+def test_async_uploads_run_in_a_process_of_their_own_at_a_lower_cpu_priority(tmp_path: Path, monkeypatch) -> None:
+    """The upload's CPU (hashing, the HTTP client) is not taken from the training process, and
+    the uploader ends with the training function."""
+    result = _fit(_uploader_loop, tmp_path)
+    seen = result.return_values[0]
+    assert seen["nice"] == 10
+    assert not os.path.exists(f"/proc/{seen['pid']}"), "the uploader outlived the training function"
+    assert result.checkpoint.path == str(tmp_path / "run" / "checkpoint_000001")
+    monkeypatch.setenv("DDPTRAIN_UPLOAD_NICE", "0")
+    assert _fit(_uploader_loop, tmp_path, name="run0").return_values[0]["nice"] == 0
+    monkeypatch.setenv("DDPTRAIN_UPLOAD_NICE", "high")
+    with pytest.raises(TrainingFailedError, match="`DDPTRAIN_UPLOAD_NICE` must be a whole number from 0 to 19"):
+        _fit(_uploader_loop, tmp_path, name="bad")
+
+
+def _uploader_killed_loop(config: dict[str, Any]) -> None:
+    if train.get_checkpoint() is not None:
+        return  # the restart resumes from the first checkpoint
+    _report_async(0)
+    train.get_all_reported_checkpoints()
+    os.kill(_uploader(), signal.SIGKILL)
+    _report_async(1)  # its upload finds the uploader gone
+    train.get_all_reported_checkpoints()
+
+
+def test_an_uploader_killed_fails_the_attempt_naming_it_and_the_restart_resumes(tmp_path: Path) -> None:
+    with pytest.raises(TrainingFailedError) as info:
+        _fit(_uploader_killed_loop, tmp_path)
+    root = info.value.failures[0].exception
+    assert isinstance(root, StorageError)
+    assert "Uploading checkpoint 'checkpoint_000002' of report #2 failed: the worker's upload process" in str(root)
+    assert "killed by SIGKILL" in str(root)
+    assert not (tmp_path / "run" / "checkpoint_000002").exists()
+    assert (tmp_path / "run" / "checkpoint_000001").exists()  # the whole one stays
+
+
+def _worker_killed_mid_upload_loop(config: dict[str, Any]) -> None:
+    _report_async(0)
+    train.get_all_reported_checkpoints()
+    pid = _uploader()
+    os.kill(pid, signal.SIGSTOP)  # the next upload hangs
+    _report_async(1)
+    Path(config["pid_file"]).write_text(str(pid))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_worker_killed_mid_upload_leaves_no_uploader_and_no_partial_checkpoint(tmp_path: Path) -> None:
+    pid_file = tmp_path / "uploader.pid"
+    with pytest.raises(TrainingFailedError):
+        _fit(_worker_killed_mid_upload_loop, tmp_path, pid_file=str(pid_file))
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{pid}"), "the uploader outlived its worker"
+    assert (tmp_path / "run" / "checkpoint_000001").exists()
+    assert not (tmp_path / "run" / "checkpoint_000002").exists()

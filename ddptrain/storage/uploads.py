@@ -2,7 +2,8 @@
 (``report(..., checkpoint_upload_mode=CheckpointUploadMode.ASYNC)``).
 
 One thread per worker runs the uploads one at a time, in report order, so the driver can
-commit them in that order. At most ``max_pending`` uploads are queued or running: a report
+commit them in that order (each upload is made by the worker's upload process, see
+``upload_process``, while this thread waits for it). At most ``max_pending`` uploads are queued or running: a report
 that would exceed it waits for the oldest one (back-pressure), and says so in the worker's
 log after a few seconds. The first upload that fails stops the ones queued after it (a later
 checkpoint must not be committed before an earlier one); its error is raised by the next
