@@ -190,6 +190,30 @@ def test_an_unreachable_validation_host_fails_that_validation_and_training_goes_
     assert "cannot connect" in line["error"]
 
 
+def test_a_host_with_another_ddptrain_says_so_and_training_goes_on(ssh, storage: str, tmp_path: Path) -> None:
+    """The request is pickled: before it is unpickled there, the host's versions are checked."""
+    site = tmp_path / "site"
+    site.mkdir()  # the host's ddptrain says it is another version
+    (site / "sitecustomize.py").write_text("import ddptrain.wire.boot as b\nb.__version__ = '0.0.1'\n")
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+
+    def loop() -> int:
+        _report(0, validation=True)
+        _report(1)
+        return 7
+
+    def never_runs(checkpoint: train.Checkpoint) -> dict[str, Any]:
+        raise AssertionError("never runs: the host has another version")
+
+    result = _fit(loop, storage, never_runs, ["localhost", f"h0 python={python}"], "h0")
+    assert result.return_value == 7 and result.metrics["step"] == 1
+    [line] = _validation_lines(storage)
+    assert f"version mismatch on {os.uname().nodename} ({sys.executable}): ddptrain 0.0.1 here, " in line["error"]
+    assert "Install the same versions on every host" in line["error"]
+
+
 _DRIVER = """
 import sys, time
 import ddptrain as train

@@ -30,7 +30,7 @@ import cloudpickle
 
 from ddptrain import _env, ray_compat
 from ddptrain.storage.layout import to_jsonable
-from ddptrain.wire.boot import worker_sys_path
+from ddptrain.wire.boot import check_versions, worker_sys_path
 
 __all__ = ["main"]
 
@@ -82,9 +82,10 @@ def _watch_stdin(folder: str) -> None:
         os.killpg(0, signal.SIGKILL)
 
 
-def main(folder: str, remote: bool = False) -> int:
+def main(folder: str, remote: bool = False, expected: dict[str, str] | None = None) -> int:
     """Run the validation of ``folder``'s request; its result (or error) goes to ``result.json``.
-    ``remote``: on an SSH host (see the module docstring)."""
+    ``remote``: on an SSH host (see the module docstring). ``expected``: the driver's versions
+    (``wire.boot.versions``), which must be this host's for the request to unpickle."""
     if remote:
         try:
             os.setsid()  # its own session and group: what the function starts is killed with it
@@ -94,9 +95,11 @@ def main(folder: str, remote: bool = False) -> int:
         threading.Thread(target=_watch_stdin, args=(folder,), daemon=True, name="stdin-watch").start()
     else:
         threading.Thread(target=_watch_driver, args=(os.getppid(),), daemon=True, name="driver-watch").start()
-    with open(os.path.join(folder, "task.pkl"), "rb") as f:
-        request = cloudpickle.load(f)
     try:
+        if expected is not None:
+            check_versions(expected)
+        with open(os.path.join(folder, "task.pkl"), "rb") as f:
+            request = cloudpickle.load(f)
         result = _call(request)
     except BaseException as exc:  # the function's error is the result: the driver reports it
         text = "".join(traceback.format_exception(exc))

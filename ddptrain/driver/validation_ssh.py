@@ -27,7 +27,7 @@ from ddptrain.errors import ConfigError
 from ddptrain.launch.hosts import HostSpec, is_local
 from ddptrain.launch.ssh_files import HostFiles
 from ddptrain.launch.ssh_process import SSHHost, SSHProcess
-from ddptrain.wire.boot import PIN
+from ddptrain.wire.boot import PIN, versions
 
 __all__ = ["SSHValidationHost", "validation_host"]
 
@@ -115,7 +115,11 @@ class SSHValidationHost:
             return {"task.pkl": cloudpickle.dumps({**request, "checkpoint": checkpoint})}
 
         def program(folder: str) -> list[str]:
-            code = f"from ddptrain.driver.validation_child import main; sys.exit(main({folder!r}, remote=True))"
+            expected = versions(with_torch=False)  # checked there before the request is unpickled
+            code = (
+                "from ddptrain.driver.validation_child import main; "
+                f"sys.exit(main({folder!r}, remote=True, expected={expected!r}))"
+            )
             return [self._host.python, "-c", PIN + code]  # the working directory is off sys.path
 
         process = SSHProcess(self._host, "validation", setup, program, log, "result.json")

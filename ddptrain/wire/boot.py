@@ -100,24 +100,30 @@ def worker_sys_path(driver: list[str], cwd: str, own: list[str]) -> list[str]:
     return merged
 
 
-def versions() -> dict[str, str]:
-    """Versions that must match between the driver and every host."""
+def versions(with_torch: bool = True) -> dict[str, str]:
+    """Versions that must match between the driver and every host (``with_torch=False``:
+    for a process that unpickles no torch objects and must not pay torch's import)."""
     # Imported here: the CLI imports this module for `import_roots` and must start fast.
     import cloudpickle
-    import torch
 
     major_minor = ".".join(sys.version.split()[0].split(".")[:2])
-    return {
+    found = {
         "python": major_minor,
         "ddptrain": __version__,
         "protocol": str(VERSION),
-        "torch": torch.__version__.split("+")[0],
         "cloudpickle": cloudpickle.__version__,
     }
+    if with_torch:
+        import torch
+
+        found["torch"] = torch.__version__.split("+")[0]
+    return found
 
 
 def check_versions(expected: dict[str, str]) -> None:
-    here = versions()
+    """Raise ``RuntimeError`` naming each of ``expected``'s versions (the driver's) that this
+    host's differ from."""
+    here = versions(with_torch="torch" in expected)
     wrong = [
         f"{name} {here[name]} here, {want} on the driver" for name, want in expected.items() if here.get(name) != want
     ]
