@@ -177,8 +177,9 @@ def main(parent: int, nice: int) -> int:
     if nice:
         with contextlib.suppress(OSError):
             os.nice(nice)
-    jobs, answers = sys.stdin.buffer, sys.stdout.buffer
-    sys.stdout = sys.stderr  # whatever a library prints goes to the worker's log, not the answers
+    jobs = sys.stdin.buffer
+    answers = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # whatever a library prints goes to the worker's log, not into the answers
     setup = _read(jobs)
     if setup is None:
         return 0
