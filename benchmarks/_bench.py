@@ -115,9 +115,18 @@ def _cpu_s() -> tuple[float, float]:
 
 def _own_cpu_s() -> float:
     """CPU seconds of this process and its reaped descendants (the agent, workers, spawned
-    processes: each is waited for by its parent, so their time rolls up to here)."""
+    processes: each is waited for by its parent, so their time rolls up to here), and of this
+    process's agent fork servers with theirs (they live on, so their time never rolls up)."""
     t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
+    total = t.user + t.system + t.children_user + t.children_system
+    servers = sys.modules.get("ddptrain.launch.forkserver")
+    for pid in servers.server_pids() if servers is not None else ():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")  # utime stime cutime cstime
+    return total
 
 
 class ForeignLoad:
