@@ -179,12 +179,16 @@ def test_what_a_runs_workers_imported_of_torch_the_next_agent_gets_from_the_serv
     monkeypatch.setenv("FORKSERVER_TEST_FRESH", str(time.time()))  # a server of this test's own
 
     def run(imports: list[str]) -> dict[str, object]:
-        return TorchTrainer(
-            modules_at_start,
-            train_loop_config={"import": imports},
-            scaling_config=train.ScalingConfig(num_workers=1),
-            run_config=train.RunConfig(storage_path=storage),
-        ).fit().return_value
+        return (
+            TorchTrainer(
+                modules_at_start,
+                train_loop_config={"import": imports},
+                scaling_config=train.ScalingConfig(num_workers=1),
+                run_config=train.RunConfig(storage_path=storage),
+            )
+            .fit()
+            .return_value
+        )
 
     plain = run([])  # workers that never import it: the server does not either
     first = run(["torch._dynamo"])
