@@ -5,7 +5,9 @@ Started with :func:`agent_command`. It imports torch once, reads one
 then relays every worker's stdout/stderr and exit status to stdout as frames
 (``ddptrain.agent.relay``; frames and events: ``ddptrain.wire.protocol``, ``ddptrain.wire.agent_events``).
 When the driver restarts the group from warm agents (``Request.RESET``), the agent kills its
-workers and what they started, says ``AgentIdle``, and starts the next bootstrap's workers.
+workers and what they started, says ``AgentIdle``, and starts the next bootstrap's workers. Once
+every worker has exited, it waits for the driver's word (a reset, or a stop) rather than exiting,
+so that a restart after all of its workers failed starts from it too.
 It kills all its workers when stdin closes (the driver died or the SSH connection dropped), when
 the driver sends ``Request.KILL``, or on an SSH host when the driver's heartbeats stop; every
 worker dies with it through ``PR_SET_PDEATHSIG``.
