@@ -9,9 +9,17 @@ and never runs a fit. For each driver it forks a child that takes the test's scr
 environment (``os.environ`` at the call when ``env`` is not given), working directory, umask and
 standard streams (pipes or a pty, passed as file descriptors), and runs the script as ``__main__``
 with the ``sys.path``, buffering, default signal handlers and handler-less root logger that
-``python script.py`` would have. Its agents start as new processes
-(``DDPTRAIN_AGENT_FORKSERVER=0``). Killing it is killing a driver: its agents and workers see it
+``python script.py`` would have. Killing it is killing a driver: its agents and workers see it
 die.
+
+Its local agents come from an agent fork server as a driver's do (``ddptrain.launch.forkserver``),
+but the server is forked by the zygote too instead of started as ``python -c ...`` (another torch
+import, seconds of CPU per driver): on the driver's request (its own socket pair with the zygote),
+the zygote forks a child that takes the agent's environment, working directory, umask,
+``sys.path``, signal handlers and command line (``sys.orig_argv``, for an agent that replaces
+itself) and runs the agent's entry point as that server. The zygote reaps it and sends its exit
+code to the driver. It ends with its driver (the end of its socket), as a server does. Only its
+``/proc/PID/cmdline`` (and that of the agents it forks) is the zygote's.
 
 The zygote runs with the test session's environment, conftest's tag included, so its drivers show
 the tag in ``/proc/PID/environ``: conftest's leftover check counts a driver a test left running,
@@ -41,6 +49,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -342,20 +351,29 @@ def _serve(fd: int, parent: int, ddptrain_init: str) -> None:  # pragma: no cove
     site_path = [p for p in sys.path[1:] if p not in own_path]
     running: dict[int, int] = {}  # pidfd -> pid of a driver that has not exited
     exited: set[int] = set()  # reported, not reaped yet
+    channels: set[socket.socket] = set()  # each running driver's, for its agent fork servers
+    servers: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> pid of a server, its driver's channel
     while True:
-        ready = select.select([sock, *running], [], [], 1.0)[0]
+        ready = select.select([sock, *running, *channels, *servers], [], [], 1.0)[0]
         if os.getppid() != parent:
             os._exit(0)
         for pidfd in ready:
-            if pidfd is sock:
-                continue
-            pid = running.pop(pidfd)
-            os.close(pidfd)
-            info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-            assert info is not None
-            code = -info.si_status if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED) else info.si_status
-            exited.add(pid)
-            sock.send(f"X {pid} {code}".encode())
+            if pidfd in servers:
+                pid, channel = servers.pop(pidfd)
+                os.close(pidfd)
+                _, status = os.waitpid(pid, 0)
+                with contextlib.suppress(OSError):  # its driver may be gone
+                    channel.send(f"X {pid} {os.waitstatus_to_exitcode(status)}".encode())
+            elif pidfd in channels:
+                _fork_agent_server(sock, running, pidfd, channels, servers, site_path)
+            elif pidfd in running:
+                pid = running.pop(pidfd)
+                os.close(pidfd)
+                info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+                assert info is not None
+                code = -info.si_status if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED) else info.si_status
+                exited.add(pid)
+                sock.send(f"X {pid} {code}".encode())
         if sock not in ready:
             continue
         try:
@@ -371,17 +389,86 @@ def _serve(fd: int, parent: int, ddptrain_init: str) -> None:  # pragma: no cove
                 os.waitpid(pid, 0)
             continue
         request = json.loads(message)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         pid = os.fork()
         if pid == 0:
-            sock.close()
-            for pidfd in running:
-                os.close(pidfd)
+            _close_zygotes(sock, running, channels, servers)
+            ours.close()
             _die_with(os.getppid())  # a driver the tests can no longer see ends with the zygote
-            _run_script_and_exit(request, fds, site_path)
+            _run_script_and_exit(request, fds, site_path, theirs)
+        theirs.close()
+        channels.add(ours)
         for fd in fds:
             os.close(fd)
         running[os.pidfd_open(pid)] = pid
         sock.send(f"P {pid}".encode())
+
+
+def _close_zygotes(
+    sock: socket.socket, running: dict[int, int], channels: set[socket.socket], servers: dict[int, object]
+) -> None:
+    """In a child of the zygote: close what is the zygote's (its sockets and pidfds)."""
+    sock.close()
+    for channel in channels:
+        channel.close()
+    for pidfd in [*running, *servers]:
+        os.close(pidfd)
+
+
+def _fork_agent_server(
+    sock: socket.socket,
+    running: dict[int, int],
+    channel: socket.socket,
+    channels: set[socket.socket],
+    servers: dict[int, tuple[int, socket.socket]],
+    site_path: list[str],
+) -> None:  # pragma: no cover (the zygote)
+    """A driver asks for an agent fork server (``ddptrain.launch.forkserver``): fork one that
+    starts as the agent's command line would, from here, where torch is imported already."""
+    try:
+        message, fds, _, _ = socket.recv_fds(channel, _MAX_MESSAGE, 1)
+    except OSError:
+        message, fds = b"", []
+    if not message or len(fds) != 1:  # the driver is gone
+        for fd in fds:
+            os.close(fd)
+        channels.discard(channel)
+        channel.close()
+        return
+    pid = os.fork()
+    if pid == 0:
+        _close_zygotes(sock, running, channels, servers)
+        _run_agent_server(json.loads(message), fds[0], site_path)
+    os.close(fds[0])
+    servers[os.pidfd_open(pid)] = (pid, channel)
+    channel.send(f"P {pid}".encode())
+
+
+def _run_agent_server(request: dict, control_fd: int, site_path: list[str]) -> None:  # pragma: no cover
+    """Become what ``python -c BOOT`` (``ddptrain.wire.boot.agent_command``) with ``control_fd``
+    in its environment is: an agent fork server, in a session of its own, with the agent's
+    environment, working directory, umask, ``sys.path`` and signal handlers."""
+    try:
+        from ddptrain.agent import main as agent
+        from ddptrain.wire.boot import FORKSERVER_FD_VAR
+
+        os.setsid()
+        os.chdir(request["cwd"])
+        os.umask(request["umask"])
+        env: dict[str, str] = request["env"]
+        os.environ.clear()
+        os.environ.update(env)
+        os.environ[FORKSERVER_FD_VAR] = str(control_fd)
+        sys.path[:] = [*_python_path(env), *site_path]
+        sys.argv = ["-c"]
+        sys.orig_argv = request["argv"]  # an agent that replaces itself (exec) runs the real command
+        sys.modules["__main__"] = types.ModuleType("__main__")
+        for signum in (signal.SIGTERM, signal.SIGALRM, signal.SIGHUP):
+            signal.signal(signum, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        agent.entry(env.get("OPENBLAS_NUM_THREADS"))  # exits (in the server and in every agent)
+    finally:
+        os._exit(1)
 
 
 def _python_path(env: Mapping[str, str]) -> list[str]:
@@ -405,7 +492,73 @@ def _output(fd: int, unbuffered: bool, errors: str) -> io.TextIOWrapper:
     )
 
 
-def _run_script_and_exit(request: dict, fds: list[int], site_path: list[str]) -> None:  # pragma: no cover
+class _ServerProcess:
+    """What ``ddptrain.launch.forkserver`` uses of the ``Popen`` of its server (``pid``,
+    ``poll``, ``wait``), for a server the zygote forked: the zygote reaps it and sends its exit
+    code on the driver's channel."""
+
+    def __init__(self, servers: _AgentServers, pid: int) -> None:
+        self._servers = servers
+        self.pid = pid
+
+    def poll(self) -> int | None:
+        return self._servers.exit_code(self.pid)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired("ddptrain agent fork server", timeout or 0.0)
+            time.sleep(0.05)
+        return code
+
+
+class _AgentServers:
+    """In a forked driver: its agent fork servers are forked by the zygote, which has imported
+    torch already, instead of started as new processes (``launch.forkserver._start_server``)."""
+
+    def __init__(self, channel: socket.socket) -> None:
+        self._channel = channel
+        self._lock = threading.Lock()
+        self._codes: dict[int, int] = {}  # the exit codes the zygote sent
+
+    def start(self, env: dict[str, str], fd: int) -> _ServerProcess:
+        from ddptrain.wire.boot import agent_command, import_pins
+
+        request = {
+            "env": env,
+            "cwd": os.getcwd(),
+            "umask": _umask(),
+            "argv": agent_command(sys.executable, import_pins()),
+        }
+        with self._lock:
+            socket.send_fds(self._channel, [json.dumps(request).encode()], [fd])
+            while True:
+                if not select.select([self._channel], [], [], _START_TIMEOUT_S)[0]:
+                    raise OSError(f"the zygote did not fork an agent fork server in {_START_TIMEOUT_S:.0f} s")
+                kind, pid = self._read()[:2]
+                if kind == "P":
+                    return _ServerProcess(self, pid)
+
+    def exit_code(self, pid: int) -> int | None:
+        with self._lock:
+            while select.select([self._channel], [], [], 0)[0]:
+                self._read()
+        return self._codes.get(pid)
+
+    def _read(self) -> list:
+        message = self._channel.recv(64)
+        if not message:
+            raise OSError("the forked-driver zygote is gone")
+        kind, pid, *code = message.decode().split()
+        if kind == "X":
+            self._codes[int(pid)] = int(code[0])
+        return [kind, int(pid), *code]
+
+
+def _run_script_and_exit(
+    request: dict, fds: list[int], site_path: list[str], channel: socket.socket
+) -> None:  # pragma: no cover
     code = 1
     try:
         for target, fd in enumerate(fds):
@@ -428,8 +581,10 @@ def _run_script_and_exit(request: dict, fds: list[int], site_path: list[str]) ->
         os.umask(request["umask"])
         os.environ.clear()  # putenv: torch's C++ code sees the driver's environment too
         os.environ.update(env)
-        os.environ["DDPTRAIN_AGENT_FORKSERVER"] = "0"
         os.environ.pop("PYTEST_CURRENT_TEST", None)
+        from ddptrain.launch import forkserver
+
+        forkserver._start_server = _AgentServers(channel).start  # type: ignore[assignment]
         script = os.path.abspath(request["script"])
         python_path = _python_path(env)
         sys.path[:] = [os.path.dirname(script), *python_path, *site_path]

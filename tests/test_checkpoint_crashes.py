@@ -183,7 +183,7 @@ def kill_at_random(script: Path, storage: str, name_format: str, kills: int) -> 
         # The first kill lands while checkpoints are committed, the second during the start-up
         # that recovers from it; a soak run's further kills pick either (one in four at start-up).
         if kill == 1 or (kill > 1 and rng.random() < 0.25):  # start-up: resume, recovery of the crash
-            time.sleep(rng.uniform(0.0, 2.0))  # a forked driver's run starts at once, its agent in ~2-4 s
+            time.sleep(rng.uniform(0.0, 0.3))  # a forked driver's run and agent start within ~0.3 s
         else:  # while checkpoints are committed, one every few milliseconds
             proc.stdout.readline()
             time.sleep(rng.uniform(0.0, 0.3))

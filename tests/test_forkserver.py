@@ -152,3 +152,47 @@ def test_a_killed_driver_leaves_neither_its_server_nor_its_agents(tmp_path: Path
     finally:
         driver.kill()
         driver.wait()
+
+
+def modules_at_start(config: dict[str, object]) -> dict[str, object]:
+    """What the worker had imported before the function ran; then imports ``config["import"]``
+    and sends the server a hint of its own (a module outside the list it preloads from)."""
+    import importlib
+
+    from ddptrain.agent import forkserver as server_side
+
+    loaded = {name: name in sys.modules for name in ("torch._dynamo", "antigravity")}
+    for name in config["import"]:  # type: ignore[attr-defined]
+        importlib.import_module(name)
+    hints = getattr(server_side, "_hints", None)
+    if hints is not None:
+        hints.send(b"antigravity")
+    return {**where_started(), **loaded}
+
+
+@pytest.mark.slow
+def test_what_a_runs_workers_imported_of_torch_the_next_agent_gets_from_the_server(
+    storage: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # DistributedDataParallel's first use imports torch._dynamo (seconds of CPU in every worker):
+    # once a run's workers did, the server imports it too, and later agents' workers have it.
+    monkeypatch.setenv("FORKSERVER_TEST_FRESH", str(time.time()))  # a server of this test's own
+
+    def run(imports: list[str]) -> dict[str, object]:
+        return (
+            TorchTrainer(
+                modules_at_start,
+                train_loop_config={"import": imports},
+                scaling_config=train.ScalingConfig(num_workers=1),
+                run_config=train.RunConfig(storage_path=storage),
+            )
+            .fit()
+            .return_value
+        )
+
+    plain = run([])  # workers that never import it: the server does not either
+    first = run(["torch._dynamo"])
+    later = run([])
+    assert plain["started_by"] == first["started_by"] == later["started_by"]
+    assert [plain["torch._dynamo"], first["torch._dynamo"], later["torch._dynamo"]] == [False, False, True]
+    assert later["antigravity"] is False  # a hint names only what the server may preload

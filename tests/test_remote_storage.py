@@ -278,13 +278,14 @@ def test_fit_retention_resume_by_name_and_result_from_path(s3: S3) -> None:
     assert more.checkpoint.path == f"s3://{run}/checkpoint_000006"
 
 
-def _validate_remote(checkpoint: train.Checkpoint) -> dict[str, Any]:
-    with checkpoint.as_directory() as d:  # downloaded from the store
-        epoch = int(Path(d, "epoch").read_text())
-    return {"val": [0.5, 0.9, 0.1][epoch]}
-
-
 def test_validation_of_checkpoints_on_remote_storage(s3: S3) -> None:
+    # Defined in here: pickled by value, so each validation process does not import this module
+    # (torch, the S3 test server's helpers: ~4 s of CPU each).
+    def validate_remote(checkpoint: train.Checkpoint) -> dict[str, Any]:
+        with checkpoint.as_directory() as d:  # downloaded from the store
+            epoch = int(Path(d, "epoch").read_text())
+        return {"val": [0.5, 0.9, 0.1][epoch]}
+
     def loop() -> None:
         for epoch in range(3):
             d = tempfile.mkdtemp()
@@ -295,7 +296,7 @@ def test_validation_of_checkpoints_on_remote_storage(s3: S3) -> None:
     bucket = s3.bucket()
     result = train.DataParallelTrainer(
         loop,
-        validation_config=train.ValidationConfig(_validate_remote),
+        validation_config=train.ValidationConfig(validate_remote),
         run_config=train.RunConfig(
             name="val",
             storage_path=f"s3://{bucket}/exp",
@@ -647,14 +648,13 @@ def test_a_missing_extra_is_named() -> None:
     assert "pip install ddptrain[s3]" in out.stdout, out.stdout + out.stderr
 
 
-def _validate_on_host(checkpoint: train.Checkpoint) -> dict[str, Any]:
-    with checkpoint.as_directory() as d:  # downloaded from the store, with the driver's credentials
-        epoch = int(Path(d, "epoch").read_text())
-    return {"val": 0.5 + epoch, "path": checkpoint.path, "over_ssh": "SSH_CONNECTION" in os.environ}
-
-
 @pytest.mark.ssh
 def test_a_validation_on_an_ssh_host_reads_the_checkpoint_from_the_store(s3: S3, ssh) -> None:
+    def validate_on_host(checkpoint: train.Checkpoint) -> dict[str, Any]:  # pickled by value, as above
+        with checkpoint.as_directory() as d:  # downloaded from the store, with the driver's credentials
+            epoch = int(Path(d, "epoch").read_text())
+        return {"val": 0.5 + epoch, "path": checkpoint.path, "over_ssh": "SSH_CONNECTION" in os.environ}
+
     def loop() -> None:
         d = tempfile.mkdtemp()
         Path(d, "epoch").write_text("0")
@@ -664,7 +664,7 @@ def test_a_validation_on_an_ssh_host_reads_the_checkpoint_from_the_store(s3: S3,
     result = train.DataParallelTrainer(
         loop,
         scaling_config=train.ScalingConfig(num_workers=0, hosts=["localhost", "h0"]),
-        validation_config=train.ValidationConfig(_validate_on_host, host="h0"),
+        validation_config=train.ValidationConfig(validate_on_host, host="h0"),
         run_config=train.RunConfig(name="val", storage_path=f"s3://{bucket}/exp"),
     ).fit()
     # Passed as it is (no copy): the host read it from the store.

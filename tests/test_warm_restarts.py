@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 import ddptrain as train
+from ddptrain.torch import TorchTrainer
 
 
 def crash_then_resume(config: dict[str, str]) -> dict[str, Any]:
@@ -80,3 +81,39 @@ def test_a_restart_forks_the_next_workers_from_the_same_ssh_agent(ssh: Any, stor
     assert [v["agent"] for v in values] == [first["agent"]] * 2, (first, values)
     assert [v["resumed_from"] for v in values] == [0, 0]
     assert _gone(first["child"]), "a process the first attempt's worker started outlived its attempt"
+
+
+def all_ranks_die_once(config: dict[str, str]) -> dict[str, Any]:
+    """Rank 1 is killed in a collective, and rank 0's collective fails with it: no worker of the
+    agent is left when the driver decides to restart."""
+    import torch
+    import torch.distributed as dist
+
+    marker = Path(config["marker"])
+    if not marker.exists() and train.get_context().get_world_rank() == 1:
+        marker.write_text(str(os.getppid()))  # the first attempt's agent
+        os.kill(os.getpid(), 9)
+    dist.all_reduce(torch.ones(1))
+    return {"agent": os.getppid()}
+
+
+@pytest.mark.parametrize("where", ["local", "ssh host"])
+def test_a_restart_after_every_worker_died_forks_them_from_the_same_agent(
+    request: pytest.FixtureRequest, storage: str, tmp_path: Path, where: str
+) -> None:
+    hosts = {}
+    if where == "ssh host":
+        request.getfixturevalue("ssh")
+        hosts = {"hosts": ["h0 slots=2"]}
+    marker = tmp_path / "killed"
+    result = TorchTrainer(
+        all_ranks_die_once,
+        train_loop_config={"marker": str(marker)},
+        scaling_config=train.ScalingConfig(num_workers=2, **hosts),
+        run_config=train.RunConfig(
+            name="all", storage_path=storage, failure_config=train.FailureConfig(max_failures=1)
+        ),
+    ).fit()
+    run = json.loads((Path(storage) / "all" / "run.json").read_text())
+    assert len(run["attempt_errors"]) == 1, run
+    assert [v["agent"] for v in result.return_values] == [int(marker.read_text())] * 2

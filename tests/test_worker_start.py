@@ -248,7 +248,7 @@ def test_the_fork_probe_reads_a_forked_childs_cuda_state() -> None:
     # CPU build of torch has none, so a stand-in module answers for the child here.
     from types import SimpleNamespace
 
-    from ddptrain.agent.main import _children_cannot_use_cuda
+    from ddptrain.agent.process import children_cannot_use_cuda
 
     def built_for_cuda(marked: bool) -> SimpleNamespace:
         parent = os.getpid()
@@ -258,11 +258,11 @@ def test_the_fork_probe_reads_a_forked_childs_cuda_state() -> None:
             cuda=SimpleNamespace(_is_in_bad_fork=lambda: marked and os.getpid() != parent),
         )
 
-    assert _children_cannot_use_cuda(built_for_cuda(True)) is True
-    assert _children_cannot_use_cuda(built_for_cuda(False)) is False
+    assert children_cannot_use_cuda(built_for_cuda(True)) is True
+    assert children_cannot_use_cuda(built_for_cuda(False)) is False
     import torch
 
-    assert torch.version.cuda is None and _children_cannot_use_cuda(torch) is False  # no fork on CPU builds
+    assert torch.version.cuda is None and children_cannot_use_cuda(torch) is False  # no fork on CPU builds
 
 
 def test_workers_sharing_a_gpu_get_gloo_and_an_explicit_nccl_is_refused(caplog: pytest.LogCaptureFixture) -> None:

@@ -15,19 +15,61 @@ killed that agent's process group; the server answers ``P <pid>`` for each fork 
 ``R`` (so its process-group id cannot be reused while the driver may still kill the group).
 The server exits when the driver's end closes (the driver exited or killed it), and after an
 import failure once that agent has ended (the driver then starts a new server).
+
+What the server's runs turned out to import for themselves, of the few modules in ``PRELOADABLE``
+(torch's own, which ``DistributedDataParallel`` imports at its first use: several seconds of CPU
+in every worker), the server imports once too, before it forks the next agent: a worker or agent
+that imported one says so as it exits (:func:`send_hints`, a datagram on a socket every agent
+and worker of the server inherits), and the next agent and its workers then find it in memory.
+Nothing of a run's own is imported: a hint only names a module of that fixed list.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
 import socket
+import sys
 
-__all__ = ["serve"]
+from ddptrain.agent.process import children_cannot_use_cuda, other_threads
+
+__all__ = ["PRELOADABLE", "send_hints", "serve"]
 
 _TICK_S = 0.1  # how often exits are looked for
 _MAX_MESSAGE = 1 << 20  # an environment of up to 1 MiB
+
+# What a server imports once its runs have shown they import it (see the module's docstring).
+PRELOADABLE = ("torch._dynamo",)
+
+# In an agent forked by a server, and in its workers: the server's end for hints, and what the
+# server had imported of PRELOADABLE when it forked the agent.
+_hints: socket.socket | None = None
+_preloaded: frozenset[str] = frozenset()
+
+
+def send_hints() -> None:
+    """In an exiting agent or worker of a server: name what of ``PRELOADABLE`` this process
+    imported for itself, so that the server imports it before its next agent. Never blocks,
+    never fails (a server that is gone or busy just does not learn it)."""
+    if _hints is None:
+        return
+    names = [name for name in PRELOADABLE if name in sys.modules and name not in _preloaded]
+    if names:
+        with contextlib.suppress(OSError):
+            _hints.send(" ".join(names).encode(), socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+
+
+def _read_hints(hints: socket.socket) -> set[str]:
+    """The modules of ``PRELOADABLE`` named by the hints waiting on ``hints``."""
+    named: set[str] = set()
+    while True:
+        try:
+            data = hints.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return named
+        named.update(name for name in data.decode(errors="replace").split() if name in PRELOADABLE)
 
 
 def _exit_code(pid: int) -> int | None:
@@ -57,16 +99,55 @@ def _import_agent_modules(stderr_fd: int) -> bool:
     return True
 
 
+def _preload(names: set[str], stderr_fd: int) -> set[str]:
+    """Import ``names`` (of ``PRELOADABLE``), with ``stderr_fd`` as stderr meanwhile; those
+    that imported. One that fails is left to the workers, which import it as before."""
+    import importlib
+
+    done = set()
+    saved = os.dup(2)
+    os.dup2(stderr_fd, 2)
+    try:
+        for name in sorted(names):
+            try:
+                importlib.import_module(name)
+            except Exception:
+                continue
+            done.add(name)
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+    return done
+
+
+def _unsafe_to_fork() -> str | None:
+    """Why this server may no longer fork agents after a preload (``None``: it may)."""
+    import torch
+
+    threads = other_threads()
+    if threads:
+        return f"it started {len(threads)} thread(s): {', '.join(threads)}"
+    if torch.cuda.is_initialized() or children_cannot_use_cuda(torch):
+        return "it made CUDA unusable in forked processes"
+    return None
+
+
 def serve(control_fd: int) -> None:
     """Serve fork requests on ``control_fd``; returns only in a forked agent (stdin, stdout
     and stderr in place, in a session of its own). Exits the process otherwise."""
+    global _hints, _preloaded
     sock = socket.socket(fileno=control_fd)
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):  # the driver's terminal is not ours; each agent gets its own streams
         os.dup2(devnull, fd)
+    hints, hints_out = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)  # not inherited by an exec
+    hints.setblocking(False)
     running: set[int] = set()  # forked, not exited
     exited: set[int] = set()  # exited, reported, not reaped
     imported = failed = False
+    wanted: set[str] = set()  # of PRELOADABLE: named by hints, not tried yet
+    tried: set[str] = set()
+    preloaded: set[str] = set()
     while True:
         for pid in sorted(running):
             code = _exit_code(pid)
@@ -76,7 +157,10 @@ def serve(control_fd: int) -> None:
                 sock.send(f"X {pid} {code}".encode())
         if failed and not running:
             os._exit(1)
-        if not select.select([sock], [], [], _TICK_S)[0]:
+        ready = select.select([sock, hints], [], [], _TICK_S)[0]
+        if hints in ready:
+            wanted |= _read_hints(hints) - tried
+        if sock not in ready:
             continue
         try:
             message, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 3)
@@ -98,9 +182,17 @@ def serve(control_fd: int) -> None:
         if not imported:
             imported = True
             failed = not _import_agent_modules(fds[2])
+        if wanted and not failed:
+            preloaded |= _preload(wanted, fds[2])
+            tried |= wanted  # once: one that failed to import is left to the workers
+            wanted.clear()
+            if _unsafe_to_fork() is not None:
+                os._exit(1)  # forks no more: the driver starts this agent (and the next) as new processes
         pid = os.fork()
         if pid == 0:  # the agent
             sock.close()
+            hints.close()
+            _hints, _preloaded = hints_out, frozenset(preloaded)
             os.setsid()
             for target, fd in enumerate(fds):
                 os.dup2(fd, target)

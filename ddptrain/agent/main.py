@@ -5,7 +5,9 @@ Started with :func:`agent_command`. It imports torch once, reads one
 then relays every worker's stdout/stderr and exit status to stdout as frames
 (``ddptrain.agent.relay``; frames and events: ``ddptrain.wire.protocol``, ``ddptrain.wire.agent_events``).
 When the driver restarts the group from warm agents (``Request.RESET``), the agent kills its
-workers and what they started, says ``AgentIdle``, and starts the next bootstrap's workers.
+workers and what they started, says ``AgentIdle``, and starts the next bootstrap's workers. Once
+every worker has exited, it waits for the driver's word (a reset, or a stop) rather than exiting,
+so that a restart after all of its workers failed starts from it too.
 It kills all its workers when stdin closes (the driver died or the SSH connection dropped), when
 the driver sends ``Request.KILL``, or on an SSH host when the driver's heartbeats stop; every
 worker dies with it through ``PR_SET_PDEATHSIG``.
@@ -32,11 +34,11 @@ import signal
 import socket
 import sys
 import traceback
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING
 
 from ddptrain import ray_compat
 from ddptrain.agent import forkserver
-from ddptrain.agent.process import kill_group_strays, other_threads, set_pdeathsig
+from ddptrain.agent.process import children_cannot_use_cuda, kill_group_strays, other_threads, set_pdeathsig
 from ddptrain.agent.relay import Child, kill_all, relay, wait_for_bootstrap
 from ddptrain.wire.agent_events import AgentFailed, WorkerStarted, encode_event
 from ddptrain.wire.boot import FORKSERVER_FD_VAR, check_versions, load_user, worker_sys_path, write_all
@@ -99,6 +101,7 @@ def _fork_worker(spec: WorkerSpec, boot: WorkerBoot, close_fds: list[int]) -> Ch
             try:
                 sys.stdout.flush()
                 sys.stderr.flush()
+                forkserver.send_hints()  # what it imported that the next agent could have
             finally:
                 os._exit(code)
     for fd in (out_w, err_w, status_w):
@@ -115,27 +118,9 @@ def _fork_unsafe_after_loading() -> str | None:
     threads = other_threads()
     if threads:
         return f"it started {len(threads)} thread(s): {', '.join(threads)}"
-    if _children_cannot_use_cuda(torch):
+    if children_cannot_use_cuda(torch):
         return "it asked CUDA about its devices (e.g. `torch.cuda.is_available()` at module level)"
     return None
-
-
-def _children_cannot_use_cuda(torch: Any) -> bool:
-    """Whether a worker forked now could not use CUDA.
-
-    Asking CUDA for its device count (``torch.cuda.is_available()``, ``device_count()``) marks
-    a process so that its forked children fail at their first CUDA call, without initializing
-    CUDA in it (``is_initialized()`` stays False): only a child can tell. So fork one that
-    answers with its exit status. Single-threaded here (checked before), and the child only
-    reads a flag. CPU-only builds of torch cannot be marked, and skip this.
-    """
-    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
-        return False
-    pid = os.fork()
-    if pid == 0:
-        os._exit(3 if torch.cuda._is_in_bad_fork() else 0)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status) == 3
 
 
 def _exec_clean(bootstrap: Bootstrap, out_fd: int, reason: str) -> None:
@@ -269,6 +254,7 @@ def entry(openblas_threads: str | None = None) -> None:
     exit_code = main()
     kill_group_strays()
     sys.stderr.flush()
+    forkserver.send_hints()
     os._exit(exit_code)  # skip interpreter teardown with torch loaded (about half a second)
 
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from typing import Any
 
-__all__ = ["kill_group_strays", "other_threads", "process_state", "set_pdeathsig"]
+__all__ = ["children_cannot_use_cuda", "kill_group_strays", "other_threads", "process_state", "set_pdeathsig"]
 
 
 def set_pdeathsig(agent_pid: int) -> None:
@@ -39,6 +40,24 @@ def other_threads() -> list[str]:
         except OSError:
             pass  # it ended meanwhile
     return names
+
+
+def children_cannot_use_cuda(torch: Any) -> bool:
+    """Whether a process forked from this one now could not use CUDA.
+
+    Asking CUDA for its device count (``torch.cuda.is_available()``, ``device_count()``) marks
+    a process so that its forked children fail at their first CUDA call, without initializing
+    CUDA in it (``is_initialized()`` stays False): only a child can tell. So fork one that
+    answers with its exit status. Call it single-threaded; the child only reads a flag. CPU-only
+    builds of torch cannot be marked, and skip this.
+    """
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        return False
+    pid = os.fork()
+    if pid == 0:
+        os._exit(3 if torch.cuda._is_in_bad_fork() else 0)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 3
 
 
 def _stat_fields(pid: int) -> list[str]:

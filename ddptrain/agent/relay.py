@@ -148,18 +148,21 @@ def _reaped(child: Child) -> bool:
 
 
 def relay(out_fd: int, stdin_fd: int, children: list[Child], grace_s: float, heartbeat_s: float | None = None) -> bool:
-    """Relay the workers' output and exits until every worker exited; kill them all when the
-    driver is gone, asks to stop, or (``heartbeat_s``) is silent that long. ``True`` when the
-    driver asked for a reset (``Request.RESET``): every worker was killed, and the agent is to
-    wait for the next attempt's bootstrap.
+    """Relay the workers' output and exits until every worker exited, then wait for the
+    driver's word; kill them all when the driver is gone, asks to stop, or (``heartbeat_s``) is
+    silent that long. ``True`` when the driver asked for a reset (``Request.RESET``), while
+    workers ran or after they all exited (a restart after they all failed): every worker was
+    killed, and the agent is to wait for the next attempt's bootstrap.
 
     A first SIGTERM to the agent is a preemption notice (its host is going away): the driver
-    is told (:class:`AgentPreempted`) and decides; a second SIGTERM ends the agent at once."""
+    is told (:class:`AgentPreempted`) and decides; a second SIGTERM ends the agent at once. One
+    that comes once every worker has exited ends the agent."""
     link = _DriverLink(out_fd, stdin_fd, heartbeat_s)
     notices: list[int] = []
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: notices.append(signum))
     try:
         _relay_until_done(link, children, notices)
+        _await_word(link, children, notices)
     except _DriverGone as gone:
         if str(gone):
             print(f"ddptrain agent: {gone}; stopping", file=sys.stderr)
@@ -177,6 +180,20 @@ def relay(out_fd: int, stdin_fd: int, children: list[Child], grace_s: float, hea
         signal.signal(signal.SIGTERM, previous)
         os.set_blocking(out_fd, True)
     return False
+
+
+def _await_word(link: _DriverLink, children: list[Child], notices: list[int]) -> None:
+    """Every worker has exited and the driver knows: wait until it asks for a reset (raises
+    :class:`_Reset`) or to stop, goes away or (over SSH) silent (:class:`_DriverGone`). Returns,
+    and the agent ends, on a SIGTERM (a host being preempted is not kept)."""
+    while not notices:
+        readable, _, _ = select.select([link.stdin_fd], [], [], ALIVE_S / 2)
+        if readable:
+            data = link.read_requests()
+            if Request.STATES in data or Request.STACKS in data:  # none left: an empty answer
+                _report_states(link, children, dump_stacks=False)
+        link.check_heartbeat()
+        link.keep_alive()
 
 
 def wait_for_bootstrap(out_fd: int, stdin_fd: int, heartbeat_s: float | None) -> bytes | None:

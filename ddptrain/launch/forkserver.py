@@ -111,21 +111,28 @@ class ForkedAgent:
         self._exit(-1 if pid is not None else 1)  # the code is unknown: the server reaped no more
 
 
+def _start_server(env: dict[str, str], fd: int) -> subprocess.Popen[bytes]:
+    """The server process: an agent's command line, in a session of its own, with ``env`` and
+    ``fd`` (its end of the socket pair) named in it. Its ``pid``, ``poll()`` and ``wait()`` are
+    what the driver uses."""
+    return subprocess.Popen(
+        agent_command(sys.executable, import_pins()),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**env, FORKSERVER_FD_VAR: str(fd)},
+        pass_fds=(fd,),
+        start_new_session=True,
+    )
+
+
 class _Server:
     def __init__(self, key: tuple[object, ...], env: dict[str, str]) -> None:
         self.key = key
         self.owner = os.getpid()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            self.proc = subprocess.Popen(
-                agent_command(sys.executable, import_pins()),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                env={**env, FORKSERVER_FD_VAR: str(theirs.fileno())},
-                pass_fds=(theirs.fileno(),),
-                start_new_session=True,
-            )
+            self.proc = _start_server(env, theirs.fileno())
         finally:
             theirs.close()
         self.sock = ours
