@@ -33,7 +33,7 @@ import select
 import socket
 import sys
 
-from ddptrain.agent.process import children_cannot_use_cuda, other_threads
+from ddptrain.agent.process import why_fork_unsafe
 
 __all__ = ["PRELOADABLE", "send_hints", "serve"]
 
@@ -120,18 +120,6 @@ def _preload(names: set[str], stderr_fd: int) -> set[str]:
     return done
 
 
-def _unsafe_to_fork() -> str | None:
-    """Why this server may no longer fork agents after a preload (``None``: it may)."""
-    import torch
-
-    threads = other_threads()
-    if threads:
-        return f"it started {len(threads)} thread(s): {', '.join(threads)}"
-    if torch.cuda.is_initialized() or children_cannot_use_cuda(torch):
-        return "it made CUDA unusable in forked processes"
-    return None
-
-
 def serve(control_fd: int) -> None:
     """Serve fork requests on ``control_fd``; returns only in a forked agent (stdin, stdout
     and stderr in place, in a session of its own). Exits the process otherwise."""
@@ -186,7 +174,7 @@ def serve(control_fd: int) -> None:
             preloaded |= _preload(wanted, fds[2])
             tried |= wanted  # once: one that failed to import is left to the workers
             wanted.clear()
-            if _unsafe_to_fork() is not None:
+            if why_fork_unsafe() is not None:
                 os._exit(1)  # forks no more: the driver starts this agent (and the next) as new processes
         pid = os.fork()
         if pid == 0:  # the agent

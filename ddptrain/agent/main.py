@@ -38,7 +38,7 @@ from typing import IO, TYPE_CHECKING
 
 from ddptrain import ray_compat
 from ddptrain.agent import forkserver
-from ddptrain.agent.process import children_cannot_use_cuda, kill_group_strays, other_threads, set_pdeathsig
+from ddptrain.agent.process import kill_group_strays, other_threads, set_pdeathsig, why_fork_unsafe
 from ddptrain.agent.relay import Child, kill_all, relay, wait_for_bootstrap
 from ddptrain.wire.agent_events import AgentFailed, WorkerStarted, encode_event
 from ddptrain.wire.boot import FORKSERVER_FD_VAR, check_versions, load_user, worker_sys_path, write_all
@@ -107,20 +107,6 @@ def _fork_worker(spec: WorkerSpec, boot: WorkerBoot, close_fds: list[int]) -> Ch
     for fd in (out_w, err_w, status_w):
         os.close(fd)
     return Child(rank=spec.rank, pid=pid, fds={out_r: Kind.STDOUT, err_r: Kind.STDERR}, status_fd=status_r)
-
-
-def _fork_unsafe_after_loading() -> str | None:
-    """Why forking is no longer safe after the user's code was loaded here (``None``: it is)."""
-    import torch
-
-    if torch.cuda.is_initialized():  # a flag read; it does not touch the driver
-        return "it initialized CUDA"
-    threads = other_threads()
-    if threads:
-        return f"it started {len(threads)} thread(s): {', '.join(threads)}"
-    if children_cannot_use_cuda(torch):
-        return "it asked CUDA about its devices (e.g. `torch.cuda.is_available()` at module level)"
-    return None
 
 
 def _exec_clean(bootstrap: Bootstrap, out_fd: int, reason: str) -> None:
@@ -213,7 +199,7 @@ def _run(bootstrap: Bootstrap, out_fd: int, own_path: list[str]) -> tuple[int, b
         boot = WorkerBoot(bootstrap.run, bootstrap.store, bootstrap.payload)
         if bootstrap.start == "shared" and bootstrap.payload is not None:
             boot = dataclasses.replace(boot, user=load_user(bootstrap.payload))
-            reason = _fork_unsafe_after_loading()
+            reason = why_fork_unsafe()  # after loading the user's code
             if reason is not None:
                 _exec_clean(bootstrap, out_fd, reason)
     except BaseException:

@@ -11,7 +11,14 @@ import signal
 import threading
 from typing import Any
 
-__all__ = ["children_cannot_use_cuda", "kill_group_strays", "other_threads", "process_state", "set_pdeathsig"]
+__all__ = [
+    "children_cannot_use_cuda",
+    "kill_group_strays",
+    "other_threads",
+    "process_state",
+    "set_pdeathsig",
+    "why_fork_unsafe",
+]
 
 
 def set_pdeathsig(agent_pid: int) -> None:
@@ -58,6 +65,21 @@ def children_cannot_use_cuda(torch: Any) -> bool:
         os._exit(3 if torch.cuda._is_in_bad_fork() else 0)
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status) == 3
+
+
+def why_fork_unsafe() -> str | None:
+    """Why a process forked from this one (torch imported) would not run right: the agent
+    after loading the user's code, the fork server after a preload (``None``: it would)."""
+    import torch
+
+    if torch.cuda.is_initialized():  # a flag read; it does not touch the driver
+        return "it initialized CUDA"
+    threads = other_threads()
+    if threads:
+        return f"it started {len(threads)} thread(s): {', '.join(threads)}"
+    if children_cannot_use_cuda(torch):
+        return "it asked CUDA about its devices (e.g. `torch.cuda.is_available()` at module level)"
+    return None
 
 
 def _stat_fields(pid: int) -> list[str]:
