@@ -170,9 +170,7 @@ class _Session:
     devices: list[Any] = field(default_factory=list)
     storage: RunStorage | None = None  # where reported checkpoints go (``None``: no run)
     uploads: CheckpointUploads | None = None  # its ASYNC uploads (made by the first one)
-    storage_spec: protocol.StorageSpec | None = None  # what ``storage`` was built from (a worker's)
-    run_name: str = ""
-    uploader: UploadProcess | None = None  # where its ASYNC uploads run (see upload_process)
+    uploader: UploadProcess | None = None  # where a worker's ASYNC uploads run (started by the first)
     report_index: int = 0
     validates: bool = False  # the trainer has a ValidationConfig
     collective_index: int = 0
@@ -182,13 +180,6 @@ class _Session:
     def checkpoint_at(self, path: str) -> Checkpoint:
         """The run's checkpoint at ``path`` (a path the driver sent)."""
         return self.storage.checkpoint_at(path) if self.storage is not None else Checkpoint(path)
-
-    def upload_process(self) -> UploadProcess | None:
-        """The process this worker's ``ASYNC`` uploads run in (started by the first one);
-        ``None`` in local mode, whose uploads are made in the reporting thread."""
-        if self.uploader is None and self.storage_spec is not None:
-            self.uploader = UploadProcess(self.storage_spec, self.run_name)
-        return self.uploader
 
     def call_driver(self, message: Any) -> Any:
         """Send a message and wait for the driver's reply to it."""
@@ -242,8 +233,8 @@ def build_session(
         devices=list(place.devices),
         report_index=run.report_index,
         validates=run.validates,
-        storage_spec=run.storage if storage is not None and channel is not None else None,
-        run_name=run.name,
+        # A worker's uploads run in a process of their own; local mode's in the reporting thread.
+        uploader=UploadProcess(run.storage, run.name) if storage is not None and channel is not None else None,
     )
 
 
@@ -494,7 +485,7 @@ class _ChannelReports:
 
             def in_background() -> None:
                 try:
-                    staged = persist_checkpoint(session, checkpoint, name, index, upload, session.upload_process())
+                    staged = persist_checkpoint(session, checkpoint, name, index, upload, session.uploader)
                 except BaseException as exc:
                     error = upload_error(session, exc, name, index)
                     channel.send_aside(protocol.Uploaded(rank, index, None, _pickled(error), _described(error)))

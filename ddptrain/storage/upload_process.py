@@ -62,7 +62,8 @@ def _read(stream: IO[bytes]) -> Any:
 
 
 class UploadProcess:
-    """A worker's uploader: :meth:`stage` as ``RunStorage.stage``, run in another process.
+    """A worker's uploader: :meth:`stage` as ``RunStorage.stage``, run in another process
+    (started by the first call).
 
     Args:
         spec: The run's ``StorageSpec`` (what the worker built its storage from).
