@@ -144,3 +144,15 @@ def test_run_name_from_the_environment(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("DDPTRAIN_RUN_NAME", "../up")
     with pytest.raises(ValueError, match="plain folder name"):
         RunLocation.of(RunConfig(storage_path=str(tmp_path)))
+
+
+def test_an_agent_step_drops_the_steps_variables_and_keeps_the_users() -> None:
+    from ddptrain.launch.slurm import step_env
+
+    env = step_env({"A": "1", "SLURM_NTASKS": "8"}, "10.0.0.1", {"SLURM_JOB_NAME": "train"})
+    unset = env.pop("DDPTRAIN_UNSET").split(",")
+    assert env == {"A": "1", "SLURM_NTASKS": "8", "SLURM_JOB_NAME": "train", "DDPTRAIN_ROUTE_TO": "10.0.0.1"}
+    assert {"SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_STEP_*"} <= set(unset)
+    assert "SLURM_NTASKS" not in unset  # the user's own value stays
+    unnamed = step_env({}, "10.0.0.1", {})  # no allocation name known: the step's is dropped too
+    assert "SLURM_JOB_NAME" in unnamed["DDPTRAIN_UNSET"].split(",") and "SLURM_JOB_NAME" not in unnamed

@@ -5,6 +5,7 @@ The tests share one cluster; the node-killing test runs last."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -123,6 +124,67 @@ def test_two_nodes_through_sbatch(slurm, script: Path, tmp_path: Path) -> None:
     output = out.read_text() if out.exists() else ""
     assert done.returncode == 0, done.stdout + done.stderr + output
     _check_run(storage, output)
+
+
+WORKER_ENV = r"""
+import os, sys
+import ddptrain
+from ddptrain import RunConfig, ScalingConfig
+from ddptrain.torch import TorchTrainer
+
+def loop(config):
+    import torch, torch.distributed as dist
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    env = {k: v for k, v in os.environ.items() if k.startswith("SLURM") or k.endswith("_SOCKET_IFNAME")}
+    return {"sum": total.item(), "env": env}
+
+result = TorchTrainer(
+    loop,
+    scaling_config=ScalingConfig(num_workers=4, hosts="slurm"),
+    run_config=RunConfig(name="env", storage_path=sys.argv[1]),
+).fit()
+print("RESULT", result.return_values, flush=True)
+"""
+
+
+def test_nodes_whose_names_do_not_resolve_train_and_workers_see_the_allocation_not_the_step(
+    slurm, tmp_path: Path
+) -> None:
+    """Neither node resolves its own name (its own /etc/hosts lacks it), so gloo, left alone,
+    binds 127.0.0.1 on both and the group never forms: each node's agent must set the interface
+    on its route to the driver. The workers' SLURM variables are the allocation's: the agent's
+    one-task step (SLURM_PROCID=0, SLURM_NTASKS=1 on every node) must not show through."""
+    script = tmp_path / "env.py"
+    script.write_text(WORKER_ENV)
+    hosts = (slurm.root / "hosts").read_text().splitlines()
+    mounted = []
+    try:
+        for node in slurm.node_names:
+            own = tmp_path / f"hosts-{node}"
+            own.write_text("".join(line + "\n" for line in hosts if not line.endswith(f" {node}")))
+            pid = str(slurm.slurmd_pid(node))
+            subprocess.run(["nsenter", "-t", pid, "-m", "mount", "--bind", str(own), "/etc/hosts"], check=True)
+            mounted.append(pid)
+        done = slurm.run(
+            ["salloc", "-N2", "--ntasks-per-node=2", "--job-name=envjob", sys.executable, str(script), str(tmp_path)],
+            timeout_s=180,
+            env=_env(DDPTRAIN_STORE_CONNECT_TIMEOUT_S="10"),
+        )
+    finally:
+        for pid in mounted:
+            subprocess.run(["nsenter", "-t", pid, "-m", "umount", "/etc/hosts"], check=False)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    values = ast.literal_eval(output.split("RESULT ", 1)[1].splitlines()[0])
+    assert [v["sum"] for v in values] == [4.0] * 4
+    for rank, value in enumerate(values):
+        env = value["env"]
+        assert (env.get("GLOO_SOCKET_IFNAME"), env.get("NCCL_SOCKET_IFNAME")) == ("eth0", "eth0"), env
+        assert env["SLURM_JOB_NAME"] == "envjob"  # not the agent step's name
+        assert env["SLURM_JOB_NODELIST"] == "n[0-1]" and env["SLURMD_NODENAME"] == f"n{rank // 2}"
+        step = sorted(k for k in env if k in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_NNODES") or "STEP" in k)
+        assert step == [], env
 
 
 def test_a_killed_worker_restarts_the_group(slurm, script: Path, tmp_path: Path) -> None:

@@ -12,8 +12,12 @@ the environment is imported), and are passed as one line (:func:`one_line`).
   it also sets ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` to the network interface
   the SSH connection arrived on (the server address in ``SSH_CONNECTION``): gloo otherwise
   binds to what the host name resolves to, and falls back to 127.0.0.1 where it does not
-  resolve, which the other hosts cannot reach. A loopback address (a tunnel on the host) or
-  an address no interface holds as its primary one leaves both unset. A stdout that is a
+  resolve, which the other hosts cannot reach. Without SSH (a SLURM job step), the interface
+  is the one holding this host's address on the route to ``DDPTRAIN_ROUTE_TO`` (the driver's
+  address) when the driver names one. A loopback address (a tunnel on the host) or an address
+  no interface holds as its primary one leaves both unset. ``DDPTRAIN_UNSET`` (names separated
+  by commas, ``NAME*`` for a prefix) removes variables the program would otherwise inherit; both
+  of these are read here and never reach the program. A stdout that is a
   terminal (``srun --unbuffered`` gives the step one, see ``ddptrain.launch.slurm``) is put in
   raw mode, so the agent's binary frames pass through it unchanged.
 - :data:`STORAGE_PREP` runs before a run starts on a host: it removes the staging folders of
@@ -61,15 +65,24 @@ def interface(address):
             if ifreq[20:24] == packed:
                 return name
     return None
+def route_source(address):
+    import socket
+    with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((address, 9))
+        return s.getsockname()[0]
 env = dict(os.environb)
 server = (os.environb.get(b"SSH_CONNECTION") or b"").split()
 size = int.from_bytes(take(4), "big")
 for item in take(size).split(b"\0") if size else ():
     key, _, value = item.partition(b"=")
     env[key] = value
-if len(server) == 4 and not (b"GLOO_SOCKET_IFNAME" in env and b"NCCL_SOCKET_IFNAME" in env):
+for name in env.pop(b"DDPTRAIN_UNSET", b"").split(b","):
+    for key in [k for k in env if (k.startswith(name[:-1]) if name.endswith(b"*") else k == name)] if name else ():
+        del env[key]
+route_to = env.pop(b"DDPTRAIN_ROUTE_TO", b"").decode()
+if (len(server) == 4 or route_to) and not (b"GLOO_SOCKET_IFNAME" in env and b"NCCL_SOCKET_IFNAME" in env):
     try:
-        name = interface(server[2].decode())
+        name = interface(server[2].decode() if len(server) == 4 else route_source(route_to))
     except Exception:
         name = None
     if name:

@@ -53,6 +53,7 @@ __all__ = [
     "prestart_command",
     "route_source",
     "srun_command",
+    "step_env",
     "tasks_per_node",
 ]
 
@@ -244,6 +245,43 @@ def srun_command(node: str, program: list[str]) -> list[str]:
     ]
 
 
+# What srun sets for the agent's step that would mislead a worker: the step's task identity
+# (every agent is task 0 of a one-task step on one node), its ids and its launcher's ports.
+# Workers find their rank in RANK, LOCAL_RANK, NODE_RANK and WORLD_SIZE, as on any host.
+STEP_VARIABLES = (
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+    "SLURM_GTIDS",
+    "SLURM_NODEID",
+    "SLURM_NTASKS",
+    "SLURM_NPROCS",
+    "SLURM_NNODES",
+    "SLURM_TASKS_PER_NODE",
+    "SLURM_TASK_PID",
+    "SLURM_STEPID",
+    "SLURM_STEP_*",
+    "SLURM_SRUN_COMM_*",
+    "SLURM_LAUNCH_NODE_IPADDR",
+    "SLURM_DISTRIBUTION",
+    "SLURM_CPU_BIND*",
+)
+
+
+def step_env(env: Mapping[str, str], driver_address: str, driver_env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` for an agent's job step, with what ``PRESTART`` does there before the agent starts:
+    the step's own variables (:data:`STEP_VARIABLES`) removed, ``SLURM_JOB_NAME`` the
+    allocation's (the step's ``--job-name`` renames it), and the network interface for gloo and
+    NCCL the one on the node's route to ``driver_address``. Names in ``env`` are kept as given."""
+    unset = [name for name in STEP_VARIABLES if name not in env]
+    extra = {"DDPTRAIN_ROUTE_TO": driver_address}
+    if "SLURM_JOB_NAME" not in env:
+        if driver_env.get("SLURM_JOB_NAME"):
+            extra["SLURM_JOB_NAME"] = driver_env["SLURM_JOB_NAME"]
+        else:
+            unset.append("SLURM_JOB_NAME")
+    return {**env, **extra, "DDPTRAIN_UNSET": ",".join(unset)}
+
+
 def prestart_command(python: str, program: list[str]) -> list[str]:
     """``program`` started as on an SSH host: its environment read from stdin first (``PRESTART``)."""
     return [python, "-I", "-S", "-c", one_line(PRESTART), *program]
@@ -386,7 +424,7 @@ class SlurmLauncher:
         self.python = python
         self._lost_after_s = _env.ssh_heartbeat_timeout_s()
         self.local_address = _env.driver_address() or route_source(node_address(node))
-        self._connection = SrunConnection(node, python, env)
+        self._connection = SrunConnection(node, python, step_env(env, self.local_address, os.environ))
         label = f"ddptrain agent {node}"
         self._session = AgentSession(self._connection, ALIVE_S, label, lost_after_s=self._lost_after_s)
         try:

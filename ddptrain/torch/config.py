@@ -156,7 +156,8 @@ def _gloo_connect_failure(join_s: float, exc: BaseException) -> str:
         "set GLOO_SOCKET_IFNAME to the network interface this host reaches the other hosts on (see "
         "`ip addr`), in the driver's environment (it is forwarded) or in "
         "RunConfig(worker_runtime_env={'env_vars': ...}); when it is not set, a host reached over SSH "
-        "uses the interface its SSH connection arrives on. DDPTRAIN_STORE_CONNECT_TIMEOUT_S bounds this wait."
+        "uses the interface its SSH connection arrives on, and a SLURM node the one on its route to the "
+        "driver. DDPTRAIN_STORE_CONNECT_TIMEOUT_S bounds this wait."
     )
 
 
