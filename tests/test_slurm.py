@@ -104,6 +104,7 @@ def test_hosts_slurm_places_workers_on_the_allocation(monkeypatch: pytest.Monkey
         ({"job_name": "a b"}, "`SlurmConfig(job_name=...)` must be 1-64 letters"),
         ({"extra": ["--output=x.log"]}, "leave out '--output=x.log'"),
         ({"extra": "--qos=low"}, "must be a list of sbatch options"),
+        ({"extra": ["--signal=B:USR1@300"]}, "and `signal_s=120` both ask for a warning signal"),
     ],
 )
 def test_slurm_config_rejects_bad_input(kwargs: dict[str, object], message: str) -> None:
@@ -156,3 +157,24 @@ def test_an_agent_step_drops_the_steps_variables_and_keeps_the_users() -> None:
     assert "SLURM_NTASKS" not in unset  # the user's own value stays
     unnamed = step_env({}, "10.0.0.1", {})  # no allocation name known: the step's is dropped too
     assert "SLURM_JOB_NAME" in unnamed["DDPTRAIN_UNSET"].split(",") and "SLURM_JOB_NAME" not in unnamed
+
+
+@pytest.mark.parametrize(
+    ("options", "lead", "rest"),
+    [
+        (["--signal=SIGUSR1@90", "--qos=low"], 90, ["--qos=low"]),
+        (["--qos=low", "--signal", "B:USR1@300"], 300, ["--qos=low"]),
+        (["--signal=10"], 60, []),  # sbatch's default lead time
+        (["--signal=B:USR2@60"], None, ["--signal=B:USR2@60"]),  # another signal: the user's own
+        (["--time=1:00:00"], None, ["--time=1:00:00"]),
+    ],
+)
+def test_a_usr1_signal_option_sets_the_warnings_lead_time(
+    options: list[str], lead: int | None, rest: list[str]
+) -> None:
+    from ddptrain import SlurmConfig
+    from ddptrain.launch.slurm_submit import warning_option
+
+    assert warning_option(options) == (lead, rest)
+    if lead is None:  # kept as the user's own, which SlurmConfig takes with signal_s=0 (no requeue)
+        assert "--requeue" not in SlurmConfig(signal_s=0, extra=rest).sbatch_options()

@@ -436,12 +436,15 @@ def test_ctrl_c_cancels_the_submitted_job(slurm, script: Path, tmp_path: Path) -
 def test_a_slurm_warning_preempts_requeues_and_resumes(slurm, script: Path, tmp_path: Path) -> None:
     storage = tmp_path / "runs"
     storage.mkdir()
-    sub = _Submit(
-        ["--nodes=2", "--ntasks-per-node=2", "--", str(script), str(storage), "preempt"],
+    sub = _Submit(  # --signal as Lightning's docs teach it (to the steps): ours, to the batch shell, 90 s ahead
+        ["--nodes=2", "--ntasks-per-node=2", "--signal=SIGUSR1@90", "--", str(script), str(storage), "preempt"],
         tmp_path,
         DDPTRAIN_PREEMPTION_WINDOW_S="20",
     )
     job = sub.job_id(60)
+    assert "(B:USR1@90)" in sub.output
+    batch = next((tmp_path / ".ddptrain" / "slurm").glob("*.sbatch")).read_text()
+    assert "#SBATCH --signal=B:USR1@90" in batch and "#SBATCH --requeue" in batch and "SIGUSR1@90" not in batch
     deadline = time.monotonic() + 120
     while not (storage / "running").exists():
         assert sub.proc.poll() is None and time.monotonic() < deadline, sub.output

@@ -23,7 +23,7 @@ from ddptrain.launch.fanout import each_host
 from ddptrain.launch.host_scripts import env_frame
 from ddptrain.launch.hosts import SLURM, HostSpec, is_local, parse_hosts, with_ssh_config
 from ddptrain.launch.slurm import allocation_hosts, node_address, prestart_command, route_source, srun_command
-from ddptrain.launch.slurm_submit import SlurmConfig, submit
+from ddptrain.launch.slurm_submit import SlurmConfig, submit, warning_option
 from ddptrain.launch.ssh_connect import connect, run_program
 from ddptrain.ray_compat import install as install_ray_compat
 from ddptrain.wire.boot import PIN, import_pins, versions
@@ -229,8 +229,9 @@ def submit_command(argv: list[str]) -> int:
     if "--" not in argv:
         if argv[:1] in (["-h"], ["--help"]):  # as argparse's --help
             print(
-                f"{_SUBMIT_USAGE}\n\nThe options before `--` are sbatch's; `--signal` of your own turns off the "
-                "warning and the requeue. See docs/slurm.md ('From a login node')."
+                f"{_SUBMIT_USAGE}\n\nThe options before `--` are sbatch's. `--signal=USR1@S` sets the warning's lead "
+                "time (default 120 s); a `--signal` with another signal turns off the warning and the requeue. "
+                "See docs/slurm.md ('From a login node')."
             )
             raise SystemExit(0)
         print(f"{_SUBMIT_USAGE}\nddptrain submit: put `--` between sbatch's options and the script.", file=sys.stderr)
@@ -240,9 +241,17 @@ def submit_command(argv: list[str]) -> int:
     if not command:
         print(f"{_SUBMIT_USAGE}\nddptrain submit: no script after `--`.", file=sys.stderr)
         return 2
-    signal_s = 0 if any(o.startswith("--signal") for o in options) else 120  # the user's own warning
+    lead_s, options = warning_option(options)
+    if lead_s is not None:  # a USR1 warning: ours, with that lead time, to the batch shell
+        print(
+            f"ddptrain submit: --signal: SLURM warns the batch shell (B:USR1@{lead_s}), which preempts the run "
+            "and requeues the job",
+            file=sys.stderr,
+        )
+    elif any(o.startswith("--signal") for o in options):  # another signal: the user's own, no requeue
+        lead_s = 0
     try:
-        return submit(command, SlurmConfig(signal_s=signal_s, extra=options))
+        return submit(command, SlurmConfig(signal_s=120 if lead_s is None else lead_s, extra=options))
     except DdpTrainError as exc:
         print(f"ddptrain submit: {exc}", file=sys.stderr)
         return 2

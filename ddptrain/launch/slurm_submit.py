@@ -32,7 +32,7 @@ from typing import IO
 
 from ddptrain.errors import ConfigError, LaunchError
 
-__all__ = ["SlurmConfig", "batch_script", "submit"]
+__all__ = ["SlurmConfig", "batch_script", "submit", "warning_option"]
 
 _logger = logging.getLogger(__name__)
 
@@ -52,6 +52,27 @@ _ENDED = {
     "DEADLINE",
 }
 _JOB_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+# sbatch's --signal=[{R|B}:]<sig_num>[@sig_time] asking for SIGUSR1 (the default time is 60 s).
+_USR1_WARNING = re.compile(r"(?:[RB]{1,2}:)?(?:SIG)?(?:USR1|10)(?:@(\d+))?", re.IGNORECASE)
+
+
+def warning_option(options: list[str]) -> tuple[int | None, list[str]]:
+    """A ``--signal`` among sbatch ``options`` that asks for SIGUSR1 before the job's end, as
+    Lightning's docs teach (``--signal=SIGUSR1@90``): its lead time in seconds, and ``options``
+    without it. ``None`` (and ``options`` unchanged) when there is no ``--signal``, or it asks
+    for another signal."""
+    for index, option in enumerate(options):
+        if option == "--signal" and index + 1 < len(options):
+            value, end = options[index + 1], index + 2
+        elif option.startswith("--signal="):
+            value, end = option.split("=", 1)[1], index + 1
+        else:
+            continue
+        match = _USR1_WARNING.fullmatch(value)
+        if match is None:
+            return None, options
+        return int(match.group(1) or 60), options[:index] + options[end:]
+    return None, options
 
 
 @dataclass
@@ -102,6 +123,12 @@ class SlurmConfig:
         if not isinstance(self.extra, (list, tuple)) or not all(isinstance(o, str) for o in self.extra):
             raise ConfigError(f"`SlurmConfig(extra=...)` must be a list of sbatch options (str), got {self.extra!r}.")
         for option in self.extra:
+            if self.signal_s and option.split("=", 1)[0] == "--signal":
+                raise ConfigError(
+                    f"`SlurmConfig(extra=[{option!r}, ...])` and `signal_s={self.signal_s}` both ask for a warning "
+                    "signal: give its lead time as `signal_s` (the warning then preempts the run and requeues "
+                    "the job), or set `signal_s=0` to send your own signal, with no requeue."
+                )
             if option.split("=", 1)[0] in ("-o", "--output", "-e", "--error", "--open-mode"):
                 raise ConfigError(
                     f"`ddptrain submit` writes the job's output itself (to follow it): leave out {option!r}, "
