@@ -307,6 +307,41 @@ def _wait_running(storage: Path, proc: subprocess.Popen[str], timeout_s: float) 
         time.sleep(0.1)
 
 
+def test_slurms_usr1_to_every_process_of_the_steps_preempts_the_run(slurm, script: Path, tmp_path: Path) -> None:
+    """`#SBATCH --signal=USR1@90` without `B:` (Lightning's habit) or `scancel --signal=USR1`:
+    SLURM sends SIGUSR1 to every process of the job's steps (agents, workers). Nothing of ours
+    may die of it: the agents take it as the hosts' preemption notice, the run commits a final
+    checkpoint and ends PREEMPTED, naming the signal."""
+    storage = tmp_path / "runs"
+    storage.mkdir()
+    proc = subprocess.Popen(
+        ["salloc", "-N2", "--ntasks-per-node=2", sys.executable, str(script), str(storage), "long"],
+        env={**os.environ, **_env(DDPTRAIN_PREEMPTION_WINDOW_S="20")},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _wait_running(storage, proc, 120)
+        job = slurm.run(["squeue", "-h", "-o", "%i"]).stdout.split()
+        assert len(job) == 1, job
+        done = slurm.run(["scancel", "--signal=USR1", job[0]])
+        assert done.returncode == 0, done.stderr
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            slurm.run(["scancel", "--user=root"])
+            proc.communicate(timeout=30)
+    assert "RunPreemptedError" in output, output
+    assert "exit code 138" not in output and "died" not in output, output
+    status = json.loads((storage / "run" / "run.json").read_text())
+    assert status["status"] == "PREEMPTED", status
+    assert re.fullmatch(r"SIGUSR1 to the agent on host n[01]", status["preempted"]["reason"]), status
+    assert os.path.isdir(status["preempted"]["checkpoint"]), status
+
+
 def test_a_killed_driver_leaves_nothing_on_the_nodes(slurm, script: Path, tmp_path: Path) -> None:
     storage = tmp_path / "runs"
     storage.mkdir()

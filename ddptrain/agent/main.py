@@ -234,6 +234,11 @@ def entry(openblas_threads: str | None = None) -> None:
     else:
         os.environ["OPENBLAS_NUM_THREADS"] = openblas_threads
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
+    # SLURM's `--signal` (and `scancel --signal`) reaches every process of a job's steps: the
+    # agent, its fork server, workers and their upload processes must not die of it. The relay
+    # takes SIGUSR1 as a preemption notice; the workers inherit both ignored.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     control_fd = os.environ.pop(FORKSERVER_FD_VAR, None)
     if control_fd is not None:  # a fork server: returns in each agent it forks
         forkserver.serve(int(control_fd))

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from ddptrain.agent import memory as _memory
 from ddptrain.agent.process import process_state
 from ddptrain.wire.agent_events import AgentIdle, AgentPreempted, WorkerExited, WorkerStates, encode_event
-from ddptrain.wire.protocol import AGENT_RANK, ALIVE_S, FRAME, Kind, Request, encode_frame
+from ddptrain.wire.protocol import AGENT_RANK, ALIVE_S, FRAME, STACK_SIGNAL, Kind, Request, encode_frame
 
 __all__ = ["Child", "kill_all", "relay", "wait_for_bootstrap"]
 
@@ -120,7 +120,7 @@ class _DriverLink:
 
 def _report_states(link: _DriverLink, children: list[Child], dump_stacks: bool) -> None:
     """Send the driver each live worker's process state; with ``dump_stacks``, also make each
-    worker that can run print its Python stacks (faulthandler on SIGUSR1, see ``worker``)."""
+    worker that can run print its Python stacks (faulthandler on ``STACK_SIGNAL``, see ``worker``)."""
     states = {}
     for child in children:
         if child.exitcode is not None:
@@ -128,7 +128,7 @@ def _report_states(link: _DriverLink, children: list[Child], dump_stacks: bool) 
         states[child.rank] = {"pid": child.pid, **process_state(child.pid)}
         if dump_stacks and states[child.rank]["state"] not in ("T", "t", "Z"):
             try:
-                os.kill(child.pid, signal.SIGUSR1)
+                os.kill(child.pid, STACK_SIGNAL)
             except ProcessLookupError:
                 pass
     link.send(encode_event(WorkerStates(AGENT_RANK, states)))
@@ -154,12 +154,14 @@ def relay(out_fd: int, stdin_fd: int, children: list[Child], grace_s: float, hea
     workers ran or after they all exited (a restart after they all failed): every worker was
     killed, and the agent is to wait for the next attempt's bootstrap.
 
-    A first SIGTERM to the agent is a preemption notice (its host is going away): the driver
-    is told (:class:`AgentPreempted`) and decides; a second SIGTERM ends the agent at once. One
-    that comes once every worker has exited ends the agent."""
+    A first SIGTERM or SIGUSR1 to the agent is a preemption notice (its host is going away;
+    SLURM's ``--signal`` sends SIGUSR1 to every process of a job's steps before the time
+    limit): the driver is told (:class:`AgentPreempted`) and decides; a SIGTERM after that ends
+    the agent at once. One that comes once every worker has exited ends the agent."""
     link = _DriverLink(out_fd, stdin_fd, heartbeat_s)
     notices: list[int] = []
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: notices.append(signum))
+    previous_usr1 = signal.signal(signal.SIGUSR1, lambda signum, frame: notices.append(signum))
     try:
         _relay_until_done(link, children, notices)
         _await_word(link, children, notices)
@@ -178,6 +180,7 @@ def relay(out_fd: int, stdin_fd: int, children: list[Child], grace_s: float, hea
         return not notices  # a host being preempted is not kept
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGUSR1, previous_usr1)
         os.set_blocking(out_fd, True)
     return False
 
@@ -236,10 +239,11 @@ def _read_exactly(fd: int, size: int) -> bytes:
     return b"".join(chunks)
 
 
-def _tell_preempted(link: _DriverLink) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the agent at once
-    print("ddptrain agent: SIGTERM: telling the driver that this host is being preempted", file=sys.stderr)
-    link.send(encode_event(AgentPreempted(AGENT_RANK)))
+def _tell_preempted(link: _DriverLink, signum: int) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a SIGTERM from now on ends the agent at once
+    name = signal.Signals(signum).name
+    print(f"ddptrain agent: {name}: telling the driver that this host is being preempted", file=sys.stderr)
+    link.send(encode_event(AgentPreempted(AGENT_RANK, name)))
 
 
 def _relay_until_done(link: _DriverLink, children: list[Child], notices: list[int]) -> None:
@@ -271,7 +275,7 @@ def _relay_until_done(link: _DriverLink, children: list[Child], notices: list[in
     while pending:
         if notices and not told:
             told = True
-            _tell_preempted(link)
+            _tell_preempted(link, notices[0])
         for key, _ in selector.select(_POLL_S):
             if key.data[0] == "stdin":
                 data = link.read_requests()

@@ -285,7 +285,7 @@ class Attempt:
                 self.context.progress.tick()
                 self.watch.check(event.last_output)
             elif isinstance(event, HostPreempted):
-                preemption.request_preemption(f"SIGTERM to the agent on host {event.host}", hosts=[event.host])
+                preemption.request_preemption(f"{event.signal} to the agent on host {event.host}", hosts=[event.host])
             elif isinstance(event, FailureSeen):
                 return event.failures
         return None

@@ -92,9 +92,11 @@ class FailureSeen:
 
 @dataclass(frozen=True)
 class HostPreempted:
-    """The agent on ``host`` got a SIGTERM: the host is being preempted (or shut down)."""
+    """The agent on ``host`` got ``signal`` (SIGTERM, or SLURM's SIGUSR1 warning): the host is
+    being preempted (or shut down)."""
 
     host: str
+    signal: str = "SIGTERM"
 
 
 GroupEvent = MessagesHandled | StatesReported | TickDue | HostPreempted | FailureSeen
@@ -246,7 +248,7 @@ class GroupEvents:
             return []
         if isinstance(item, agent_events.AgentPreempted):
             first = self.plan.ranks_of_agent(None if item.rank == protocol.AGENT_RANK else item.rank)[0]
-            events.append(HostPreempted(self.plan.host_of(first)))
+            events.append(HostPreempted(self.plan.host_of(first), item.signal))
             return []
         failure = self._handle_agent(item)
         return [failure] if failure is not None else []

@@ -5,7 +5,7 @@ asks the agents for their workers' process states (``Q`` on the agent's stdin; t
 a ``P`` frame). A worker stopped by a signal (state ``T``) is named in a warning after
 ``DDPTRAIN_REPORT_WARN_INTERVAL_S``. When no rank has reported or printed anything for
 ``DDPTRAIN_STALL_WARN_S``, the warning lists every rank's state and asks every worker for its
-Python stacks (``T``: the agent sends SIGUSR1, on which each worker's faulthandler prints all
+Python stacks (``T``: the agent sends ``protocol.STACK_SIGNAL``, on which each worker's faulthandler prints all
 its threads to its output, prefixed and logged like any other line).
 (``ddptrain stack RUN`` asks a live run's driver for the same: ``ddptrain.cli.stack``.)
 """

@@ -175,6 +175,8 @@ def main(parent: int, nice: int) -> int:
         pass
     if os.getppid() != parent:  # the worker died before the request took effect
         return 1
+    for stray in (signal.SIGUSR1, signal.SIGUSR2):  # SLURM's --signal reaches every process of a step
+        signal.signal(stray, signal.SIG_IGN)
     if nice:
         with contextlib.suppress(OSError):
             os.nice(nice)

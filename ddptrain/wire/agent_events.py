@@ -69,10 +69,12 @@ class AgentFailed:
 
 @dataclass(frozen=True)
 class AgentPreempted:
-    """The agent got a SIGTERM (its host is being preempted, or shut down); its workers keep
-    running until the driver stops them or a second SIGTERM ends the agent."""
+    """The agent got a SIGTERM (its host is being preempted, or shut down) or a SIGUSR1 (SLURM's
+    warning before a job's time limit, sent to every process of its steps); its workers keep
+    running until the driver stops them or a SIGTERM after the notice ends the agent."""
 
     rank: int  # the agent's (see :class:`AgentFailed`)
+    signal: str = "SIGTERM"  # the signal's name
 
 
 @dataclass(frozen=True)

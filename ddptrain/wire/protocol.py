@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
+import signal
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -66,11 +67,18 @@ __all__ = [
     "Report",
     "Uploaded",
     "Train",
+    "STACK_SIGNAL",
     "VERSION",
 ]
 
-VERSION = 10  # 6: BeginRun; 7: RunInfo.storage, a StorageSpec; 8: Preempt; 9: Report.pending, Uploaded;
-# 10: Request.RESET, Kind.IDLE (agents kept for the next attempt)
+VERSION = 11  # 6: BeginRun; 7: RunInfo.storage, a StorageSpec; 8: Preempt; 9: Report.pending, Uploaded;
+# 10: Request.RESET, Kind.IDLE (agents kept for the next attempt); 11: AgentPreempted.signal, STACK_SIGNAL
+
+# The signal on which a worker prints every thread's stack (faulthandler), sent by its agent when
+# the driver asks (``ddptrain stack``, stall warnings). A real-time signal, which nothing sends by
+# accident: SIGUSR1, which SLURM's `--signal` sends to every process of a job's steps, is a
+# preemption notice to an agent and ignored by the workers.
+STACK_SIGNAL = signal.SIGRTMIN + 5
 
 
 # ----------------------------------------------------------------- worker -> driver
@@ -257,7 +265,7 @@ class Kind:
     EXITED = b"X"  # :class:`WorkerExited`
     STATES = b"P"  # :class:`WorkerStates`
     FAILED = b"F"  # :class:`AgentFailed`, as UTF-8 text
-    PREEMPTED = b"R"  # :class:`AgentPreempted`: the agent got SIGTERM (its host is going away)
+    PREEMPTED = b"R"  # :class:`AgentPreempted`: the agent got SIGTERM or SIGUSR1 (its host is going away)
     ALIVE = b"A"  # no payload: the agent is still there (SSH hosts, at least every `ALIVE_S`)
     IDLE = b"C"  # :class:`AgentIdle`: after ``Request.RESET``, every worker is gone
 

@@ -13,7 +13,6 @@ import faulthandler
 import io
 import logging
 import os
-import signal
 import socket
 import sys
 import time
@@ -276,7 +275,8 @@ def run(spec: protocol.WorkerSpec, boot: WorkerBoot, status_fd: int) -> int:
     """Run one worker to completion; returns its exit code."""
     run_info, address = boot.run, boot.store
     # `ddptrain stack` and the driver's stall warnings ask for every thread's stack this way.
-    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    # SIGUSR1 and SIGUSR2 stay ignored, as in the agent: SLURM may send them to every process.
+    faulthandler.register(protocol.STACK_SIGNAL, file=sys.stderr, all_threads=True)
     os.environ.update(spec.env)
     restore_blas_threads()
     sys.argv = list(run_info.argv or sys.argv)
