@@ -146,3 +146,21 @@ def test_sigterm_to_an_agent_then_to_the_driver_commits_final_checkpoints_and_re
     steps = json.loads(out_text.split("steps", 1)[1].strip().splitlines()[0])
     assert finals[0] < finals[1] and steps == list(range(finals[1] + 4)), (steps, finals)
     assert json.loads((run_dir / "run.json").read_text())["status"] == "FINISHED"
+
+
+def test_notices_from_several_hosts_agents_make_one_notice_and_a_second_own_notice_stops_at_once() -> None:
+    from ddptrain.driver import preemption
+
+    preemption.clear()
+    try:
+        preemption.request_preemption("SIGUSR1 to the agent on host a", hosts=["a"])
+        preemption.request_preemption("SIGUSR1 to the agent on host b", hosts=["b"])
+        preemption.request_preemption("SIGTERM to the agent on host a", hosts=["a"])  # a again: nothing new
+        notice = preemption.pending()
+        assert notice is not None and not notice.expired()
+        assert notice.hosts == ("a", "b")
+        assert notice.reason == "SIGUSR1 to the agent on host a; SIGUSR1 to the agent on host b"
+        preemption.request_preemption("SIGTERM to the driver (pid 1)")  # the driver's own: stop now
+        assert preemption.pending().at_once  # type: ignore[union-attr]
+    finally:
+        preemption.clear()

@@ -338,8 +338,13 @@ def test_slurms_usr1_to_every_process_of_the_steps_preempts_the_run(slurm, scrip
     assert "exit code 138" not in output and "died" not in output, output
     status = json.loads((storage / "run" / "run.json").read_text())
     assert status["status"] == "PREEMPTED", status
-    assert re.fullmatch(r"SIGUSR1 to the agent on host n[01]", status["preempted"]["reason"]), status
+    # Both nodes' notices make one notice (not a second one, which would stop the run at once)
+    reasons = status["preempted"]["reason"].split("; ")
+    assert sorted(reasons) == ["SIGUSR1 to the agent on host n0", "SIGUSR1 to the agent on host n1"], status
     assert os.path.isdir(status["preempted"]["checkpoint"]), status
+    both = r"preemption notice \(SIGUSR1 to the agent on host n.; SIGUSR1 to the agent on host n.\)"
+    assert re.search(rf"ddptrain: {both}: the workers have", output), output  # the workers are told again
+    assert re.search(rf"\[n.:rank.\] WARNING .*{both}", output), output
 
 
 def test_a_killed_driver_leaves_nothing_on_the_nodes(slurm, script: Path, tmp_path: Path) -> None:

@@ -296,7 +296,7 @@ class Attempt:
         notice = preemption.pending()
         if notice is None:
             return None
-        if self.notice is None:
+        if self.notice is None or notice.hosts != self.notice.hosts:  # new, or more hosts going away
             self.notice = notice
             self._tell_workers(notice)
         if self.after_notice is not None or notice.expired():

@@ -6,7 +6,9 @@ scheduler's notice; :func:`sigterm_notices`), from a host's agent that got one
 (SLURM's warning signal, say). The attempt reads it with :func:`pending`: it hands the
 workers a ``PreemptionInfo`` and stops once a checkpoint reported after the notice is committed,
 or at the notice's deadline; the controller records the run as PREEMPTED. A second notice
-moves the deadline to now: the run stops at once.
+moves the deadline to now: the run stops at once. Notices from the agents of other hosts are
+not second notices: they add their hosts to the first (SLURM's ``--signal`` reaches every
+node's agent within a moment).
 
 The state is this process's (one ``fit()`` at a time runs its attempts in the main thread);
 a signal handler writes it with plain assignments only.
@@ -59,7 +61,8 @@ def request_preemption(reason: str, deadline_s: float | None = None, hosts: list
 
     The workers get a ``PreemptionInfo`` (``ddptrain.get_preemption_info()``) and have until the
     deadline to report a checkpoint; the run then stops and is recorded as PREEMPTED, and
-    ``fit()`` raises ``RunPreemptedError``. A second call stops the run at once.
+    ``fit()`` raises ``RunPreemptedError``. A second call stops the run at once, unless both
+    name ``hosts``: another host's notice adds its hosts (and its reason) to the first.
 
     Args:
         reason: What the notice is, e.g. ``"SLURM warning signal (USR1)"``.
@@ -68,6 +71,11 @@ def request_preemption(reason: str, deadline_s: float | None = None, hosts: list
         hosts: The hosts going away (default: all of them, the driver's own notice).
     """
     global _notice
+    if _notice is not None and hosts and _notice.hosts is not None:  # more hosts going away
+        more = tuple(host for host in hosts if host not in _notice.hosts)
+        if more:
+            _notice = dataclasses.replace(_notice, hosts=_notice.hosts + more, reason=f"{_notice.reason}; {reason}")
+        return
     if _notice is not None:  # a second notice: stop now
         _notice = dataclasses.replace(_notice, deadline=time.monotonic(), at_once=True)
         return
