@@ -380,3 +380,19 @@ def test_a_worker_killed_by_the_oom_killer_says_so(tmp_path: Path, storage: str)
     assert f"{expected} {group} (memory limit 768.0 MiB" in out
     peak_mib = float(out.split("the worker's peak RSS was ")[1].split(" MiB")[0])
     assert 300 < peak_mib <= 768
+
+
+@pytest.mark.parametrize(
+    ("code", "text"),
+    [
+        (None, "connection lost"),
+        (3, "exit code 3"),
+        (-9, "killed by signal SIGKILL (9); SIGKILL often means the kernel's out-of-memory killer"),
+        (138, "exit code 138, as a remote process killed by SIGUSR1 ends"),  # srun's and ssh's form
+        (137, "exit code 137, as a remote process killed by SIGKILL ends; SIGKILL often means"),
+    ],
+)
+def test_an_agents_death_names_the_signal_that_killed_it_on_another_host(code: int | None, text: str) -> None:
+    from ddptrain.driver.group_events import agent_death
+
+    assert agent_death(code).startswith(text)

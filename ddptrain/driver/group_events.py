@@ -19,6 +19,7 @@ import contextlib
 import logging
 import pickle
 import queue
+import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ __all__ = [
     "GroupEvent",
     "GroupEvents",
     "GroupFailed",
+    "agent_death",
     "HostPreempted",
     "MessagesHandled",
     "StatesReported",
@@ -100,6 +102,20 @@ class HostPreempted:
 
 
 GroupEvent = MessagesHandled | StatesReported | TickDue | HostPreempted | FailureSeen
+
+
+def agent_death(code: int | None) -> str:
+    """How an agent ended, from its exit code (``None``: its connection was lost). Over SSH and
+    ``srun``, a signal that killed it arrives as ``128 + signal``."""
+    if code is None:
+        return "connection lost"
+    how = describe_exitcode(code)
+    if 128 < code < 128 + signal.NSIG:
+        with contextlib.suppress(ValueError):
+            how += f", as a remote process killed by {signal.Signals(code - 128).name} ends"
+    if code in (-signal.SIGKILL, 128 + signal.SIGKILL):
+        how += "; SIGKILL often means the kernel's out-of-memory killer"
+    return how
 
 
 class GroupFailed(WorkerGroupError):
@@ -315,11 +331,9 @@ class GroupEvents:
             return self.failure(missing[0], None, lost)
         if missing and not self.exit_expected:
             code = event.exitcode
-            how = "connection lost" if code is None else describe_exitcode(code)
-            hint = " (SIGKILL often means the kernel's out-of-memory killer)" if code == -9 else ""
             error = LaunchError(
                 f"The ddptrain agent that runs rank(s) {missing} on {self.plan.host_of(missing[0])} "
-                f"died ({how}){hint}; its workers died with it."
+                f"died ({agent_death(code)}); its workers died with it."
             )
             return self.failure(missing[0], None, error)
         return None
