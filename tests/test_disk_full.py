@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import tempfile
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -111,15 +113,52 @@ def big_checkpoint_loop(config: dict) -> int:
     return 2
 
 
+def _uploader() -> int:
+    """The pid of this worker's upload process (its child running ddptrain.storage.upload_process)."""
+    me = os.getpid()
+    for task in os.listdir(f"/proc/{me}/task"):
+        for child in Path(f"/proc/{me}/task/{task}/children").read_text().split():
+            if b"ddptrain.storage.upload_process" in Path(f"/proc/{child}/cmdline").read_bytes():
+                return int(child)
+    raise AssertionError("the worker has no upload process")
+
+
+def async_big_checkpoint_loop(config: dict) -> int:
+    """Reports checkpoints of ``config["sizes"]`` bytes with ``CheckpointUploadMode.ASYNC``: the
+    first one uploaded, then the others queued at once behind the second (its upload process is
+    stopped while they are reported). Writes its and its uploader's pids to ``config["pids"]``."""
+    step = _resumed_step()
+    if step is not None:
+        return step
+    async_ = train.CheckpointUploadMode.ASYNC
+    train.report({"step": 1}, checkpoint=_write_state(1, config["sizes"][0]), checkpoint_upload_mode=async_)
+    train.get_all_reported_checkpoints()  # its upload is done: the upload process waits for the next
+    uploader = _uploader()
+    if "pids" in config:
+        tag = f"DDPTRAIN_TEST_TAG={os.environ['DDPTRAIN_TEST_TAG']}".encode()  # what conftest finds leftovers by
+        tagged = tag in Path(f"/proc/{uploader}/environ").read_bytes().split(b"\0")
+        rank = train.get_context().get_world_rank()
+        seen = {"worker": os.getpid(), "uploader": uploader, "tagged": tagged}
+        Path(config["pids"], f"rank_{rank}.json").write_text(json.dumps(seen))
+    os.kill(uploader, signal.SIGSTOP)  # the next upload waits until every later report is queued
+    try:
+        for step, size in enumerate(config["sizes"][1:], start=2):
+            train.report({"step": step}, checkpoint=_write_state(step, size), checkpoint_upload_mode=async_)
+    finally:
+        os.kill(uploader, signal.SIGCONT)
+    return len(config["sizes"])
+
+
 _CHILD = textwrap.dedent(
     """
-    import json, sys, time
+    import json, os, sys, time
     sys.path.insert(0, sys.argv[1])
     import ddptrain as train
     import test_disk_full
     from ddptrain.torch import TorchTrainer
 
     args = json.loads(sys.argv[2])
+    os.environ.update(args["env"])
     trainer = TorchTrainer(
         getattr(test_disk_full, args["loop"]),
         train_loop_config=args["config"],
@@ -141,9 +180,10 @@ _CHILD = textwrap.dedent(
 )
 
 
-def _fit_in_child(storage_path: Path, loop: str, config: dict | None = None) -> dict:
-    """Run fit() in a child process; fails the test if it is still running after _HANG_S."""
-    args = json.dumps({"storage": str(storage_path), "loop": loop, "config": config or {}})
+def _fit_in_child(storage_path: Path, loop: str, config: dict | None = None, env: dict | None = None) -> dict:
+    """Run fit() in a child process (``env`` added to its environment); fails the test if it is
+    still running after _HANG_S."""
+    args = json.dumps({"storage": str(storage_path), "loop": loop, "config": config or {}, "env": env or {}})
     fd, script = tempfile.mkstemp(prefix="disk-full-driver-", suffix=".py")  # not on the small disk
     try:
         with os.fdopen(fd, "w") as f:
@@ -209,6 +249,78 @@ def test_checkpoint_that_fills_the_disk_fails_without_restarts_and_the_run_resum
     resumed = _fit_in_child(small_disk, "big_checkpoint_loop", {"size": 512 * 1024})
     assert resumed["ok"], resumed
     assert resumed["return_value"] == 1
+    staging = run_dir / storage.RunLayout.STAGING
+    assert not staging.exists() or not any(staging.iterdir())
+
+
+def _committed(run_dir: Path) -> tuple[list[str], list[str], str | None]:
+    """The run's checkpoint folders on disk (hidden ones too: a partial one is a fault), those
+    its index lists, and its latest."""
+    own = storage.RunLayout.RESERVED | {storage.RunLayout.STAGING}
+    on_disk = sorted(p.name for p in run_dir.iterdir() if p.is_dir() and p.name not in own)
+    index = json.loads((run_dir / storage.RunLayout.INDEX).read_text())
+    return on_disk, sorted(entry["dir_name"] for entry in index["checkpoints"]), index["latest"]
+
+
+@pytest.mark.timeout(300)
+def test_async_checkpoint_that_fills_the_disk_fails_without_restarts_and_the_run_resumes(small_disk: Path) -> None:
+    filler = small_disk / "filler"
+    _fill(filler, leave=600 * 1024)
+    config = {"sizes": [100, 512 * 1024]}
+    failed = _fit_in_child(small_disk, "async_big_checkpoint_loop", config)
+    _assert_clear_disk_error(failed, small_disk)  # as with SYNC: same type, path and text
+    assert failed["type"] == "WorkerGroupError"  # staged by a worker's upload process
+    assert "not restarted" in failed["message"]
+    assert failed["elapsed_s"] < 40, failed  # the fault is a hang
+    run_dir = small_disk / "full"
+    assert sorted(p.name for p in (run_dir / "logs").iterdir()) == ["attempt_0"]  # despite max_failures=3
+    assert _committed(run_dir) == (["checkpoint_000001"], ["checkpoint_000001"], "checkpoint_000001")  # no partial one
+    print(f"fit() failed on the full disk after {failed['elapsed_s']:.1f} s: {failed['message'].splitlines()[1]}")
+
+    filler.unlink()
+    resumed = _fit_in_child(small_disk, "async_big_checkpoint_loop", config)
+    assert resumed["ok"], resumed
+    assert resumed["return_value"] == 1  # from the last whole checkpoint
+    assert os.path.basename(resumed["checkpoint"]) == "checkpoint_000001"
+    staging = run_dir / storage.RunLayout.STAGING
+    assert not staging.exists() or not any(staging.iterdir())
+
+
+@pytest.mark.timeout(300)
+def test_full_disk_with_async_uploads_queued_commits_nothing_after_it_and_leaves_no_process(
+    small_disk: Path, tmp_path: Path
+) -> None:
+    filler = small_disk / "filler"
+    _fill(filler, leave=600 * 1024)
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    # Reports 3 and 4 are queued behind the one that fills the disk, and fit in the space it gives back.
+    config = {"sizes": [100, 512 * 1024, 100, 100], "pids": str(pids)}
+    env = {"DDPTRAIN_MAX_PENDING_UPLOADS": "4"}
+    failed = _fit_in_child(small_disk, "async_big_checkpoint_loop", config, env)
+    _assert_clear_disk_error(failed, small_disk)
+    assert "not restarted" in failed["message"]
+    assert failed["elapsed_s"] < 40, failed  # the fault is a hang
+    run_dir = small_disk / "full"
+    assert _committed(run_dir) == (["checkpoint_000001"], ["checkpoint_000001"], "checkpoint_000001")
+    lines = (run_dir / storage.RunLayout.METRICS).read_text().splitlines()
+    assert [json.loads(line)["metrics"]["step"] for line in lines][:2] == [1, 2]  # reports persist, as with SYNC
+
+    # The workers and their upload processes are gone (and conftest's leftover check sees them: tagged).
+    seen = [json.loads(f.read_text()) for f in sorted(pids.iterdir())]
+    assert len(seen) == 2 and all(s["tagged"] for s in seen), seen
+    left = [pid for s in seen for pid in (s["worker"], s["uploader"])]
+    deadline = time.monotonic() + 10
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = [pid for pid in left if os.path.exists(f"/proc/{pid}")]
+    assert not left, f"processes outlived the failed fit(): {left}"
+
+    filler.unlink()
+    resumed = _fit_in_child(small_disk, "async_big_checkpoint_loop", config, env)
+    assert resumed["ok"], resumed
+    assert resumed["return_value"] == 1
+    assert os.path.basename(resumed["checkpoint"]) == "checkpoint_000001"
     staging = run_dir / storage.RunLayout.STAGING
     assert not staging.exists() or not any(staging.iterdir())
 
