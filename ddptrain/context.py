@@ -393,6 +393,7 @@ def report(
         ValueError: ``metrics`` holds tensors, the folder name is not a plain name, or a
             checkpoint put in place is not the run's checkpoint folder.
         StorageError: An earlier ``ASYNC`` upload of this worker failed.
+        DiskFullError: This report's staging, or an earlier ``ASYNC`` upload, found its disk full.
         RuntimeError: Called outside a training function.
 
     Example:

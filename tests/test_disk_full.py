@@ -7,6 +7,7 @@ The file system is a small real tmpfs, so these tests need root (they skip other
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -25,6 +26,9 @@ from ddptrain.config import CheckpointConfig
 from ddptrain.errors import DiskFullError
 from ddptrain.storage import layout as storage
 from ddptrain.storage.checkpoint_manager import CheckpointManager
+from ddptrain.storage.open import worker_storage
+from ddptrain.storage.upload_process import UploadProcess
+from ddptrain.wire.protocol import StorageSpec
 
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 _HANG_S = 90  # a child fit() still running after this hung
@@ -352,6 +356,31 @@ def test_full_disk_while_writing_the_index_keeps_the_run_resumable(small_disk: P
     resumed.recover()
     assert resumed.latest is not None and os.path.basename(resumed.latest.path) == "checkpoint_000001"
     assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoint_000001", storage.RunLayout.INDEX]
+
+
+def test_upload_process_raises_a_full_disk_as_staging_in_the_worker_does(small_disk: Path, tmp_path: Path) -> None:
+    """An ``ASYNC`` upload's full disk crosses the upload process's pipe as the ``DiskFullError``
+    (same text, path and space) that a ``SYNC`` report's staging raises."""
+    run_dir = small_disk / "run"
+    run_dir.mkdir()
+    spec = StorageSpec(kind="local", storage_path=str(small_disk), run_dir=str(run_dir))
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "weights.bin").write_bytes(os.urandom(512 * 1024))
+    _fill(small_disk / "filler", leave=256 * 1024)
+    with pytest.raises(DiskFullError) as sync:
+        worker_storage(spec, "run").stage(str(source), "checkpoint_000001", 0, 1, 0)
+    uploader = UploadProcess(spec, "run")
+    try:
+        with pytest.raises(DiskFullError) as async_:
+            uploader.stage(str(source), "checkpoint_000001", 0, 1, 0)
+    finally:
+        uploader.close()
+    assert str(async_.value) == str(sync.value)
+    assert async_.value.errno == errno.ENOSPC and async_.value.path == str(run_dir / ".staging" / "a0_r1" / "rank_0")
+    assert (async_.value.free_bytes, async_.value.total_bytes) == (sync.value.free_bytes, sync.value.total_bytes)
+    assert not any((run_dir / storage.RunLayout.STAGING).rglob("*.bin"))  # nothing staged is left
+    assert (source / "weights.bin").stat().st_size == 512 * 1024  # the worker's folder is untouched
 
 
 def test_disk_full_error_survives_pickling_and_names_path_and_space(tmp_path: Path) -> None:
