@@ -21,7 +21,7 @@ import cloudpickle
 
 from ddptrain import _env
 from ddptrain.checkpoint import Checkpoint
-from ddptrain.errors import DdpTrainError, StorageError
+from ddptrain.errors import DdpTrainError, StorageError, is_disk_full
 from ddptrain.storage import layout as storage
 from ddptrain.storage.upload_process import UploadProcess
 from ddptrain.storage.uploads import CheckpointUploads
@@ -393,6 +393,7 @@ def report(
         ValueError: ``metrics`` holds tensors, the folder name is not a plain name, or a
             checkpoint put in place is not the run's checkpoint folder.
         StorageError: An earlier ``ASYNC`` upload of this worker failed.
+        DiskFullError: This report's staging, or an earlier ``ASYNC`` upload, found its disk full.
         RuntimeError: Called outside a training function.
 
     Example:
@@ -566,9 +567,11 @@ def persist_checkpoint(
 
 def upload_error(session: _Session, error: BaseException, name: str, index: int) -> BaseException:
     """``error`` of a background upload, as the run's failure: a ``StorageError`` that names
-    the store (and says what to do when the folder was gone)."""
-    if isinstance(error, StorageError) or not isinstance(error, OSError):
-        return error  # the store named already, or the user's mistake (a ValueError, say)
+    the store (and says what to do when the folder was gone). A full disk stays the error it
+    is (a ``DiskFullError`` naming the file and the space left), as in ``SYNC`` mode: the run
+    is not restarted on it."""
+    if isinstance(error, StorageError) or not isinstance(error, OSError) or is_disk_full(error):
+        return error  # the store named already, the user's mistake (a ValueError, say), or a full disk
     where = session.storage.shown if session.storage is not None else session.run_dir
     hint = ""
     if isinstance(error, FileNotFoundError):

@@ -7,11 +7,14 @@ The file system is a small real tmpfs, so these tests need root (they skip other
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import signal
 import subprocess
 import tempfile
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +26,9 @@ from ddptrain.config import CheckpointConfig
 from ddptrain.errors import DiskFullError
 from ddptrain.storage import layout as storage
 from ddptrain.storage.checkpoint_manager import CheckpointManager
+from ddptrain.storage.open import worker_storage
+from ddptrain.storage.upload_process import UploadProcess
+from ddptrain.wire.protocol import StorageSpec
 
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 _HANG_S = 90  # a child fit() still running after this hung
@@ -111,15 +117,52 @@ def big_checkpoint_loop(config: dict) -> int:
     return 2
 
 
+def _uploader() -> int:
+    """The pid of this worker's upload process (its child running ddptrain.storage.upload_process)."""
+    me = os.getpid()
+    for task in os.listdir(f"/proc/{me}/task"):
+        for child in Path(f"/proc/{me}/task/{task}/children").read_text().split():
+            if b"ddptrain.storage.upload_process" in Path(f"/proc/{child}/cmdline").read_bytes():
+                return int(child)
+    raise AssertionError("the worker has no upload process")
+
+
+def async_big_checkpoint_loop(config: dict) -> int:
+    """Reports checkpoints of ``config["sizes"]`` bytes with ``CheckpointUploadMode.ASYNC``: the
+    first one uploaded, then the others queued at once behind the second (its upload process is
+    stopped while they are reported). Writes its and its uploader's pids to ``config["pids"]``."""
+    step = _resumed_step()
+    if step is not None:
+        return step
+    async_ = train.CheckpointUploadMode.ASYNC
+    train.report({"step": 1}, checkpoint=_write_state(1, config["sizes"][0]), checkpoint_upload_mode=async_)
+    train.get_all_reported_checkpoints()  # its upload is done: the upload process waits for the next
+    uploader = _uploader()
+    if "pids" in config:
+        tag = f"DDPTRAIN_TEST_TAG={os.environ['DDPTRAIN_TEST_TAG']}".encode()  # what conftest finds leftovers by
+        tagged = tag in Path(f"/proc/{uploader}/environ").read_bytes().split(b"\0")
+        rank = train.get_context().get_world_rank()
+        seen = {"worker": os.getpid(), "uploader": uploader, "tagged": tagged}
+        Path(config["pids"], f"rank_{rank}.json").write_text(json.dumps(seen))
+    os.kill(uploader, signal.SIGSTOP)  # the next upload waits until every later report is queued
+    try:
+        for step, size in enumerate(config["sizes"][1:], start=2):
+            train.report({"step": step}, checkpoint=_write_state(step, size), checkpoint_upload_mode=async_)
+    finally:
+        os.kill(uploader, signal.SIGCONT)
+    return len(config["sizes"])
+
+
 _CHILD = textwrap.dedent(
     """
-    import json, sys, time
+    import json, os, sys, time
     sys.path.insert(0, sys.argv[1])
     import ddptrain as train
     import test_disk_full
     from ddptrain.torch import TorchTrainer
 
     args = json.loads(sys.argv[2])
+    os.environ.update(args["env"])
     trainer = TorchTrainer(
         getattr(test_disk_full, args["loop"]),
         train_loop_config=args["config"],
@@ -141,9 +184,10 @@ _CHILD = textwrap.dedent(
 )
 
 
-def _fit_in_child(storage_path: Path, loop: str, config: dict | None = None) -> dict:
-    """Run fit() in a child process; fails the test if it is still running after _HANG_S."""
-    args = json.dumps({"storage": str(storage_path), "loop": loop, "config": config or {}})
+def _fit_in_child(storage_path: Path, loop: str, config: dict | None = None, env: dict | None = None) -> dict:
+    """Run fit() in a child process (``env`` added to its environment); fails the test if it is
+    still running after _HANG_S."""
+    args = json.dumps({"storage": str(storage_path), "loop": loop, "config": config or {}, "env": env or {}})
     fd, script = tempfile.mkstemp(prefix="disk-full-driver-", suffix=".py")  # not on the small disk
     try:
         with os.fdopen(fd, "w") as f:
@@ -213,6 +257,79 @@ def test_checkpoint_that_fills_the_disk_fails_without_restarts_and_the_run_resum
     assert not staging.exists() or not any(staging.iterdir())
 
 
+def _committed(run_dir: Path) -> tuple[list[str], list[str], str | None]:
+    """The run's checkpoint folders on disk (hidden ones too: a partial one is a fault), those
+    its index lists, and its latest."""
+    own = storage.RunLayout.RESERVED | {storage.RunLayout.STAGING}
+    on_disk = sorted(p.name for p in run_dir.iterdir() if p.is_dir() and p.name not in own)
+    index = json.loads((run_dir / storage.RunLayout.INDEX).read_text())
+    return on_disk, sorted(entry["dir_name"] for entry in index["checkpoints"]), index["latest"]
+
+
+@pytest.mark.timeout(300)
+def test_async_checkpoint_that_fills_the_disk_fails_without_restarts_and_the_run_resumes(small_disk: Path) -> None:
+    filler = small_disk / "filler"
+    _fill(filler, leave=600 * 1024)
+    config = {"sizes": [100, 512 * 1024]}
+    failed = _fit_in_child(small_disk, "async_big_checkpoint_loop", config)
+    _assert_clear_disk_error(failed, small_disk)  # as with SYNC: same type, path and text
+    assert failed["type"] == "WorkerGroupError"  # staged by a worker's upload process
+    assert "not restarted" in failed["message"]
+    assert failed["elapsed_s"] < 40, failed  # the fault is a hang
+    run_dir = small_disk / "full"
+    assert sorted(p.name for p in (run_dir / "logs").iterdir()) == ["attempt_0"]  # despite max_failures=3
+    assert _committed(run_dir) == (["checkpoint_000001"], ["checkpoint_000001"], "checkpoint_000001")  # no partial one
+    print(f"fit() failed on the full disk after {failed['elapsed_s']:.1f} s: {failed['message'].splitlines()[1]}")
+
+    filler.unlink()
+    resumed = _fit_in_child(small_disk, "async_big_checkpoint_loop", config)
+    assert resumed["ok"], resumed
+    assert resumed["return_value"] == 1  # from the last whole checkpoint
+    assert os.path.basename(resumed["checkpoint"]) == "checkpoint_000001"
+    staging = run_dir / storage.RunLayout.STAGING
+    assert not staging.exists() or not any(staging.iterdir())
+
+
+@pytest.mark.timeout(300)
+def test_full_disk_with_async_uploads_queued_commits_nothing_after_it_and_leaves_no_process(
+    small_disk: Path, tmp_path: Path
+) -> None:
+    filler = small_disk / "filler"
+    _fill(filler, leave=600 * 1024)
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    # Reports 3 and 4 are queued behind the one that fills the disk, and fit in the space it gives back.
+    config = {"sizes": [100, 512 * 1024, 100, 100], "pids": str(pids)}
+    env = {"DDPTRAIN_MAX_PENDING_UPLOADS": "4"}
+    failed = _fit_in_child(small_disk, "async_big_checkpoint_loop", config, env)
+    _assert_clear_disk_error(failed, small_disk)
+    assert "not restarted" in failed["message"]
+    assert failed["elapsed_s"] < 40, failed  # the fault is a hang
+    run_dir = small_disk / "full"
+    assert _committed(run_dir) == (["checkpoint_000001"], ["checkpoint_000001"], "checkpoint_000001")
+    lines = (run_dir / storage.RunLayout.METRICS).read_text().splitlines()
+    steps = [json.loads(line)["metrics"]["step"] for line in lines]
+    assert steps == [1, 2, 3, 4][: len(steps)] and steps, steps  # each report persisted, in order
+
+    # The workers and their upload processes are gone (and conftest's leftover check sees them: tagged).
+    seen = [json.loads(f.read_text()) for f in sorted(pids.iterdir())]
+    assert len(seen) == 2 and all(s["tagged"] for s in seen), seen
+    left = [pid for s in seen for pid in (s["worker"], s["uploader"])]
+    deadline = time.monotonic() + 10
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = [pid for pid in left if os.path.exists(f"/proc/{pid}")]
+    assert not left, f"processes outlived the failed fit(): {left}"
+
+    filler.unlink()
+    resumed = _fit_in_child(small_disk, "async_big_checkpoint_loop", config, env)
+    assert resumed["ok"], resumed
+    assert resumed["return_value"] == 1
+    assert os.path.basename(resumed["checkpoint"]) == "checkpoint_000001"
+    staging = run_dir / storage.RunLayout.STAGING
+    assert not staging.exists() or not any(staging.iterdir())
+
+
 def test_full_disk_while_writing_the_index_keeps_the_run_resumable(small_disk: Path, tmp_path: Path) -> None:
     run_dir = small_disk / "run"
     run_dir.mkdir()
@@ -239,6 +356,31 @@ def test_full_disk_while_writing_the_index_keeps_the_run_resumable(small_disk: P
     resumed.recover()
     assert resumed.latest is not None and os.path.basename(resumed.latest.path) == "checkpoint_000001"
     assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoint_000001", storage.RunLayout.INDEX]
+
+
+def test_upload_process_raises_a_full_disk_as_staging_in_the_worker_does(small_disk: Path, tmp_path: Path) -> None:
+    """An ``ASYNC`` upload's full disk crosses the upload process's pipe as the ``DiskFullError``
+    (same text, path and space) that a ``SYNC`` report's staging raises."""
+    run_dir = small_disk / "run"
+    run_dir.mkdir()
+    spec = StorageSpec(kind="local", storage_path=str(small_disk), run_dir=str(run_dir))
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "weights.bin").write_bytes(os.urandom(512 * 1024))
+    _fill(small_disk / "filler", leave=256 * 1024)
+    with pytest.raises(DiskFullError) as sync:
+        worker_storage(spec, "run").stage(str(source), "checkpoint_000001", 0, 1, 0)
+    uploader = UploadProcess(spec, "run")
+    try:
+        with pytest.raises(DiskFullError) as async_:
+            uploader.stage(str(source), "checkpoint_000001", 0, 1, 0)
+    finally:
+        uploader.close()
+    assert str(async_.value) == str(sync.value)
+    assert async_.value.errno == errno.ENOSPC and async_.value.path == str(run_dir / ".staging" / "a0_r1" / "rank_0")
+    assert (async_.value.free_bytes, async_.value.total_bytes) == (sync.value.free_bytes, sync.value.total_bytes)
+    assert not any((run_dir / storage.RunLayout.STAGING).rglob("*.bin"))  # nothing staged is left
+    assert (source / "weights.bin").stat().st_size == 512 * 1024  # the worker's folder is untouched
 
 
 def test_disk_full_error_survives_pickling_and_names_path_and_space(tmp_path: Path) -> None:
