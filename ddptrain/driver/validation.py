@@ -34,6 +34,7 @@ import cloudpickle
 
 from ddptrain import _env, ray_compat
 from ddptrain.checkpoint import Checkpoint
+from ddptrain.launch.reaping import exited, wait_exited
 
 __all__ = ["Finished", "LocalHost", "Process", "Task", "Validations", "Where", "parse_result"]
 
@@ -281,13 +282,14 @@ class _LocalProcess:
         return f"pid {self.process.pid}"
 
     def ended(self) -> bool:
-        return self.process.poll() is not None
+        return exited(self.process)  # not reaped: its pid names its group until the last killpg
 
     def kill(self, grace_s: float) -> None:
         _kill(self.process, grace_s)
 
     def outcome(self) -> tuple[dict[str, Any] | None, str]:
         _kill_group(self.process.pid)  # what the function started and left behind
+        self.process.wait()
         self.log_file.close()
         try:
             result = _read_result(self.folder)
@@ -321,11 +323,9 @@ def _kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
 
 
 def _kill(process: subprocess.Popen[bytes], grace_s: float) -> None:
-    """SIGTERM to the process's group, SIGKILL after ``grace_s``; reaped."""
+    """SIGTERM to the process's group, SIGKILL after ``grace_s``. Not reaped: ``outcome``
+    signals the group once more, then reaps it (see ``ddptrain.launch.reaping``)."""
     _kill_group(process.pid, signal.SIGTERM)
-    try:
-        process.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        pass
+    wait_exited(process, grace_s)
     _kill_group(process.pid)
-    process.wait()
+    wait_exited(process, grace_s + 5.0)  # SIGKILL: at once

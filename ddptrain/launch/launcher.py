@@ -22,6 +22,7 @@ from ddptrain.errors import HostLostError
 from ddptrain.launch import forkserver
 from ddptrain.launch.agent_session import AgentSession, OutputSink
 from ddptrain.launch.fanout import each_host
+from ddptrain.launch.reaping import exit_status, exited, wait_exited
 from ddptrain.wire.agent_events import AgentEvent
 from ddptrain.wire.boot import agent_command, import_pins
 from ddptrain.wire.protocol import AGENT_RANK, Bootstrap
@@ -129,12 +130,16 @@ class LocalConnection:
         assert self._proc.stdout is not None and self._proc.stderr is not None
         self.stdin, self.stdout, self.stderr = self._proc.stdin, self._proc.stdout, self._proc.stderr
 
+    def _ended(self) -> bool:
+        proc = self._proc  # a plain process is not reaped before its group was killed (`reaping`)
+        return exited(proc) if isinstance(proc, subprocess.Popen) else proc.poll() is not None
+
     def probe(self) -> bool:
-        return self._proc.poll() is None  # this machine always answers; its agent may have exited
+        return not self._ended()  # this machine always answers; its agent may have exited
 
     def write(self, data: bytes) -> None:
         stdin = self.stdin
-        if stdin is None or self._proc.poll() is not None:
+        if stdin is None or self._ended():
             raise BrokenPipeError("the agent has exited")
         try:
             stdin.write(data)
@@ -146,8 +151,11 @@ class LocalConnection:
         pass  # frames from the first byte
 
     def exit_code(self) -> int | None:
+        proc = self._proc
+        if isinstance(proc, subprocess.Popen):
+            return exit_status(proc, 2.0)
         try:
-            return self._proc.wait(timeout=2.0)
+            return proc.wait(timeout=2.0)
         except subprocess.TimeoutExpired:
             return None
 
@@ -165,9 +173,15 @@ class LocalConnection:
 
     def close(self, grace_s: float) -> None:
         proc = self._proc
-        try:
-            proc.wait(timeout=grace_s + 1.0)
-        except subprocess.TimeoutExpired:
+        if isinstance(proc, subprocess.Popen):
+            stopped = wait_exited(proc, grace_s + 1.0)  # not reaped: its pid names its session until killpg
+        else:
+            try:
+                proc.wait(timeout=grace_s + 1.0)
+                stopped = True
+            except subprocess.TimeoutExpired:
+                stopped = False
+        if not stopped:
             _logger.warning("ddptrain agent %s did not stop in %.1f s; killing it", proc.pid, grace_s + 1)
         # Whatever is left in the agent's session (its workers' own children too) goes now.
         self._kill_session()
