@@ -119,7 +119,10 @@ def _hangs(checkpoint: train.Checkpoint, pids: str) -> dict[str, Any]:
             "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"),
         }
         f.write(json.dumps(started) + "\n")
-    time.sleep(60)
+    try:
+        time.sleep(60)
+    finally:  # a stop is a SIGTERM first, as on the driver's machine: cleanup runs
+        Path(pids + ".stopped").write_text("cleanup ran")
     return {"acc": 1.0}
 
 
@@ -159,6 +162,7 @@ def test_a_hanging_validation_on_a_host_is_killed_at_its_timeout(
     [line] = _validation_lines(storage)
     assert "Validation killed after 1 s (DDPTRAIN_VALIDATION_TIMEOUT_S)" in line["error"]
     assert _gone(started["pids"])  # the function and what it started
+    assert Path(f"{pids}.stopped").read_text() == "cleanup ran"  # SIGTERM, then SIGKILL
     # h0 sees the run directory (same file system): the checkpoint was not copied.
     assert started["path"] == str(Path(storage, "run", "checkpoint_000001"))
     assert started["cuda"] == "1,3"

@@ -11,11 +11,14 @@ neither torch nor the driver: only what the function itself needs.
 
 It ends with what it started: on the driver's host the driver kills its process group and
 it watches the driver's pid; on an SSH host (``remote=True``) it is in a session of its own,
-kills its group once its stdin (the SSH channel) ends, as the agent does, and when it is done.
+stops its group once its stdin (the SSH channel) ends, as the agent does, and kills it when it
+is done. A stop is SIGTERM, then SIGKILL after ``DDPTRAIN_SHUTDOWN_GRACE_S``, on either host; the
+SIGTERM raises ``SystemExit`` in the function (``finally`` blocks and ``with`` exits run).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -24,6 +27,7 @@ import sys
 import threading
 import time
 import traceback
+from types import FrameType
 from typing import Any
 
 import cloudpickle
@@ -67,18 +71,30 @@ def _watch_driver(driver_pid: int) -> None:
     os.killpg(0, signal.SIGKILL)
 
 
+def _stopped(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(f"the validation was stopped ({signal.Signals(signum).name})")
+
+
 def _watch_stdin(folder: str) -> None:
     """On an SSH host: end this process's group once stdin ends (the driver killed the
-    validation, or died, or the connection dropped), and remove its folder (it holds the
-    pickled function)."""
+    validation, or died, or the connection dropped), as the driver ends a local one: SIGTERM
+    to the group (the function's ``finally`` blocks and handlers run), SIGKILL after
+    ``DDPTRAIN_SHUTDOWN_GRACE_S``; and remove its folder (it holds the pickled function)."""
     try:
         while os.read(0, 4096):
             pass
     except OSError:
         pass
-    try:  # in a session of its own: it outlives the group
-        subprocess.Popen(["rm", "-rf", "--", folder], start_new_session=True, stdout=subprocess.DEVNULL)
+    grace_s = _env.shutdown_grace_s()
+    try:  # in a session of its own, once the group is gone (`main` may end it first)
+        remove = 'sleep "$1"; rm -rf -- "$2"'
+        subprocess.Popen(
+            ["sh", "-c", remove, "sh", str(grace_s + 1.0), folder], start_new_session=True, stdout=subprocess.DEVNULL
+        )
     finally:
+        with contextlib.suppress(OSError):
+            os.killpg(0, signal.SIGTERM)  # here, SystemExit in the main thread (`_stopped`)
+        time.sleep(grace_s)  # a function that ends in time ends the group itself (`main`)
         os.killpg(0, signal.SIGKILL)
 
 
@@ -86,6 +102,7 @@ def main(folder: str, remote: bool = False, expected: dict[str, str] | None = No
     """Run the validation of ``folder``'s request; its result (or error) goes to ``result.json``.
     ``remote``: on an SSH host (see the module docstring). ``expected``: the driver's versions
     (``wire.boot.versions``), which must be this host's for the request to unpickle."""
+    signal.signal(signal.SIGTERM, _stopped)  # a stop unwinds the function: its cleanup runs
     if remote:
         try:
             os.setsid()  # its own session and group: what the function starts is killed with it

@@ -162,7 +162,8 @@ class _SSHValidation:
         return self.process.ended()
 
     def kill(self, grace_s: float) -> None:
-        self.process.kill(grace_s)  # its stdin closes: it kills itself at once
+        # Its stdin closes: it stops its group with SIGTERM, and SIGKILL after the same grace.
+        self.process.kill(grace_s + 2.0)
 
     def outcome(self) -> tuple[dict[str, Any] | None, str]:
         process = self.process
