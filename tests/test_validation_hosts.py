@@ -194,6 +194,41 @@ def test_an_unreachable_validation_host_fails_that_validation_and_training_goes_
     assert "cannot connect" in line["error"]
 
 
+def _sshd_serving(pid: int) -> int:
+    """The nearest sshd above ``pid``: the one serving its connection."""
+    while pid > 1:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        pid = int(stat.rsplit(")", 1)[1].split()[1])
+        if Path(f"/proc/{pid}/comm").read_text().strip().startswith("sshd"):
+            return pid
+    raise AssertionError("no sshd above the validation process")
+
+
+def test_a_connection_dropped_mid_validation_fails_it_and_leaves_nothing_on_the_host(
+    ssh, storage: str, tmp_path: Path
+) -> None:
+    """The sshd serving the validation dies (SIGKILL): that validation fails naming the host,
+    training goes on, and the process there stops itself (SIGTERM first: its cleanup runs)."""
+    pids = tmp_path / "pids"
+
+    def loop() -> Any:
+        _report(0, validation=True)
+        started = _started(pids)
+        os.kill(_sshd_serving(started["pids"][0]), signal.SIGKILL)
+        listed = [r.status.value for r in train.get_all_reported_checkpoints(timeout_s=60)]
+        return started, listed
+
+    start = time.monotonic()
+    result = _fit(loop, storage, _hangs, ["localhost", "h0"], "h0", pids=str(pids))
+    assert time.monotonic() - start < 45
+    started, listed = result.return_value
+    assert listed == ["VALIDATED"]
+    [line] = _validation_lines(storage)
+    assert "on host 'h0': the connection to host 'h0' was lost while it ran" in line["error"], line["error"]
+    assert _gone(started["pids"], timeout_s=15)  # the function and what it started
+    assert Path(f"{pids}.stopped").read_text() == "cleanup ran"
+
+
 def test_a_host_with_another_ddptrain_says_so_and_training_goes_on(ssh, storage: str, tmp_path: Path) -> None:
     """The request is pickled: before it is unpickled there, the host's versions are checked."""
     site = tmp_path / "site"
