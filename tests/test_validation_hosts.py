@@ -229,6 +229,71 @@ def test_a_connection_dropped_mid_validation_fails_it_and_leaves_nothing_on_the_
     assert Path(f"{pids}.stopped").read_text() == "cleanup ran"
 
 
+def _quiet_then_chatty(checkpoint: train.Checkpoint, seconds: float) -> dict[str, Any]:
+    time.sleep(seconds)  # silent
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:  # output all the time
+        print("x" * 200, flush=True)
+    return {"acc": 0.5}
+
+
+def test_a_validation_longer_than_the_heartbeat_timeout_runs_to_its_end(ssh, storage: str, monkeypatch) -> None:
+    """The driver's heartbeats keep the process on the host going, whether it prints or not."""
+    monkeypatch.setenv("DDPTRAIN_SSH_HEARTBEAT_TIMEOUT_S", "1")
+
+    def loop() -> list[str]:
+        _report(0, validation=True)
+        return [r.status.value for r in train.get_all_reported_checkpoints(timeout_s=60)]
+
+    result = _fit(loop, storage, _quiet_then_chatty, ["localhost", "h0"], "h0", seconds=2.0)
+    assert result.return_value == ["VALIDATED"]
+    [line] = _validation_lines(storage)
+    assert line["error"] is None and line["metrics"]["acc"] == 0.5
+
+
+def _pulls_its_cable(checkpoint: train.Checkpoint, pids: str, ip: str) -> dict[str, Any]:
+    """On n1: its network link goes down while it runs (nothing reaches the driver any more)."""
+    with open(pids, "a") as f:
+        f.write(json.dumps({"pids": [os.getpid()]}) + "\n")
+    subprocess.run([ip, "link", "set", "eth0", "down"], check=True)
+    Path(pids + ".cut").write_text(str(time.time()))
+    try:
+        time.sleep(60)
+    finally:  # a stop is a SIGTERM first: cleanup runs
+        Path(pids + ".stopped").write_text(str(time.time()))
+    return {"acc": 1.0}
+
+
+@pytest.mark.timeout(120)
+def test_a_host_cut_off_mid_validation_fails_it_and_its_process_stops_within_the_heartbeat_timeout(
+    netns, storage: str, tmp_path: Path, monkeypatch
+) -> None:
+    """n1's link goes down while a validation runs there: no FIN reaches either side. The
+    validation fails naming n1 within the heartbeat bounds, training goes on, and the process on
+    n1 stops itself once the driver's heartbeats stop (SIGTERM first: its cleanup runs), long
+    before n1's sshd would drop the session (ClientAliveInterval 5, ClientAliveCountMax 3)."""
+    monkeypatch.setenv("DDPTRAIN_SSH_HEARTBEAT_TIMEOUT_S", "2")
+    pids = tmp_path / "pids"
+
+    def loop() -> Any:
+        _report(0, validation=True)
+        started = _started(pids)
+        listed = [r.status.value for r in train.get_all_reported_checkpoints(timeout_s=60)]
+        return started, listed
+
+    start = time.monotonic()
+    result = _fit(loop, storage, _pulls_its_cable, ["localhost", "n1"], "n1", pids=str(pids), ip=shutil.which("ip"))
+    assert time.monotonic() - start < 45
+    started, listed = result.return_value
+    assert listed == ["VALIDATED"]
+    [line] = _validation_lines(storage)
+    assert "on host 'n1': the connection to host 'n1' was lost while it ran" in line["error"], line["error"]
+    assert _gone(started["pids"], timeout_s=15)
+    cut = float(Path(f"{pids}.cut").read_text())
+    stopped = float(Path(f"{pids}.stopped").read_text())
+    assert stopped - cut < 8, f"the validation on n1 ran {stopped - cut:.1f} s after its link went down"
+
+
 def test_a_host_with_another_ddptrain_says_so_and_training_goes_on(ssh, storage: str, tmp_path: Path) -> None:
     """The request is pickled: before it is unpickled there, the host's versions are checked."""
     site = tmp_path / "site"

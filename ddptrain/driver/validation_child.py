@@ -11,8 +11,9 @@ neither torch nor the driver: only what the function itself needs.
 
 It ends with what it started: on the driver's host the driver kills its process group and
 it watches the driver's pid; on an SSH host (``remote=True``) it is in a session of its own,
-stops its group once its stdin (the SSH channel) ends, as the agent does, and kills it when it
-is done. A stop is SIGTERM, then SIGKILL after ``DDPTRAIN_SHUTDOWN_GRACE_S``, on either host; the
+stops its group once its stdin (the SSH channel) ends or the driver's heartbeats on it stop for
+``DDPTRAIN_SSH_HEARTBEAT_TIMEOUT_S`` (a link that went down), as the agent does, and kills it
+when it is done. A stop is SIGTERM, then SIGKILL after ``DDPTRAIN_SHUTDOWN_GRACE_S``, on either host; the
 SIGTERM raises ``SystemExit`` in the function (``finally`` blocks and ``with`` exits run).
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -75,16 +77,22 @@ def _stopped(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(f"the validation was stopped ({signal.Signals(signum).name})")
 
 
-def _watch_stdin(folder: str) -> None:
-    """On an SSH host: end this process's group once stdin ends (the driver killed the
-    validation, or died, or the connection dropped), as the driver ends a local one: SIGTERM
-    to the group (the function's ``finally`` blocks and handlers run), SIGKILL after
-    ``DDPTRAIN_SHUTDOWN_GRACE_S``; and remove its folder (it holds the pickled function)."""
+def _until_driver_gone(heartbeat_s: float) -> None:
+    """Return once stdin (the SSH channel, where the driver sends a heartbeat byte every half
+    second) ends or stays silent for ``heartbeat_s``."""
     try:
-        while os.read(0, 4096):
+        while select.select([0], [], [], heartbeat_s)[0] and os.read(0, 4096):
             pass
     except OSError:
         pass
+
+
+def _watch_stdin(folder: str) -> None:
+    """On an SSH host: end this process's group once the driver is gone (it killed the
+    validation, or died, or the connection dropped or went silent), as the driver ends a local
+    one: SIGTERM to the group (the function's ``finally`` blocks and handlers run), SIGKILL after
+    ``DDPTRAIN_SHUTDOWN_GRACE_S``; and remove its folder (it holds the pickled function)."""
+    _until_driver_gone(_env.ssh_heartbeat_timeout_s())
     grace_s = _env.shutdown_grace_s()
     try:  # in a session of its own, once the group is gone (`main` may end it first)
         remove = 'sleep "$1"; rm -rf -- "$2"'

@@ -91,6 +91,8 @@ class SSHValidationHost:
     ) -> None:
         env = {**_env.forwarded_env(), **env_vars}
         env.setdefault("OMP_NUM_THREADS", "1")
+        # The process there ends itself after this much silence from the driver (`ssh_process`).
+        env["DDPTRAIN_SSH_HEARTBEAT_TIMEOUT_S"] = f"{_env.ssh_heartbeat_timeout_s():g}"
         if not uses_gpu:
             env["CUDA_VISIBLE_DEVICES"] = ""
         elif host.gpus is not None:

@@ -10,16 +10,20 @@ exactly as the agent is started (``remote_command``: the environment goes over s
 on the command line), copies its output (stdout and stderr) to a local file, waits for it to
 end, reads its result file back and removes the folder.
 
-The program's stdin stays open while it runs: closing it is how :meth:`SSHProcess.kill`
-ends it, and the connection dropping (the driver died, the network went away) closes it too,
-so the program must end itself and what it started when its stdin ends
-(``ddptrain.driver.validation_child`` does).
+The program's stdin stays open while it runs, and a heartbeat byte goes down it every
+``ALIVE_S`` (as to an agent): closing it is how :meth:`SSHProcess.kill` ends it, and the
+connection dropping (the driver died, its sshd was killed) closes it too. A link that went
+down closes nothing on the host, so the program must end itself and what it started when its
+stdin ends or stays silent for ``DDPTRAIN_SSH_HEARTBEAT_TIMEOUT_S``
+(``ddptrain.driver.validation_child`` does). The driver's reads on such a link end within twice
+that (``ssh_connect``), and the process then fails with the connection lost.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +35,7 @@ from ddptrain.launch.host_scripts import PID_LINE, env_frame
 from ddptrain.launch.hosts import HostSpec
 from ddptrain.launch.ssh_connect import connect, remote_command
 from ddptrain.launch.ssh_files import HostFiles
+from ddptrain.wire.protocol import ALIVE_S
 
 __all__ = ["SSHHost", "SSHProcess", "Setup"]
 
@@ -226,11 +231,23 @@ class SSHProcess:
 
     def _copy_output(self, channel: Any) -> None:
         """Append the program's output to the log file until it ends (the first line, the
-        pid that ``PRESTART`` prints, is left out)."""
+        pid that ``PRESTART`` prints, is left out), and send it a heartbeat byte every
+        ``ALIVE_S`` meanwhile, whether it prints or not."""
         head: bytes | None = b""
+        channel.settimeout(ALIVE_S)
+        sent = time.monotonic()
         with open(self._log, "ab") as out:
             while True:
-                data = channel.recv(65536)
+                if time.monotonic() - sent >= ALIVE_S:
+                    sent = time.monotonic()
+                    try:
+                        channel.send(b"\0")  # after `kill`'s EOF: sends nothing
+                    except OSError:
+                        pass  # closed: the next read says it ended
+                try:
+                    data = channel.recv(65536)
+                except socket.timeout:
+                    continue
                 if not data:
                     break
                 if head is not None:
