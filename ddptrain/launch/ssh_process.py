@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -246,7 +245,7 @@ class SSHProcess:
                         pass  # closed: the next read says it ended
                 try:
                     data = channel.recv(65536)
-                except socket.timeout:
+                except TimeoutError:  # socket.timeout
                     continue
                 if not data:
                     break
