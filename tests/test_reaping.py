@@ -78,3 +78,26 @@ def test_a_plain_agent_that_exited_is_reaped_only_after_its_session_is_killed(mo
     finally:
         connection.close(0)
     assert _state(pid) is None
+
+
+def test_a_closed_plain_agent_is_never_signalled_again(monkeypatch) -> None:
+    """Once ``close`` reaped the agent, its pid may be a new process's: a second ``close`` or an
+    ``abort`` sends nothing to that group."""
+    import os
+
+    from ddptrain.launch.launcher import LocalConnection
+
+    monkeypatch.setenv("DDPTRAIN_AGENT_FORKSERVER", "0")
+    connection = LocalConnection(dict(os.environ))
+    connection.open()
+    pid = connection._proc.pid
+    assert connection.stdin is not None
+    connection.stdin.close()  # the driver is gone: the agent ends
+    connection.stdin = None
+    connection.close(30)
+    assert _state(pid) is None  # reaped
+    signalled: list[int] = []
+    monkeypatch.setattr(os, "killpg", lambda pgid, sig: signalled.append(pgid))  # recorded, never sent
+    connection.abort()
+    connection.close(0)
+    assert pid not in signalled

@@ -98,6 +98,7 @@ class LocalConnection:
 
     def __init__(self, env: dict[str, str]) -> None:
         self._env = env
+        self._reaped = False  # `close` reaped the agent: its session is never signalled again
 
     def open(self) -> None:
         self._proc: subprocess.Popen[bytes] | forkserver.ForkedAgent
@@ -164,8 +165,8 @@ class LocalConnection:
 
     def _kill_session(self) -> None:
         pid = self._proc.pid  # None: a fork server ended before it forked this agent
-        if pid is None:
-            return
+        if pid is None or self._reaped:
+            return  # reaped (or handed back to its fork server): its pid may be a stranger's now
         try:
             os.killpg(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -185,6 +186,7 @@ class LocalConnection:
             _logger.warning("ddptrain agent %s did not stop in %.1f s; killing it", proc.pid, grace_s + 1)
         # Whatever is left in the agent's session (its workers' own children too) goes now.
         self._kill_session()
+        self._reaped = True
         proc.wait()
         if isinstance(proc, forkserver.ForkedAgent):
             proc.release()  # its process group is gone: the server may reap it
