@@ -84,6 +84,19 @@ def _env(**extra: str) -> dict[str, str]:
     return {"DDPTRAIN_SSH_HEARTBEAT_TIMEOUT_S": "3", "DDPTRAIN_SHUTDOWN_GRACE_S": "2", **extra}
 
 
+def _salloc(args: list[str], **env: str) -> subprocess.Popen[str]:
+    """``salloc ARGS`` running, in a session of its own (``os.killpg`` ends it), its output in
+    one pipe, with the short knobs of :func:`_env` (and ``env``) on top of the test's environment."""
+    return subprocess.Popen(
+        ["salloc", *args],
+        env={**os.environ, **_env(**env)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
 def _check_run(storage: Path, output: str) -> None:
     run = storage / "run"
     metrics = [json.loads(line)["metrics"] for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -314,13 +327,9 @@ def test_slurms_usr1_to_every_process_of_the_steps_preempts_the_run(slurm, scrip
     checkpoint and ends PREEMPTED, naming the signal."""
     storage = tmp_path / "runs"
     storage.mkdir()
-    proc = subprocess.Popen(
-        ["salloc", "-N2", "--ntasks-per-node=2", sys.executable, str(script), str(storage), "long"],
-        env={**os.environ, **_env(DDPTRAIN_PREEMPTION_WINDOW_S="20")},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
+    proc = _salloc(
+        ["-N2", "--ntasks-per-node=2", sys.executable, str(script), str(storage), "long"],
+        DDPTRAIN_PREEMPTION_WINDOW_S="20",
     )
     try:
         _wait_running(storage, proc, 120)
@@ -355,14 +364,7 @@ def test_a_killed_driver_leaves_nothing_on_the_nodes(slurm, script: Path, tmp_pa
     pid_file = tmp_path / "driver.pid"
     shell_pid = tmp_path / "shell.pid"
     command = f"echo $$ > {shell_pid}; {sys.executable} {script} {storage} long & echo $! > {pid_file}; wait; sleep 60"
-    proc = subprocess.Popen(
-        ["salloc", "-N2", "--ntasks-per-node=2", "sh", "-c", command],
-        env={**os.environ, **_env()},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    proc = _salloc(["-N2", "--ntasks-per-node=2", "sh", "-c", command])
     try:
         _wait_running(storage, proc, 120)
         assert len(slurm.node_processes("n1")) >= 3  # slurmstepd, the agent, its workers
@@ -510,14 +512,7 @@ def test_an_elastic_run_goes_on_without_a_dead_node(slurm, script: Path, tmp_pat
     storage = tmp_path / "runs"
     storage.mkdir()
     # --no-kill: SLURM keeps the job when one of its nodes fails
-    proc = subprocess.Popen(
-        ["salloc", "-N2", "--no-kill", "--ntasks-per-node=2", sys.executable, str(script), str(storage), "elastic"],
-        env={**os.environ, **slurm.env, **_env()},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    proc = _salloc(["-N2", "--no-kill", "--ntasks-per-node=2", sys.executable, str(script), str(storage), "elastic"])
     try:
         _wait_running(storage, proc, 120)
         (storage / "running").unlink()
@@ -543,14 +538,7 @@ def test_a_dead_node_fails_the_run_naming_it(slurm, script: Path, tmp_path: Path
     """Last in the module: the node stays dead."""
     storage = tmp_path / "runs"
     storage.mkdir()
-    proc = subprocess.Popen(
-        ["salloc", "-N2", "--ntasks-per-node=2", sys.executable, str(script), str(storage), "long"],
-        env={**os.environ, **slurm.env, **_env()},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    proc = _salloc(["-N2", "--ntasks-per-node=2", sys.executable, str(script), str(storage), "long"])
     try:
         _wait_running(storage, proc, 120)
         slurm.kill_node("n1")
