@@ -28,6 +28,7 @@ from ddptrain.errors import ConfigError, exception_to_bytes
 from ddptrain.storage.open import resume_checkpoint, worker_storage
 from ddptrain.wire import channel, protocol
 from ddptrain.wire.boot import load_user, write_all
+from ddptrain.worker import reports
 
 __all__ = ["reopen_std_streams", "restore_blas_threads", "run"]
 
@@ -159,7 +160,7 @@ def _make_session(spec: protocol.WorkerSpec, run: protocol.RunInfo, ch: channel.
     shards = open_shards(spec.datasets)  # maps the driver's shared memory
     storage = worker_storage(run.storage, run.name) if run.storage.run_dir else None
     return context.build_session(
-        run, spec, context.CHANNEL_REPORTS, dataset_shards=shards, checkpoint=checkpoint, storage=storage, channel=ch
+        run, spec, reports.CHANNEL_REPORTS, dataset_shards=shards, checkpoint=checkpoint, storage=storage, channel=ch
     )
 
 
@@ -235,7 +236,7 @@ def _train(user: dict[str, Any]) -> Any:
         with backend_config.train_func_context():
             value = fn(user["train_loop_config"]) if user["takes_config"] else fn()
         if context._session is not None:
-            context.finish_uploads(context._session)  # the run is done once its checkpoints are
+            reports.finish_uploads(context._session)  # the run is done once its checkpoints are
         failed = False
         return value
     finally:
