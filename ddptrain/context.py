@@ -8,19 +8,22 @@ by :func:`build_session` in both, and differs only in where its reports go (its
 
 from __future__ import annotations
 
-import enum
 import logging
-import os
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-import cloudpickle
-
+from ddptrain import report_config
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.errors import DdpTrainError
-from ddptrain.storage import layout as storage
+from ddptrain.report_config import (
+    CheckpointConsistencyMode,
+    CheckpointUploadMode,
+    ReportedCheckpoint,
+    ReportedCheckpointStatus,
+    Upload,
+)
 from ddptrain.storage.upload_process import UploadProcess
 from ddptrain.storage.uploads import CheckpointUploads
 from ddptrain.train_context import StorageContext, TrainContext
@@ -47,57 +50,6 @@ __all__ = [
 ]
 
 _logger = logging.getLogger(__name__)
-
-
-class CheckpointUploadMode(enum.Enum):
-    """How ``report()`` persists a checkpoint.
-
-    Members:
-        SYNC: ``report()`` returns once the checkpoint files are in the run's storage.
-        ASYNC: ``report()`` returns at once; a process of the worker uploads the files, in report
-            order, and the driver commits the checkpoint once every rank's files are there. The
-            folder must not be changed or deleted until then (``tempfile.mkdtemp()``, not a
-            ``TemporaryDirectory`` that ends with the report); it is deleted after its upload by
-            default.
-        NO_UPLOAD: The checkpoint already is in the run's storage (the user wrote it there):
-            it is registered as it is.
-    """
-
-    SYNC = "SYNC"
-    ASYNC = "ASYNC"
-    NO_UPLOAD = "NO_UPLOAD"
-
-    def default_delete_local_checkpoint_after_upload(self) -> bool:
-        """What ``delete_local_checkpoint_after_upload=None`` means: ``True`` for ``ASYNC``."""
-        return self is CheckpointUploadMode.ASYNC
-
-
-class CheckpointConsistencyMode(enum.Enum):
-    """What ``get_all_reported_checkpoints`` waits for (Ray's semantics).
-
-    Members:
-        COMMITTED: Every ``report()`` this worker made so far is processed (its checkpoint
-            committed) on every rank.
-        VALIDATED: That, and no validation (``ValidationConfig``) is queued or running: every
-            listed checkpoint has its validated metrics. The default, as in Ray.
-    """
-
-    COMMITTED = "COMMITTED"
-    VALIDATED = "VALIDATED"
-
-
-class ReportedCheckpointStatus(enum.Enum):
-    """State of a reported checkpoint (Ray's).
-
-    Members:
-        COMMITTED: Committed; no validation was asked for (or it never ran: the run stopped).
-        PENDING_VALIDATION: Committed; its validation is queued or running.
-        VALIDATED: Its validation ended: its metrics are merged in (none if it failed).
-    """
-
-    COMMITTED = "COMMITTED"
-    PENDING_VALIDATION = "PENDING_VALIDATION"
-    VALIDATED = "VALIDATED"
 
 
 @dataclass(frozen=True)
@@ -253,88 +205,6 @@ def _get_session(function: str) -> _Session:
     return _session
 
 
-def _find_tensor(value: Any, path: str, depth: int = 0) -> str | None:
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return path
-    if depth > 8:
-        return None
-    if isinstance(value, Mapping):
-        for key, item in value.items():
-            found = _find_tensor(item, f"{path}[{key!r}]", depth + 1)
-            if found:
-                return found
-    elif isinstance(value, (list, tuple, set)):
-        for i, item in enumerate(value):
-            found = _find_tensor(item, f"{path}[{i}]", depth + 1)
-            if found:
-                return found
-    return None
-
-
-def _check_metrics(metrics: Any) -> dict[str, Any]:
-    if not isinstance(metrics, Mapping):
-        raise TypeError(f"`metrics` must be a dict, got {type(metrics).__name__}.")
-    for key in metrics:
-        if not isinstance(key, str):
-            raise TypeError(f"`metrics` keys must be strings, got {key!r}.")
-    found = _find_tensor(metrics, "metrics")
-    if found:
-        raise ValueError(
-            f"{found} is a torch.Tensor; metrics must not contain tensors. Convert it with "
-            "`.item()` or `.tolist()`, or save tensors in the checkpoint instead."
-        )
-    return dict(metrics)
-
-
-def _check_dir_name(name: str | None) -> None:
-
-    if name is not None:
-        storage.check_dir_name(name)
-
-
-@dataclass(frozen=True)
-class Upload:
-    """How a report's checkpoint is persisted (``report()``'s arguments, checked)."""
-
-    mode: CheckpointUploadMode = CheckpointUploadMode.SYNC
-    delete_local: bool = False
-    upload_fn: Callable[[Checkpoint, str], Checkpoint] | None = None
-
-
-def _check_upload(
-    checkpoint: Checkpoint | None, mode: Any, delete_local: bool | None, upload_fn: Any, run_dir: str | None
-) -> Upload:
-    if mode is None:
-        mode = CheckpointUploadMode.SYNC
-    try:
-        mode = CheckpointUploadMode(getattr(mode, "value", mode))  # Ray's enum works too
-    except ValueError:
-        raise ValueError(
-            f"`checkpoint_upload_mode` must be a CheckpointUploadMode (SYNC, ASYNC or NO_UPLOAD), got {mode!r}."
-        ) from None
-    if upload_fn is not None and not callable(upload_fn):
-        raise TypeError(
-            f"`checkpoint_upload_fn` must be a function (checkpoint, dir_name) -> Checkpoint, got {upload_fn!r}."
-        )
-    if upload_fn is not None and mode is CheckpointUploadMode.NO_UPLOAD:
-        raise ValueError(
-            "`checkpoint_upload_fn` uploads the checkpoint, `CheckpointUploadMode.NO_UPLOAD` says there is nothing "
-            "to upload: pass one of them."
-        )
-    if delete_local is None:
-        delete_local = mode.default_delete_local_checkpoint_after_upload()
-    if delete_local and checkpoint is not None and run_dir:
-        local, root = os.path.realpath(checkpoint.path), os.path.realpath(run_dir)
-        if os.path.commonpath([local, root]) in (local, root):
-            raise ValueError(
-                f"`delete_local_checkpoint_after_upload=True` would delete {checkpoint.path}, which is "
-                f"inside the run directory {run_dir} or contains it."
-            )
-    return Upload(mode, bool(delete_local), upload_fn)
-
-
 def report(
     metrics: dict[str, Any],
     checkpoint: Checkpoint | None = None,
@@ -400,12 +270,16 @@ def report(
         ...     ddptrain.report({"epoch": epoch, "loss": loss})
     """
     session = _get_session("report")
-    metrics = _check_metrics(metrics)
+    metrics = report_config.check_metrics(metrics)
     if checkpoint is not None and not isinstance(checkpoint, Checkpoint):
         raise TypeError(f"`checkpoint` must be a ddptrain.Checkpoint, got {type(checkpoint).__name__}.")
-    _check_dir_name(checkpoint_dir_name)
-    spec = _validation_spec(session, validation, validate_fn, validate_config) if checkpoint is not None else None
-    upload = _check_upload(
+    report_config.check_dir_name(checkpoint_dir_name)
+    spec = (
+        report_config.validation_spec(session.validates, validation, validate_fn, validate_config)
+        if checkpoint is not None
+        else None
+    )
+    upload = report_config.check_upload(
         checkpoint,
         checkpoint_upload_mode,
         delete_local_checkpoint_after_upload,
@@ -416,44 +290,6 @@ def report(
         session.uploads.check()  # an earlier ASYNC upload failed
     session.report_index += 1
     session.sink.report(session, metrics, checkpoint, checkpoint_dir_name, upload, spec)
-
-
-def _validation_spec(session: _Session, validation: Any, validate_fn: Any, validate_config: Any) -> bytes | None:
-    """``report()``'s validation request, pickled for the validation process (``None``: none)."""
-    if validate_fn is None and validate_config is not None:
-        raise ValueError("`validate_config` is the argument of `validate_fn`: pass `validate_fn` too.")
-    if validate_fn is not None:
-        if validation is not False and validation is not None:
-            raise ValueError(
-                "Pass either `validation=...` (with the trainer's `validation_config`) or `validate_fn=...`, not both."
-            )
-        if not callable(validate_fn):
-            raise TypeError(f"`validate_fn` must be a function (checkpoint, config) -> dict, got {validate_fn!r}.")
-        request: tuple[Any, ...] = (validate_fn, () if validate_config is None else (validate_config,), None)
-    elif validation is False or validation is None:
-        return None
-    else:
-        if validation is True:
-            request = (None, (), None)
-        elif hasattr(validation, "fn_kwargs"):  # a ValidationTaskConfig (Ray's too)
-            kwargs = validation.fn_kwargs
-            if kwargs is not None and not isinstance(kwargs, Mapping):
-                raise TypeError(f"`ValidationTaskConfig.fn_kwargs` must be a dict, got {kwargs!r}.")
-            request = (None, (), dict(kwargs) if kwargs is not None else None)
-        else:
-            raise TypeError(f"`validation` must be True, False or a ValidationTaskConfig, got {validation!r}.")
-        if not session.validates:
-            raise ValueError(
-                "`report(validation=...)` needs a validation function: give the trainer "
-                "`validation_config=ValidationConfig(fn)` (or pass `validate_fn=` to report())."
-            )
-    try:
-        return cloudpickle.dumps(request)
-    except Exception as exc:
-        raise TypeError(
-            f"The validation request of this report cannot be pickled ({exc!r}): `validate_fn` and the keyword "
-            "arguments must be picklable (pass paths, not open files or clients)."
-        ) from exc
 
 
 def persist_checkpoint(
@@ -555,16 +391,6 @@ def get_checkpoint() -> Checkpoint | None:
     run committed; during the run it is the latest checkpoint this worker reported.
     """
     return _get_session("get_checkpoint").checkpoint
-
-
-@dataclass(frozen=True)
-class ReportedCheckpoint:
-    """A committed checkpoint, rank 0's metrics reported with it (and its validated metrics,
-    merged in), and its status."""
-
-    checkpoint: Checkpoint
-    metrics: dict[str, Any]
-    status: ReportedCheckpointStatus = ReportedCheckpointStatus.COMMITTED
 
 
 def get_all_reported_checkpoints(

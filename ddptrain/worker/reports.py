@@ -15,16 +15,9 @@ import cloudpickle
 
 from ddptrain import _env
 from ddptrain.checkpoint import Checkpoint
-from ddptrain.context import (
-    CheckpointUploadMode,
-    ReportedCheckpoint,
-    ReportedCheckpointStatus,
-    ReportSink,
-    Upload,
-    _Session,
-    persist_checkpoint,
-)
+from ddptrain.context import ReportSink, _Session, persist_checkpoint
 from ddptrain.errors import StorageError, is_disk_full
+from ddptrain.report_config import CheckpointUploadMode, ReportedCheckpoint, ReportedCheckpointStatus, Upload
 from ddptrain.storage.uploads import CheckpointUploads
 from ddptrain.wire import protocol
 
