@@ -13,7 +13,7 @@ import pytest
 from ddptrain import ScalingConfig
 from ddptrain.driver.plan import Plan
 from ddptrain.errors import ConfigError
-from ddptrain.launch.slurm import allocation_hosts, expand_nodelist, tasks_per_node
+from ddptrain.launch.slurm_allocation import allocation_hosts, expand_nodelist, tasks_per_node
 
 # `scontrol show hostnames LIST` of slurm-wlm 22.05.8 (Debian 12), recorded.
 SCONTROL = {

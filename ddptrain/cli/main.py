@@ -22,7 +22,8 @@ from ddptrain.errors import DdpTrainError
 from ddptrain.launch.fanout import each_host
 from ddptrain.launch.host_scripts import env_frame
 from ddptrain.launch.hosts import SLURM, HostSpec, is_local, parse_hosts, with_ssh_config
-from ddptrain.launch.slurm import allocation_hosts, node_address, prestart_command, route_source, srun_command
+from ddptrain.launch.slurm import prestart_command, srun_command
+from ddptrain.launch.slurm_allocation import allocation_hosts, node_address, route_source
 from ddptrain.launch.slurm_submit import SlurmConfig, submit, warning_option
 from ddptrain.launch.ssh_connect import connect, run_program
 from ddptrain.ray_compat import install as install_ray_compat

@@ -19,7 +19,8 @@ from ddptrain.errors import ConfigError, LaunchError
 from ddptrain.launch.fanout import each_host
 from ddptrain.launch.hosts import SLURM, HostSpec, Placement, is_local, parse_hosts, place_workers, with_ssh_config
 from ddptrain.launch.launcher import GroupLauncher, HostLauncher, Launcher, LocalLauncher
-from ddptrain.launch.slurm import SlurmLauncher, allocation_hosts
+from ddptrain.launch.slurm import SlurmLauncher
+from ddptrain.launch.slurm_allocation import allocation_hosts
 from ddptrain.launch.ssh import SSHLauncher, gpu_slots
 from ddptrain.wire.protocol import Bootstrap, RunInfo, StoreAddress, WorkerSpec
 
