@@ -155,7 +155,10 @@ def _hangs(checkpoint: train.Checkpoint, pids: str) -> dict[str, Any]:
     child = subprocess.Popen(["sleep", "60"])  # what it starts is killed with it
     with open(pids, "a") as f:
         f.write(f"{os.getpid()} {child.pid}\n")
-    time.sleep(60)
+    try:
+        time.sleep(60)
+    finally:  # a stop is SIGTERM first: the function's cleanup runs
+        Path(pids + ".cleaned").write_text("yes")
     return {"acc": 1.0}
 
 
@@ -250,8 +253,9 @@ train.DataParallelTrainer(
 
 @pytest.mark.parametrize("signal_name", ["SIGINT", "SIGTERM", "SIGKILL"])
 def test_a_validation_ends_with_its_driver(signal_name: str, storage: str, tmp_path: Path) -> None:
-    """Ctrl-C (KeyboardInterrupt in fit()) and SIGTERM (a preemption notice) kill the
-    validation; so does a SIGKILLed driver (the validation process watches it)."""
+    """Ctrl-C (KeyboardInterrupt in fit()) and SIGTERM (a preemption notice) stop the
+    validation; so does a SIGKILLed driver (the validation process watches it): SIGTERM first,
+    so the function's ``finally`` blocks run, then SIGKILL; its folder is removed."""
     pids = tmp_path / "pids"
     root = Path(__file__).resolve().parent.parent
     driver = subprocess.Popen(
@@ -266,15 +270,19 @@ def test_a_validation_ends_with_its_driver(signal_name: str, storage: str, tmp_p
         while not (pids.exists() and pids.read_text().endswith("\n")) and time.monotonic() < deadline:
             time.sleep(0.05)
         started = [int(pid) for pid in pids.read_text().split()]
+        folder = Path(f"/proc/{started[0]}/cmdline").read_bytes().split(b"\0")[-2].decode()
+        assert Path(folder, "task.pkl").exists()
         os.kill(driver.pid, getattr(__import__("signal"), signal_name))
         driver.wait(30)
     finally:
         driver.kill()
         driver.wait()
-    deadline = time.monotonic() + 5
-    while any(map(_alive, started)) and time.monotonic() < deadline:
+    deadline = time.monotonic() + 8
+    while (any(map(_alive, started)) or os.path.exists(folder)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(map(_alive, started))
+    assert Path(str(pids) + ".cleaned").exists()  # its `finally` ran, the driver killed or not
+    assert not os.path.exists(folder)  # nor is the pickled function left behind
 
 
 def test_a_bad_validation_knob_fails_fit_at_once(storage: str, monkeypatch) -> None:

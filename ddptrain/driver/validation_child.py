@@ -9,12 +9,13 @@ It pins itself to ``DDPTRAIN_VALIDATION_CPUS`` if set, calls the function, and w
 ``result.json`` (``{"metrics": ...}`` or ``{"error": traceback}``) atomically. It imports
 neither torch nor the driver: only what the function itself needs.
 
-It ends with what it started: on the driver's host the driver kills its process group and
-it watches the driver's pid; on an SSH host (``remote=True``) it is in a session of its own,
-stops its group once its stdin (the SSH channel) ends or the driver's heartbeats on it stop for
-``DDPTRAIN_SSH_HEARTBEAT_TIMEOUT_S`` (a link that went down), as the agent does, and kills it
-when it is done. A stop is SIGTERM, then SIGKILL after ``DDPTRAIN_SHUTDOWN_GRACE_S``, on either host; the
-SIGTERM raises ``SystemExit`` in the function (``finally`` blocks and ``with`` exits run).
+It ends with what it started. On the driver's host the driver stops its process group; it
+stops the group itself once the driver's pid is gone (a driver killed with SIGKILL). On an SSH
+host (``remote=True``) it is in a session of its own, stops its group once its stdin (the SSH
+channel) ends or the driver's heartbeats on it stop for ``DDPTRAIN_SSH_HEARTBEAT_TIMEOUT_S`` (a
+link that went down), as the agent does, and kills it when it is done. A stop is SIGTERM, then
+SIGKILL after ``DDPTRAIN_SHUTDOWN_GRACE_S``, whoever stops it; the SIGTERM raises ``SystemExit``
+in the function (``finally`` blocks and ``with`` exits run), and its folder is removed.
 """
 
 from __future__ import annotations
@@ -65,12 +66,12 @@ def _call(request: dict[str, Any]) -> dict[str, Any]:
     return {"metrics": to_jsonable(metrics)}
 
 
-def _watch_driver(driver_pid: int) -> None:
+def _watch_driver(driver_pid: int, folder: str) -> None:
     """End this process's group (it and what the function started) once the driver is gone:
-    a driver killed with SIGKILL cannot kill its validation itself."""
+    a driver killed with SIGKILL cannot stop its validation itself."""
     while os.getppid() == driver_pid:
         time.sleep(0.5)
-    os.killpg(0, signal.SIGKILL)
+    _end_group(folder)
 
 
 def _stopped(signum: int, frame: FrameType | None) -> None:
@@ -89,10 +90,15 @@ def _until_driver_gone(heartbeat_s: float) -> None:
 
 def _watch_stdin(folder: str) -> None:
     """On an SSH host: end this process's group once the driver is gone (it killed the
-    validation, or died, or the connection dropped or went silent), as the driver ends a local
-    one: SIGTERM to the group (the function's ``finally`` blocks and handlers run), SIGKILL after
-    ``DDPTRAIN_SHUTDOWN_GRACE_S``; and remove its folder (it holds the pickled function)."""
+    validation, or died, or the connection dropped or went silent), as :func:`_end_group` does."""
     _until_driver_gone(_env.ssh_heartbeat_timeout_s())
+    _end_group(folder)
+
+
+def _end_group(folder: str) -> None:
+    """The driver is gone: SIGTERM to this process's group (``SystemExit`` in the function, whose
+    ``finally`` blocks and handlers run), SIGKILL after ``DDPTRAIN_SHUTDOWN_GRACE_S``; ``folder``
+    (it holds the pickled function) is removed once the group is gone."""
     grace_s = _env.shutdown_grace_s()
     try:  # in a session of its own, once the group is gone (`main` may end it first)
         remove = 'sleep "$1"; rm -rf -- "$2"'
@@ -118,8 +124,9 @@ def main(folder: str, remote: bool = False, expected: dict[str, str] | None = No
             if os.getpgid(0) != os.getpid():
                 os.setpgid(0, 0)
         threading.Thread(target=_watch_stdin, args=(folder,), daemon=True, name="stdin-watch").start()
-    else:
-        threading.Thread(target=_watch_driver, args=(os.getppid(),), daemon=True, name="driver-watch").start()
+    driver = os.getppid()
+    if not remote:
+        threading.Thread(target=_watch_driver, args=(driver, folder), daemon=True, name="driver-watch").start()
     try:
         if expected is not None:
             check_versions(expected)
@@ -134,7 +141,7 @@ def main(folder: str, remote: bool = False, expected: dict[str, str] | None = No
     with open(part, "w") as f:
         json.dump(result, f)
     os.replace(part, os.path.join(folder, "result.json"))
-    if remote:  # what the function started and left behind (the driver kills it on its own host)
+    if remote or os.getppid() != driver:  # what the function left behind (else the driver kills it)
         sys.stdout.flush()
         sys.stderr.flush()
         os.killpg(0, signal.SIGKILL)
