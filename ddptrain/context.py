@@ -83,8 +83,8 @@ class ContextError(DdpTrainError, RuntimeError):
 
 
 class ReportSink(Protocol):
-    """Where a session's reports go: ``ddptrain.worker.reports.ChannelReports`` in a worker, the local run in
-    local mode (``ddptrain.driver.local_run.LocalReports``)."""
+    """Where a session's reports go: ``ddptrain.worker.reports.ChannelReports`` in a worker,
+    the local run in local mode (``ddptrain.driver.local_run.LocalReports``)."""
 
     def report(
         self,
