@@ -60,6 +60,8 @@ class ScalingConfig:
         use_gpu: Give each worker its own CUDA device and use the NCCL backend.
         resources_per_worker: ``{"GPU": k}`` gives each worker ``k`` devices (``get_devices()``);
             ``{"CPU": n}`` sets ``OMP_NUM_THREADS=n`` in each worker unless you set it yourself.
+            Other keys (Ray's custom resources, ``memory``) are accepted and ignored; a
+            misspelt ``"CPU"`` or ``"GPU"`` (``"gpu"``, ``"GPUS"``) is an error.
         placement_strategy: ``"PACK"`` fills hosts in order, ``"SPREAD"`` round-robins
             (matters for multi-host runs).
         accelerator_type: Accepted for compatibility; ddptrain does not select GPUs by type.
@@ -126,6 +128,12 @@ class ScalingConfig:
             for key, amount in resources.items():
                 if isinstance(amount, bool) or not isinstance(amount, (int, float)) or amount < 0:
                     raise ConfigError(f"`resources_per_worker[{key!r}]` must be a number >= 0, got {amount!r}.")
+                meant = str(key).upper().rstrip("S")
+                if meant in ("CPU", "GPU") and key != meant:  # other keys (Ray's custom resources) are ignored
+                    raise ConfigError(
+                        f"`resources_per_worker` has {key!r}: did you mean {meant!r}? The keys ddptrain reads are "
+                        "'CPU' and 'GPU', spelled as in Ray."
+                    )
             gpus = resources.get("GPU", 0)
             if gpus and not self.use_gpu:
                 raise ConfigError(

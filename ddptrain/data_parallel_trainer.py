@@ -34,7 +34,19 @@ _logger = logging.getLogger(__name__)
 
 
 def _takes_config(fn: Callable[..., Any]) -> bool:
-    """Whether ``fn`` takes the config argument; raises ConfigError for 2+ required arguments."""
+    """Whether ``fn`` takes the config argument; raises ConfigError for 2+ required arguments,
+    and for a generator or ``async`` function (calling one runs none of its body)."""
+    name = getattr(fn, "__name__", fn)
+    if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+        raise ConfigError(
+            f"The training function `{name}` is a generator function (it uses `yield`): calling it runs none of "
+            "its body. Report progress with `ddptrain.report(...)` instead of `yield`."
+        )
+    if inspect.iscoroutinefunction(fn):
+        raise ConfigError(
+            f"The training function `{name}` is an `async def` function: calling it runs none of its body. "
+            f"Pass a plain function that runs it, e.g. `def train_func(config): asyncio.run({name}(config))`."
+        )
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
@@ -45,7 +57,7 @@ def _takes_config(fn: Callable[..., Any]) -> bool:
         names = ", ".join(p.name for p in required)
         raise ConfigError(
             f"The training function must take 0 or 1 arguments (the `train_loop_config` dict), "
-            f"but `{getattr(fn, '__name__', fn)}` requires {len(required)}: {names}."
+            f"but `{name}` requires {len(required)}: {names}."
         )
     return bool(positional) or any(p.kind == p.VAR_POSITIONAL for p in params)
 

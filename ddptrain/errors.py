@@ -289,8 +289,16 @@ def describe_memory(memory: dict[str, Any]) -> str:
 
 
 def describe_death(exitcode: int, memory: dict[str, Any] | None = None) -> str:
-    """:func:`describe_exitcode`, followed by :func:`describe_memory` when there is evidence."""
+    """How a worker ended without a word: :func:`describe_exitcode`, followed by
+    :func:`describe_memory` when there is evidence. An exit code (not a signal) means that the
+    process ended itself before its function returned or raised (a ``SystemExit`` is reported
+    as the function's error): ``os._exit()``, or a library's C ``exit()``."""
     text = describe_exitcode(exitcode)
+    if exitcode >= 0:
+        text += (
+            " before its training function returned or raised: something it ran ended the process "
+            "(os._exit(), or a library calling C's exit())"
+        )
     return f"{text}, {describe_memory(memory)}" if memory else text
 
 

@@ -161,6 +161,11 @@ def check_upload(
             "`checkpoint_upload_fn` uploads the checkpoint, `CheckpointUploadMode.NO_UPLOAD` says there is nothing "
             "to upload: pass one of them."
         )
+    on_disk = checkpoint is not None and not checkpoint.is_remote
+    if on_disk and mode is not CheckpointUploadMode.NO_UPLOAD and upload_fn is None:
+        assert checkpoint is not None
+        if not os.path.isdir(checkpoint.path):  # said on the user's line, not from the upload
+            raise layout.not_a_folder(checkpoint.path)
     if delete_local is None:
         delete_local = mode.default_delete_local_checkpoint_after_upload()
     if delete_local and checkpoint is not None and run_dir:

@@ -127,6 +127,37 @@ def test_checkpoint_names_that_escape_the_run_directory_are_refused(storage: str
     assert "`checkpoint_dir_name` must be a plain folder name" in str(info.value)
 
 
+def report_a_file(config: dict) -> str:
+    """What report() raised, on the user's own line, for a checkpoint that is a file or missing."""
+    handle, path = tempfile.mkstemp()
+    os.close(handle)
+    said = []
+    for checkpoint in (path, path + ".gone"):
+        for mode in ("SYNC", "ASYNC"):
+            try:
+                train.report({}, checkpoint=train.Checkpoint(checkpoint), checkpoint_upload_mode=mode)
+            except OSError as exc:
+                said.append(f"{type(exc).__name__}: {exc}")
+    os.remove(path)
+    train.report({"after": 1})  # nothing was sent: the run goes on
+    return "\n".join(said)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_checkpoint_that_is_a_file_is_refused_at_report_saying_so(storage: str, workers: int) -> None:
+    result = train.DataParallelTrainer(
+        report_a_file,
+        scaling_config=train.ScalingConfig(num_workers=workers),
+        run_config=train.RunConfig(storage_path=storage),
+    ).fit()
+    said = result.return_value.splitlines()
+    assert len(said) == 4, said
+    assert all(line.startswith("NotADirectoryError: Checkpoint ") for line in said[:2]), said
+    assert "is a file, not a folder: a checkpoint is a folder of files" in said[0]
+    assert all(line.startswith("FileNotFoundError: Checkpoint directory ") for line in said[2:]), said
+    assert result.metrics == {"after": 1} and result.checkpoint is None
+
+
 def test_checkpoint_metadata_and_local_helpers(tmp_path: Path) -> None:
     source = tmp_path / "ckpt"
     source.mkdir()

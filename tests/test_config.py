@@ -25,6 +25,8 @@ from ddptrain.torch import TorchConfig
         ({"resources_per_worker": {"GPU": 1}}, "`use_gpu` is False"),
         ({"use_gpu": True, "resources_per_worker": {"GPU": 0}}, "at least part of a GPU"),
         ({"resources_per_worker": {"CPU": -1}}, "must be a number >= 0"),
+        ({"use_gpu": True, "resources_per_worker": {"gpu": 1}}, "has 'gpu': did you mean 'GPU'?"),
+        ({"resources_per_worker": {"CPUS": 2}}, "has 'CPUS': did you mean 'CPU'?"),
         ({"placement_strategy": "RANDOM"}, "`placement_strategy` must be one of"),
         ({"trainer_resources": {"CPU": 1}}, None),
     ],
@@ -119,6 +121,26 @@ def test_trainer_rejects_wrong_config_types() -> None:
         train.DataParallelTrainer(lambda a, b: None)
     with pytest.raises(ValueError, match="`train_loop_config` must be a dict"):
         train.DataParallelTrainer(fn, train_loop_config=[1])
+
+
+def test_a_generator_or_async_training_function_is_refused() -> None:
+    """Calling either runs none of its body: before, fit() "finished" without training."""
+
+    def steps(config):
+        yield 1
+
+    async def loop(config):
+        return 1
+
+    with pytest.raises(ValueError, match="`steps` is a generator function .* `ddptrain.report"):
+        train.DataParallelTrainer(steps)
+    with pytest.raises(ValueError, match=r"`loop` is an `async def` function.*asyncio.run\(loop\(config\)\)"):
+        train.DataParallelTrainer(loop)
+
+
+def test_custom_resources_are_accepted_and_ignored_as_in_ray() -> None:
+    config = train.ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1, "memory": 2**30, "special": 1})
+    assert config.num_cpus_per_worker == 1
 
 
 def test_config_changed_after_creation_is_checked_at_fit(storage: str) -> None:

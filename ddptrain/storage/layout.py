@@ -218,6 +218,16 @@ def naming_full_disk(path: str | Path) -> Iterator[None]:
         raise error from exc
 
 
+def not_a_folder(path: str) -> OSError:
+    """The error for a reported checkpoint at ``path`` that is not a folder."""
+    if os.path.exists(path):
+        return NotADirectoryError(
+            f"Checkpoint {path!r} is a file, not a folder: a checkpoint is a folder of files. Write the file into "
+            "a new folder (`tempfile.mkdtemp()`) and pass `Checkpoint.from_directory(folder)`."
+        )
+    return FileNotFoundError(f"Checkpoint directory {path!r} does not exist.")
+
+
 def stage_files(run_dir: str, source: str, attempt: int, report_index: int, rank: int, move: bool = False) -> str:
     """Copy one rank's checkpoint files into the staging area; returns the staged folder.
     ``move``: the caller gives ``source`` up, so it is renamed instead when it is on the same
@@ -227,7 +237,7 @@ def stage_files(run_dir: str, source: str, attempt: int, report_index: int, rank
         DiskFullError: The run directory's file system is full; nothing staged is left.
     """
     if not os.path.isdir(source):
-        raise FileNotFoundError(f"Checkpoint directory {source!r} does not exist.")
+        raise not_a_folder(source)
     target = RunLayout(run_dir).staged(attempt, report_index, rank)
     if target.exists():
         shutil.rmtree(target)

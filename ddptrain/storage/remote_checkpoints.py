@@ -52,7 +52,7 @@ def upload_checkpoint(
         FileNotFoundError: ``local`` is not a folder.
     """
     if not os.path.isdir(local):
-        raise FileNotFoundError(f"Checkpoint directory {local!r} does not exist.")
+        raise storage.not_a_folder(local)
     final = posixpath.join(run_path, name)
     target = final
     if remote.exists(final):  # replacing a checkpoint: never write into a committed folder
