@@ -113,6 +113,20 @@ def test_logs_and_export(runs: str, capfd, tmp_path: Path) -> None:
     assert code == 2 and "no run 'no-such-run'" in err
 
 
+def test_a_storage_path_given_for_a_run_or_missing_says_what_to_type(runs: str, capfd, tmp_path: Path) -> None:
+    code, _, err = cli(capfd, "show", runs)  # the folder that holds the runs, not a run
+    assert code == 2
+    assert f"no run {runs!r}: {runs} is not a ddptrain run directory (no run.json)" in err  # one path, not twice
+    assert f"is a storage path that holds runs: list them with `ddptrain runs {runs}`" in err
+    missing = str(tmp_path / "typo")
+    code, out, err = cli(capfd, "runs", missing)
+    assert code == 1 and f"ddptrain runs: {missing}: no such folder" in err and not out
+    assert cli(capfd, "runs", missing, "--json")[:2] == (0, "[]\n")  # no runs yet, for scripts that poll
+    Path(missing).write_text("")
+    code, _, err = cli(capfd, "runs", missing)
+    assert code == 1 and f"ddptrain runs: {missing}: not a folder" in err
+
+
 def test_plot_draws_one_panel_per_metric_for_several_runs(runs: str, capfd, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     for suffix, magic in ((".png", b"\x89PNG"), (".svg", b"<?xml")):

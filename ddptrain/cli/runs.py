@@ -109,6 +109,13 @@ def _print_json(data: Any) -> None:
 # ----------------------------------------------------------------- commands
 def main_runs(storage_path: str | None, as_json: bool) -> int:
     root = storage_path or _env.default_storage_path()
+    folder = os.path.expanduser(root.removeprefix("file://"))
+    if storage_path is not None and not on_remote_storage(storage_path) and not os.path.isdir(folder):
+        # --json: a folder not made yet holds no runs yet (scripts poll for a run's start)
+        what = "not a folder" if os.path.exists(folder) else None if as_json else "no such folder"
+        if what is not None:
+            print(f"ddptrain runs: {root}: {what} (give the storage path the runs were saved under)", file=sys.stderr)
+            return 1
     runs = list_runs(root)
     if as_json:
         _print_json(runs)

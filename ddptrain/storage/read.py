@@ -139,9 +139,19 @@ def find_run(run: str) -> Path:
     candidate = Path(_env.default_storage_path(), run).expanduser()
     if RunLayout(candidate).run_json.is_file():
         return candidate.resolve()
-    raise RunNotFound(
-        f"no run {run!r}: neither {path} nor {candidate} is a ddptrain run directory (no {RunLayout.RUN_JSON})"
-    )
+    where = f"{path} is not" if candidate == path else f"neither {path} nor {candidate} is"
+    message = f"no run {run!r}: {where} a ddptrain run directory (no {RunLayout.RUN_JSON})"
+    if _holds_runs(path):
+        message += f". {path} is a storage path that holds runs: list them with `ddptrain runs {run}`"
+    raise RunNotFound(message)
+
+
+def _holds_runs(folder: Path) -> bool:
+    """Whether ``folder`` is a storage path: a folder with run directories in it."""
+    try:
+        return any(RunLayout(entry).run_json.is_file() for entry in folder.iterdir() if entry.is_dir())
+    except OSError:
+        return False
 
 
 @dataclass(frozen=True)
