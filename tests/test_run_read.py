@@ -121,5 +121,5 @@ def test_a_folder_that_is_not_a_run(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="is not a ddptrain run directory"):
         with open_result_run(str(tmp_path)):
             pass
-    with pytest.raises(read.RunNotFound, match=r"is a ddptrain run directory \(no run.json\)"):
+    with pytest.raises(read.RunNotFound, match=r"is not a ddptrain run directory \(no run.json\)"):
         read.find_run(str(tmp_path))
