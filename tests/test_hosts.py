@@ -48,6 +48,11 @@ def test_host_file_with_comments_options_and_blank_lines(tmp_path: Path) -> None
         ("gpu-1 gpus=0,,1", "hosts:1: `gpus` must be GPU ids.*, got '0,,1'"),
         ("gpu-1 gpus=cuda:0", "hosts:1: `gpus` must be GPU ids.*, got 'cuda:0'"),
         ("gpu-1 slots=1\ngpu-2 gpus=", "hosts:2: expected `option=value`"),
+        # Other launchers' `host:slots`: ssh would have taken it for a host name.
+        ("gpu-1:4", "hosts:1: 'gpu-1:4' is not a host name .for workers write `gpu-1 slots=4`, for an SSH port"),
+        ("alice@gpu-1:2222", "hosts:1: 'gpu-1:2222' is not a host name"),
+        ("alice@gpu-1 user=bob", "hosts:1: the user is given twice .alice@ and user=bob."),
+        ("@gpu-1", "hosts:1: '@gpu-1' is not a host name .`user@host` needs both"),
     ],
 )
 def test_bad_host_files_name_the_line(tmp_path: Path, line: str, message: str) -> None:
@@ -69,6 +74,9 @@ def test_hosts_as_a_python_list() -> None:
         parse_hosts([])
     with pytest.raises(ConfigError, match=r"`hosts\[0\]` must be a host name"):
         parse_hosts([3])  # type: ignore[list-item]
+    # As in a host file: comments, `user@host`, IPv6 addresses with or without brackets.
+    hosts = parse_hosts(["# the boxes", "alice@a slots=2", "[::1] slots=1", "fe80::2"])
+    assert [(h.name, h.user, h.slots) for h in hosts] == [("a", "alice", 2), ("::1", None, 1), ("fe80::2", None, None)]
 
 
 def test_ssh_config_fills_in_what_the_host_list_leaves_out(tmp_path: Path) -> None:

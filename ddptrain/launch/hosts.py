@@ -8,9 +8,10 @@ A host file has one host per line, DeepSpeed's ``host slots=N`` plus ddptrain's 
     gpu-box-3       gpus=0,1,3
     localhost       slots=2
 
-Blank lines and ``#`` comments are ignored. ``slots`` is how many workers the host runs
-(default: its GPU count with ``use_gpu``, else 1). ``gpus`` are the GPU ids (as ``nvidia-smi``
-numbers them) its workers may use with ``use_gpu``: the host's agent runs with
+Blank lines and ``#`` comments are ignored; ``alice@gpu-box-2`` is ``gpu-box-2 user=alice``.
+``slots`` is how many workers the host runs (default: its GPU count with ``use_gpu``, else 1).
+``gpus`` are the GPU ids (as ``nvidia-smi`` numbers them) its workers may use with
+``use_gpu``: the host's agent runs with
 ``CUDA_VISIBLE_DEVICES`` set to them, and without ``slots`` the host runs one worker per
 ``gpus_per_worker`` of them. The driver's own machine may be listed as ``localhost`` (or its
 host name); it is then run without SSH.
@@ -18,6 +19,7 @@ host name); it is then run without SSH.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 import re
@@ -123,12 +125,20 @@ def _parse_line(text: str, where: str) -> HostSpec:
         raise ConfigError(f"{where}: cannot parse {text!r}: {exc}.") from None
     name, options = parts[0], parts[1:]
     values: dict[str, Any] = {}
+    user, at, host = name.rpartition("@")
+    if at:  # `alice@gpu-box-2`, as ssh takes it
+        if not user or not host:
+            raise ConfigError(f"{where}: {name!r} is not a host name (`user@host` needs both).")
+        name, values["user"] = host, user
+    name = _checked_name(name, where)
     for option in options:
         key, sep, value = option.partition("=")
         if not sep or not value:
             raise ConfigError(f"{where}: expected `option=value` after the host name, got {option!r}.")
         if key not in _OPTIONS:
             raise ConfigError(f"{where}: unknown option {key!r}; known options: {', '.join(_OPTIONS)}.")
+        if key == "user" and at:
+            raise ConfigError(f"{where}: the user is given twice ({user}@ and user={value}); give it once.")
         if key in ("slots", "port"):
             try:
                 number = int(value)
@@ -143,6 +153,22 @@ def _parse_line(text: str, where: str) -> HostSpec:
         else:
             values[key] = os.path.expanduser(value) if key in ("key",) else value
     return HostSpec(name=name, **values)
+
+
+def _checked_name(name: str, where: str) -> str:
+    """``name``, an IPv6 address without its brackets; refuses the ``host:N`` of other
+    launchers' host lists (ssh would take it for a host name)."""
+    if ":" not in name:
+        return name
+    try:
+        return str(ipaddress.IPv6Address(name.removeprefix("[").removesuffix("]")))
+    except ValueError:
+        pass
+    host, _, number = name.rpartition(":")
+    hint = f"for workers write `{host} slots={number}`, for an SSH port `{host} port={number}`"
+    if not number.isdigit():
+        hint = "an SSH port is `port=N`"
+    raise ConfigError(f"{where}: {name!r} is not a host name ({hint}).")
 
 
 def parse_hostfile(path: str | os.PathLike[str]) -> list[HostSpec]:
@@ -173,8 +199,10 @@ def parse_hosts(hosts: str | os.PathLike[str] | list[str | HostSpec]) -> list[Ho
     for i, host in enumerate(hosts):
         if isinstance(host, HostSpec):
             specs.append(host)
-        elif isinstance(host, str) and host.strip():
+        elif isinstance(host, str) and host.split("#", 1)[0].strip():
             specs.append(_parse_line(host, f"hosts[{i}]"))
+        elif isinstance(host, str) and host.strip():
+            continue  # a comment, as in a host file
         else:
             raise ConfigError(f"`hosts[{i}]` must be a host name string or a HostSpec, got {host!r}.")
     return _check_unique(specs, "hosts")
