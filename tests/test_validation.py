@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -283,6 +284,47 @@ def test_a_validation_ends_with_its_driver(signal_name: str, storage: str, tmp_p
     assert not any(map(_alive, started))
     assert Path(str(pids) + ".cleaned").exists()  # its `finally` ran, the driver killed or not
     assert not os.path.exists(folder)  # nor is the pickled function left behind
+
+
+def _quick(checkpoint: train.Checkpoint, pids: str) -> dict[str, Any]:
+    with open(pids, "a") as f:
+        f.write(f"{os.getpid()}\n")
+    time.sleep(1.0)  # the test reads its folder from its command line meanwhile
+    return {"acc": 1.0}
+
+
+def test_a_result_its_killed_driver_never_read_is_removed(storage: str, tmp_path: Path) -> None:
+    """The validation ended and wrote its result; the driver, stopped before it read it, is then
+    SIGKILLed: its folder (with the pickled function) does not stay behind."""
+    pids = tmp_path / "pids"
+    root = Path(__file__).resolve().parent.parent
+    driver = subprocess.Popen(
+        [os.sys.executable, "-c", _DRIVER.replace("_hangs", "_quick"), storage, str(pids)],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (pids.exists() and pids.read_text().endswith("\n")) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        pid = int(pids.read_text())
+        folder = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[-2].decode()
+        os.kill(driver.pid, signal.SIGSTOP)  # it cannot read the result now
+        deadline = time.monotonic() + 10
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not _alive(pid) and Path(folder, "result.json").exists()
+        os.kill(driver.pid, signal.SIGKILL)
+        driver.wait(30)
+    finally:
+        driver.kill()
+        driver.wait()
+    deadline = time.monotonic() + 3
+    while os.path.exists(folder) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(folder)
 
 
 def test_a_bad_validation_knob_fails_fit_at_once(storage: str, monkeypatch) -> None:

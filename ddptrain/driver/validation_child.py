@@ -112,6 +112,20 @@ def _end_group(folder: str) -> None:
         os.killpg(0, signal.SIGKILL)
 
 
+def _remove_if_unread(driver: int, folder: str) -> None:
+    """Once the result is written the driver reads it and removes ``folder``; a driver killed
+    before it could would leave it (and the pickled function in it) behind. A process of its
+    own removes it then: it ends once the folder is gone, or the driver is."""
+    wait = 'while [ -d "$2" ] && kill -0 "$1" 2>/dev/null; do sleep 0.2; done; rm -rf -- "$2"'
+    with contextlib.suppress(OSError):
+        subprocess.Popen(
+            ["sh", "-c", wait, "sh", str(driver), folder],
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+        )
+
+
 def main(folder: str, remote: bool = False, expected: dict[str, str] | None = None) -> int:
     """Run the validation of ``folder``'s request; its result (or error) goes to ``result.json``.
     ``remote``: on an SSH host (see the module docstring). ``expected``: the driver's versions
@@ -141,6 +155,8 @@ def main(folder: str, remote: bool = False, expected: dict[str, str] | None = No
     with open(part, "w") as f:
         json.dump(result, f)
     os.replace(part, os.path.join(folder, "result.json"))
+    if not remote:
+        _remove_if_unread(driver, folder)
     if remote or os.getppid() != driver:  # what the function left behind (else the driver kills it)
         sys.stdout.flush()
         sys.stderr.flush()
