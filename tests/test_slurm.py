@@ -178,3 +178,14 @@ def test_a_usr1_signal_option_sets_the_warnings_lead_time(
     assert warning_option(options) == (lead, rest)
     if lead is None:  # kept as the user's own, which SlurmConfig takes with signal_s=0 (no requeue)
         assert "--requeue" not in SlurmConfig(signal_s=0, extra=rest).sbatch_options()
+
+
+def test_submit_refuses_a_missing_script_before_sbatch(tmp_path, monkeypatch, capsys) -> None:
+    """The job would only fail once it left the queue, minutes or hours later."""
+    from ddptrain.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", "/nonexistent")  # no sbatch: the check comes first
+    assert main(["submit", "--nodes=1", "--", "trian.py", "--lr", "0.1"]) == 2
+    err = capsys.readouterr().err
+    assert f"ddptrain submit: no such script: {tmp_path}/trian.py (the job runs `trian.py` in {tmp_path})." in err

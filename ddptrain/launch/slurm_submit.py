@@ -339,7 +339,7 @@ def submit(command: list[str], config: SlurmConfig | None = None, workdir: str |
         workdir: The job's working directory (default: this one).
 
     Raises:
-        ConfigError: ``command`` is empty.
+        ConfigError: ``command`` is empty, or its script is not in ``workdir``.
         LaunchError: ``sbatch`` refused the job, or SLURM's clients are missing or do not answer.
 
     Example:
@@ -348,10 +348,14 @@ def submit(command: list[str], config: SlurmConfig | None = None, workdir: str |
     config = config or SlurmConfig()
     if not command:
         raise ConfigError("`submit` needs a command: the script and its arguments, e.g. ['train.py'].")
+    workdir = os.path.abspath(workdir or os.getcwd())
+    script = os.path.join(workdir, os.path.expanduser(command[0]))
+    if command[0].endswith(".py") and not os.path.isfile(script):  # said now, not by the job in the queue
+        raise ConfigError(f"no such script: {script} (the job runs `{command[0]}` in {workdir}).")
     folder = os.path.abspath(os.path.expanduser(config.output_dir or "~/.ddptrain/slurm"))
     os.makedirs(folder, mode=0o700, exist_ok=True)
     output = os.path.join(folder, f"{config.job_name}-%j.out")
-    text = batch_script(config, list(command), os.path.abspath(workdir or os.getcwd()), output)
+    text = batch_script(config, list(command), workdir, output)
     fd, path = tempfile.mkstemp(prefix=f"{config.job_name}-", suffix=".sbatch", dir=folder)  # mode 0600
     with os.fdopen(fd, "w") as f:
         f.write(text)
