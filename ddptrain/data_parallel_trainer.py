@@ -8,7 +8,7 @@ import inspect
 import logging
 import os
 import posixpath
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import cloudpickle
@@ -125,6 +125,11 @@ class DataParallelTrainer(BaseTrainer):
         self.backend_config = backend_config if backend_config is not None else BackendConfig()
         self.scaling_config = scaling_config if scaling_config is not None else ScalingConfig()
         self.run_config = run_config if run_config is not None else RunConfig()
+        if datasets is not None and not isinstance(datasets, Mapping):
+            raise ConfigError(
+                f"`datasets` must be a dict of named datasets, e.g. `datasets={{'train': ds}}`, got "
+                f"{type(datasets).__name__}."
+            )
         self.datasets = dict(datasets or {})
         self.dataset_config = dataset_config if dataset_config is not None else DataConfig()
         self.resume_from_checkpoint = resume_from_checkpoint

@@ -121,6 +121,8 @@ def test_trainer_rejects_wrong_config_types() -> None:
         train.DataParallelTrainer(lambda a, b: None)
     with pytest.raises(ValueError, match="`train_loop_config` must be a dict"):
         train.DataParallelTrainer(fn, train_loop_config=[1])
+    with pytest.raises(ValueError, match=r"`datasets` must be a dict of named datasets, .*got list"):
+        train.DataParallelTrainer(fn, datasets=[train.data.from_items([{"x": 1}])])  # type: ignore[arg-type]
 
 
 def test_a_generator_or_async_training_function_is_refused() -> None:
