@@ -158,6 +158,30 @@ def test_a_checkpoint_that_is_a_file_is_refused_at_report_saying_so(storage: str
     assert result.metrics == {"after": 1} and result.checkpoint is None
 
 
+def reports_accuracy(config: dict) -> None:
+    for step in range(3):
+        with tempfile.TemporaryDirectory() as d:
+            write_checkpoint(d, step=str(step))
+            train.report({"accuracy": step / 10, "step": step}, checkpoint=train.Checkpoint.from_directory(d))
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_score_attribute_no_checkpoint_has_is_said_once(storage: str, workers: int, capfd) -> None:
+    """A typo in `checkpoint_score_attribute` silently ranked every checkpoint as the worst."""
+    result = train.DataParallelTrainer(
+        reports_accuracy,
+        scaling_config=train.ScalingConfig(num_workers=workers),
+        run_config=train.RunConfig(
+            storage_path=storage, checkpoint_config=train.CheckpointConfig(2, checkpoint_score_attribute="acc")
+        ),
+    ).fit()
+    err = capfd.readouterr().err
+    said = "checkpoint_score_attribute 'acc' is not among the metrics of checkpoint_000001 (they are: accuracy, step)"
+    assert err.count(said) == 1 and err.count("is not among the metrics") == 1, err
+    assert "or correct the name" in err
+    assert result.checkpoint is not None and result.checkpoint.path.endswith("checkpoint_000003")
+
+
 def test_checkpoint_metadata_and_local_helpers(tmp_path: Path) -> None:
     source = tmp_path / "ckpt"
     source.mkdir()

@@ -124,6 +124,7 @@ class Progress:
         self._last_line = -1e9
         self._unprinted = False  # a report not shown yet (lines mode)
         self.scored = False  # checkpoints are ranked by a score (else "best" is the latest)
+        self._unscored_said = False
 
     # ----------------------------------------------------------------- events
     def started(self, *, workers: int, hosts: int, attempt: int, resume_from: str | None) -> None:
@@ -147,6 +148,19 @@ class Progress:
     def committed(self, checkpoint_path: str) -> None:
         with self._lock:
             self._checkpoint = os.path.basename(checkpoint_path)
+
+    def unscored(self, name: str, attribute: str, metrics: dict[str, Any]) -> None:
+        """Checkpoint ``name`` has no ``checkpoint_score_attribute`` (said once per run: a typo
+        in the name, or a metric reported without the checkpoint)."""
+        if self._unscored_said:
+            return
+        self._unscored_said = True
+        keys = ", ".join(sorted(metrics)) or "none"
+        self._say(
+            f"ddptrain: checkpoint_score_attribute {attribute!r} is not among the metrics of {name} (they are: "
+            f"{keys}); checkpoints without it rank as the worst and retention keeps the newest of them. Report "
+            f"{attribute!r} with each checkpoint (or from its validation), or correct the name."
+        )
 
     def validated(self, name: str, metrics: dict[str, Any], seconds: float) -> None:
         """A checkpoint's validation ended: its metrics (merged into the checkpoint's)."""

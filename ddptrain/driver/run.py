@@ -225,10 +225,17 @@ class Run:
         self.flush_metrics()  # a checkpoint's report is on disk before the checkpoint
         checkpoint = self.storage.commit(staged, name, metrics, index, validating=validation is not None)
         self.progress.committed(checkpoint.path)
+        if validation is None:  # else its validation may bring the score
+            self._check_scored(name, metrics)
         if validation is not None:
             self.validations.submit(Task(name, checkpoint, index, self._attempt, validation))
             self.poll_validations()  # started now when none runs
         return checkpoint
+
+    def _check_scored(self, name: str, metrics: dict[str, Any]) -> None:
+        attribute = self.checkpoints.config.checkpoint_score_attribute
+        if attribute is not None and attribute not in metrics:
+            self.progress.unscored(name, attribute, metrics)
 
     def reported_checkpoints(self) -> list[tuple[str, dict[str, Any], str]]:
         """Every checkpoint reported so far, with its metrics and status (``get_all_reported_checkpoints()``)."""
@@ -267,6 +274,8 @@ class Run:
         task = finished.task
         status = VALIDATED if finished.ran else COMMITTED
         merged = self.checkpoints.validated(task.name, finished.metrics or {}, status)
+        if merged is not None and finished.error is None:
+            self._check_scored(task.name, merged)
         line = {
             "time": time.time(),
             "attempt": task.attempt,
