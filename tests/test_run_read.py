@@ -123,3 +123,9 @@ def test_a_folder_that_is_not_a_run(tmp_path: Path) -> None:
             pass
     with pytest.raises(read.RunNotFound, match=r"is not a ddptrain run directory \(no run.json\)"):
         read.find_run(str(tmp_path))
+    run = tmp_path / "some-run"
+    run.mkdir()
+    (run / "run.json").write_text("{}")
+    with pytest.raises(RuntimeError, match=r"\(it has no run.json\)\. It holds runs: give one of them, e.g. "):
+        with open_result_run(str(tmp_path)):  # Result.from_path(storage_path)
+            pass

@@ -471,7 +471,10 @@ def open_result_run(path: str, storage_filesystem: Any = None) -> Iterator[RunVi
     if root is None:
         run_dir = os.path.abspath(os.path.expanduser(path.removeprefix("file://")))
         if not RunLayout(run_dir).run_json.exists():
-            raise RuntimeError(f"{run_dir} is not a ddptrain run directory (it has no {RunLayout.RUN_JSON}).")
+            hint = ""
+            if _holds_runs(Path(run_dir)):
+                hint = f" It holds runs: give one of them, e.g. {os.path.join(run_dir, '<run name>')}."
+            raise RuntimeError(f"{run_dir} is not a ddptrain run directory (it has no {RunLayout.RUN_JSON}).{hint}")
         yield RunView(Path(run_dir), run_dir)
         return
     with tempfile.TemporaryDirectory(prefix="ddptrain_result_") as local:
