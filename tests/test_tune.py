@@ -66,6 +66,8 @@ def test_configs_and_imports_are_checked() -> None:
         tune.Tuner(dict)
     with pytest.raises(RuntimeError, match="inside a trial"):
         tune.report({"x": 1})
+    with pytest.raises(TypeError, match=r"`grid_search` takes a list of the values to try, .* got 3"):
+        tune.grid_search(3)  # type: ignore[arg-type]
     # `import ddptrain` imports neither the sweep layer nor optuna.
     code = "import sys, ddptrain; print('ddptrain.tune' in sys.modules, 'optuna' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -125,6 +127,8 @@ def test_function_trainable_grid_errors_and_status_lines(storage: str, capsys: p
     assert best.config == {"x": 3} and best.metrics["score"] == 2 and best.metrics["training_iteration"] == 3
     assert [m["training_iteration"] for m in best.metrics_history] == [1, 2, 3]
     assert results.get_best_result("score", "min", scope="all").config == {"x": 1}
+    with pytest.raises(ValueError, match=r"metric 'acc' .*; the trials' last reports have: .*score, "):
+        results.get_best_result("acc", "max")  # a misspelt metric: the names there are
     assert Path(best.path).parent == Path(storage, "fn") and (Path(best.path) / "result.json").exists()
     frame = results.get_dataframe()
     assert list(frame["config/x"]) == [1, 2, 3, 4]

@@ -145,7 +145,11 @@ class ResultGrid:
             )
         best = best_trial(self._trials, metric, mode, scope)
         if best is None:
-            raise ValueError(f"No trial reported the metric {metric!r} (as a finite number).")
+            reported = sorted({key for trial in self._trials for key in (trial.last_result or {})})
+            raise ValueError(
+                f"No trial reported the metric {metric!r} (as a finite number); the trials' last reports have: "
+                f"{', '.join(reported) or 'no metrics'}."
+            )
         return self._results[self._trials.index(best)]
 
     def get_dataframe(self, filter_metric: str | None = None, filter_mode: str | None = None) -> Any:

@@ -139,6 +139,8 @@ def grid_search(values: Sequence[Any]) -> dict[str, list[Any]]:
     Example:
         >>> param_space = {"lr": tune.grid_search([1e-3, 1e-2])}
     """
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise TypeError(f"`grid_search` takes a list of the values to try, e.g. `grid_search([1, 2])`, got {values!r}.")
     values = list(values)
     if not values:
         raise ValueError("`grid_search` needs at least one value, got an empty list.")
