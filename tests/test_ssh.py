@@ -107,6 +107,26 @@ def test_missing_python_on_a_host_is_a_clear_error(ssh, storage: str) -> None:
         ).fit()
 
 
+def test_a_host_that_refuses_on_stdout_says_why_the_agent_did_not_start(ssh, storage: str) -> None:
+    """A login that ends at once and says why on stdout (a nologin shell's "This account is
+    currently not available.", a maintenance ForceCommand): that line, where the agent's pid
+    line was expected, was dropped, and the error named only the exit status."""
+    refuses = "ForceCommand echo 'This host is closed for maintenance until 18:00.'; exit 1\n"
+    host = ssh.add_host("closed", "127.0.0.13", extra=refuses)
+    try:
+        with pytest.raises(
+            train.DdpTrainError,
+            match=r"(?s)on host 'closed' the agent did not start \(exit status 1:.*closed for maintenance until 18:00",
+        ):
+            TorchTrainer(
+                allreduce_on_hosts,
+                scaling_config=train.ScalingConfig(num_workers=1, hosts=["root@closed"]),  # `user@host`, as in ssh
+                run_config=train.RunConfig(storage_path=storage),
+            ).fit()
+    finally:
+        ssh.remove_host(host)
+
+
 def test_hostile_working_directory(ssh, storage: str, tmp_path: Path) -> None:
     workdir = tmp_path / "dir with spaces 'quotes' $HOME ünïcode"
     workdir.mkdir()

@@ -48,6 +48,7 @@ class HostConnection(Protocol):
     where: str  # "on this machine", "on host 'h0'": for messages
     stdout: IO[bytes]  # framed output (see ``ddptrain.wire.protocol``)
     stderr: IO[bytes]  # the agent's own messages, line by line
+    stray_output: str  # what a remote program's stdout said instead of the agent's pid (its shell's words)
 
     def open(self) -> None:
         """Start the agent; from now on ``stdout`` and ``stderr`` can be read."""
@@ -143,7 +144,8 @@ class AgentSession:
         code = self.connection.exit_code()
         if self._stderr_thread is not None:
             self._stderr_thread.join(1.0)  # let it take the last lines
-        tail = "\n".join(self._stderr_tail[-10:])
+        lines = self._stderr_tail[-10:] + ([self.connection.stray_output] if self.connection.stray_output else [])
+        tail = "\n".join(lines)
         return f"exit status {code}" + (f":\n{tail}" if tail else "")
 
     def start(self, bootstrap: Bootstrap, sink: OutputSink, on_event: Callable[[AgentEvent], None]) -> None:

@@ -29,6 +29,7 @@ the environment is imported), and are passed as one line (:func:`one_line`).
 from __future__ import annotations
 
 import os
+from typing import IO
 
 from ddptrain.errors import ConfigError
 
@@ -95,6 +96,20 @@ os.write(1, b"ddptrain-pid %d\n" % os.getpid())
 os.execvpe(sys.argv[1], sys.argv[1:], env)
 """
 PID_LINE = b"ddptrain-pid "  # then the pid and a newline: the first line a remote program's stdout has
+
+
+def read_pid_line(stream: IO[bytes]) -> tuple[int | None, str]:
+    """The pid a remote program's first stdout line gives (:data:`PID_LINE`), or ``None`` and
+    what came instead: a login shell's own words ("This account is currently not available.")
+    are the only trace of why it never started."""
+    try:
+        line = stream.readline()
+        if line.startswith(PID_LINE):
+            return int(line[len(PID_LINE) :]), ""
+    except (OSError, ValueError):
+        return None, ""
+    return None, line.decode(errors="replace").strip()[:500]
+
 
 # Each host's staging folder is STAGING_PREFIX + run id.
 STAGING_PREFIX = "/tmp/ddptrain-"

@@ -95,6 +95,7 @@ class LocalConnection:
     """
 
     where = "on this machine"
+    stray_output = ""  # an agent started here prints nothing before its frames
 
     def __init__(self, env: dict[str, str]) -> None:
         self._env = env

@@ -37,7 +37,7 @@ from typing import IO
 from ddptrain import _env
 from ddptrain.errors import HostLostError, LaunchError
 from ddptrain.launch.agent_session import AgentSession, OutputSink
-from ddptrain.launch.host_scripts import PID_LINE, PRESTART, STAGING_PREFIX, STORAGE_PREP, env_frame, one_line
+from ddptrain.launch.host_scripts import PRESTART, STAGING_PREFIX, STORAGE_PREP, env_frame, one_line, read_pid_line
 from ddptrain.launch.slurm_allocation import node_address, route_source
 from ddptrain.launch.slurm_files import NodeFiles
 from ddptrain.wire.agent_events import AgentEvent
@@ -130,6 +130,7 @@ class SrunConnection:
     def __init__(self, node: str, python: str, env: dict[str, str]) -> None:
         self.where = f"on node {node!r}"
         self.agent_pid: int | None = None
+        self.stray_output = ""  # what its stdout said instead of the pid line
         self.pid_known = threading.Event()
         self._node = node
         self._argv = srun_command(node, prestart_command(python, agent_command(python, import_pins())))
@@ -159,11 +160,7 @@ class SrunConnection:
 
     def _read_pid(self) -> None:
         try:
-            line = self.stdout.readline()
-            if line.startswith(PID_LINE):
-                self.agent_pid = int(line[len(PID_LINE) :])
-        except (OSError, ValueError):
-            pass
+            self.agent_pid, self.stray_output = read_pid_line(self.stdout)
         finally:
             self.pid_known.set()
 

@@ -22,7 +22,7 @@ from typing import IO, Any
 from ddptrain import _env
 from ddptrain.errors import ConfigError, HostLostError, LaunchError
 from ddptrain.launch.agent_session import AgentSession, OutputSink
-from ddptrain.launch.host_scripts import PID_LINE, env_frame
+from ddptrain.launch.host_scripts import env_frame, read_pid_line
 from ddptrain.launch.hosts import HostSpec, gpus_needed, is_local, slots_for_gpus
 from ddptrain.launch.ssh_connect import connect, remote_command
 from ddptrain.launch.ssh_files import HostFiles
@@ -100,6 +100,7 @@ class SSHConnection:
     def __init__(self, client: Any, host: HostSpec, command: str, env: dict[str, str]) -> None:
         self.where = f"on host {host.name!r}"
         self.agent_pid: int | None = None  # on the host; known once `pid_known` is set
+        self.stray_output = ""  # what its stdout said instead of the pid line
         self.pid_known = threading.Event()
         self._name = host.name
         self._command = command
@@ -129,11 +130,7 @@ class SSHConnection:
     def _read_pid(self) -> None:
         """The first line of the agent's stdout: its pid (nothing if it never started)."""
         try:
-            line = self.stdout.readline()
-            if line.startswith(PID_LINE):
-                self.agent_pid = int(line[len(PID_LINE) :])
-        except (OSError, ValueError):
-            pass
+            self.agent_pid, self.stray_output = read_pid_line(self.stdout)
         finally:
             self.pid_known.set()
 
