@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -107,7 +108,7 @@ def test_missing_python_on_a_host_is_a_clear_error(ssh, storage: str) -> None:
         ).fit()
 
 
-def test_a_host_that_refuses_on_stdout_says_why_the_agent_did_not_start(ssh, storage: str) -> None:
+def test_a_host_that_refuses_on_stdout_says_why_the_agent_did_not_start(ssh, storage: str, capfd) -> None:
     """A login that ends at once and says why on stdout (a nologin shell's "This account is
     currently not available.", a maintenance ForceCommand): that line, where the agent's pid
     line was expected, was dropped, and the error named only the exit status."""
@@ -121,10 +122,15 @@ def test_a_host_that_refuses_on_stdout_says_why_the_agent_did_not_start(ssh, sto
             TorchTrainer(
                 allreduce_on_hosts,
                 scaling_config=train.ScalingConfig(num_workers=1, hosts=["root@closed"]),  # `user@host`, as in ssh
-                run_config=train.RunConfig(storage_path=storage),
+                run_config=train.RunConfig(storage_path=storage, name="closed"),
             ).fit()
     finally:
         ssh.remove_host(host)
+    # The run failed (it was not aborted): `ddptrain runs` and the console say so.
+    run = json.loads(Path(storage, "closed", "run.json").read_text())
+    assert run["status"] == "ERRORED" and "closed for maintenance" in run["error"], run
+    said = "ddptrain: run 'closed' failed after 0:00:00 (0 reports, attempt 0): LaunchError: on host 'closed' the agent"
+    assert said in capfd.readouterr().err
 
 
 def test_hostile_working_directory(ssh, storage: str, tmp_path: Path) -> None:

@@ -97,7 +97,7 @@ class Controller:
             try:
                 self.group = take_warm(run.plan) or self._first_group(index)
             except LaunchError as exc:  # a host that cannot be reached: the run failed, it was not aborted
-                run.ended(error=f"LaunchError: {str(exc).splitlines()[0]}")
+                run.ended(error=_one_line(exc))
                 raise
             kept = False
             try:
@@ -149,8 +149,8 @@ class Controller:
             )
             try:
                 outcome = attempt.run()
-            except ChannelError as exc:  # the driver's own channel stopped: nothing to restart
-                self.run.ended(error=f"ChannelError: {str(exc).splitlines()[0]}")
+            except (ChannelError, LaunchError) as exc:  # the driver's channel stopped, an agent never ran
+                self.run.ended(error=_one_line(exc))  # ERRORED, not ABORTED
                 raise
             finally:
                 if watch is not None:
@@ -480,3 +480,11 @@ class Controller:
                     "Bring it back or take it out of the host list, then run again to resume.",
                 )
         return error
+
+
+def _one_line(exc: BaseException) -> str:
+    """``exc`` for the run's one-line summary: its first line, and its last when it has more
+    (where an agent's error output ends with the cause)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [""]
+    text = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
+    return f"{type(exc).__name__}: {text}"
