@@ -82,6 +82,7 @@ class ReplayConnection:
     """A ``HostConnection`` whose agent "wrote" ``frames``; what the driver writes is kept."""
 
     where = "on the replay host"
+    stray_output = ""
 
     def __init__(self, frames: bytes, exit_code: int | None) -> None:
         self.stdout = io.BytesIO(frames)
