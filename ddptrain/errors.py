@@ -355,12 +355,16 @@ class WorkerFailure:
 _PEER_GONE = ("closed by peer", "reset by peer")
 
 
+def peer_gone(failure: WorkerFailure) -> bool:
+    """Whether ``failure`` is a collective that failed because a peer went away."""
+    return any(text in str(failure.exception) for text in _PEER_GONE)
+
+
 def root_cause_order(failure: WorkerFailure) -> tuple[bool, float, int]:
     """Sort key of failures, root cause first: the earliest, except that a rank whose
     collective failed only because a peer went away comes after the others. A killed peer is
     known only when its agent reaps it, often after the survivors raised."""
-    peer_gone = any(text in str(failure.exception) for text in _PEER_GONE)
-    return (peer_gone, failure.timestamp, failure.rank)
+    return (peer_gone(failure), failure.timestamp, failure.rank)
 
 
 def root_cause_first(failures: list[WorkerFailure]) -> list[WorkerFailure]:

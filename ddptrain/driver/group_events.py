@@ -36,6 +36,7 @@ from ddptrain.errors import (
     WorkerFailure,
     WorkerGroupError,
     describe_exitcode,
+    peer_gone,
 )
 from ddptrain.wire import agent_events, protocol
 from ddptrain.wire.driver_channel import Batch, DriverChannel, Undelivered
@@ -197,6 +198,9 @@ class GroupEvents:
                 for failure in more:
                     if failure.rank not in {f.rank for f in failures}:
                         failures.append(failure)
+            for failure in failures:  # a rank's return read after the failure of a peer it left waiting
+                if not failure.note and peer_gone(failure):
+                    failure.note = self._returned_note(failure.rank)
             self.fail(failures)
             events.append(FailureSeen(tuple(failures)))
             return events
@@ -358,19 +362,24 @@ class GroupEvents:
         pid, host = self._pid_host(rank)
         return f"rank {rank} (host {host}, pid {pid})"
 
+    def _returned_note(self, rank: int) -> str:
+        """The note for a failure of ``rank`` while other ranks had returned (its collective
+        then fails for want of them)."""
+        returned = sorted(r for r in self.done if r != rank)
+        if not returned or self.finishing:
+            return ""
+        return (
+            f"rank(s) {returned} had already returned from the training function; a rank that returns "
+            "early makes its peers' collectives fail"
+        )
+
     def failure(
         self, rank: int, exitcode: int | None, exc: BaseException, traceback_str: str = "", at: float | None = None
     ) -> WorkerFailure:
         """What the driver knows of a failure of ``rank`` (``at``: when the worker saw it, if it
         said; else now)."""
         pid, host = self._pid_host(rank)
-        returned = sorted(r for r in self.done if r != rank)
-        note = ""
-        if returned and not self.finishing:
-            note = (
-                f"rank(s) {returned} had already returned from the training function; a rank that returns "
-                "early makes its peers' collectives fail"
-            )
+        note = self._returned_note(rank)
         return WorkerFailure(
             rank=rank,
             host=host,
