@@ -110,3 +110,68 @@ def test_modules_planted_in_a_shared_working_directory_are_never_imported(
     assert imported == {}, imported
     assert fit.returncode == 0 and "RETURNED [[1.0], [1.0]]" in fit.stdout, fit.stdout + fit.stderr
     assert check.returncode == 0 and "the probe did not run" not in check.stdout, check.stdout + check.stderr
+
+
+# ----------------------------------------------------------------- run folders other users made
+
+_MAKE_RUN_FOLDER = """
+import os, pickle, sys
+folder, marker = sys.argv[1], sys.argv[2]
+os.mkdir(folder, 0o755)
+
+class Payload:
+    def __reduce__(self):  # runs as whoever unpickles it
+        return (os.system, ("touch " + marker,))
+
+with open(os.path.join(folder, "trainer.pkl"), "wb") as f:
+    pickle.dump(Payload(), f)
+"""
+
+
+def report_once() -> None:
+    import ddptrain as train
+
+    train.report({"secret_metric": 42})
+
+
+def test_a_run_folder_another_user_created_is_refused(
+    other_user: OtherUser, shared_folder: Path, tmp_path: Path
+) -> None:
+    """Another user creates the folder of a run before it, on a storage path both can write
+    (here its own ``trainer.pkl`` in it). The driver used to write the run's metrics and logs
+    into it, where that user reads them; ``restore()`` unpickled its ``trainer.pkl``."""
+    import ddptrain as train
+    from ddptrain.storage.ownership import ForeignFolderError
+
+    marker = tmp_path / "unpickled"
+    other_user.run(_MAKE_RUN_FOLDER, str(shared_folder / "run"), str(marker))
+    with pytest.raises(ForeignFolderError, match=rf"run folder .*run belongs to {other_user.name} "):
+        train.DataParallelTrainer(
+            report_once,
+            scaling_config=train.ScalingConfig(num_workers=1),
+            run_config=train.RunConfig(name="run", storage_path=str(shared_folder)),
+        ).fit()
+    assert sorted(p.name for p in (shared_folder / "run").iterdir()) == ["trainer.pkl"]  # nothing written
+    with pytest.raises(ForeignFolderError, match=rf"belongs to {other_user.name} "):
+        train.DataParallelTrainer.restore(str(shared_folder / "run"))
+    assert not marker.exists()
+
+
+def test_a_run_in_a_folder_anyone_can_write_without_the_sticky_bit_is_refused(tmp_path: Path) -> None:
+    """In such a storage folder any user can rename the run's folder away and put theirs in
+    its place; with the sticky bit (as /tmp has) only its owner can."""
+    import ddptrain as train
+    from ddptrain.storage.ownership import ForeignFolderError
+
+    storage = tmp_path / "open"
+    storage.mkdir()
+    storage.chmod(0o777)
+    run_config = train.RunConfig(name="run", storage_path=str(storage))
+    trainer = train.DataParallelTrainer(
+        report_once, scaling_config=train.ScalingConfig(num_workers=1), run_config=run_config
+    )
+    with pytest.raises(ForeignFolderError, match=r"every user can write without the sticky bit .*chmod \+t"):
+        trainer.fit()
+    storage.chmod(0o1777)
+    assert trainer.fit().metrics == {"secret_metric": 42}
+    assert (storage / "run").stat().st_mode & 0o777 == 0o700
