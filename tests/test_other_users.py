@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -175,3 +176,41 @@ def test_a_run_in_a_folder_anyone_can_write_without_the_sticky_bit_is_refused(tm
     storage.chmod(0o1777)
     assert trainer.fit().metrics == {"secret_metric": 42}
     assert (storage / "run").stat().st_mode & 0o777 == 0o700
+
+
+# ----------------------------------------------------------------- copies in /tmp
+
+_READ = """
+import sys
+import tempfile
+for path in sys.argv[1:]:
+    try:
+        with open(path, "rb") as f:
+            print(path, "READ", f.read().decode(errors="replace"))
+    except OSError as exc:
+        print(path, type(exc).__name__)
+"""
+
+
+def test_a_checkpoints_copy_in_tmp_is_private(other_user: OtherUser, tmp_path: Path) -> None:
+    """``Checkpoint.to_directory()`` copied a checkpoint of a private (0700) run folder into
+    /tmp with the checkpoint's own modes (0755, files 0644): every user could read the model."""
+    import ddptrain as train
+
+    run = tmp_path / "run"
+    (run / "checkpoint_000001" / "sub").mkdir(parents=True)
+    run.chmod(0o700)
+    (run / "checkpoint_000001").chmod(0o755)
+    for name in ("weights.bin", "sub/optimizer.bin"):
+        (run / "checkpoint_000001" / name).write_text("secret weights")
+        (run / "checkpoint_000001" / name).chmod(0o644)
+    copy = Path(train.Checkpoint.from_directory(run / "checkpoint_000001").to_directory())
+    try:
+        assert copy.parent == Path(tempfile.gettempdir())
+        assert (copy / "sub" / "optimizer.bin").read_text() == "secret weights"
+        found = other_user.run(_READ, str(copy / "weights.bin"), str(copy / "sub" / "optimizer.bin"))
+        assert "READ" not in found and found.count("PermissionError") == 2, found
+        assert copy.stat().st_mode & 0o777 == 0o700
+        assert not list(copy.parent.glob(f".{copy.name}*"))  # no lock or marker left beside it
+    finally:
+        shutil.rmtree(copy)
