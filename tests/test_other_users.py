@@ -214,3 +214,51 @@ def test_a_checkpoints_copy_in_tmp_is_private(other_user: OtherUser, tmp_path: P
         assert not list(copy.parent.glob(f".{copy.name}*"))  # no lock or marker left beside it
     finally:
         shutil.rmtree(copy)
+
+
+# ----------------------------------------------------------------- locks
+
+_HOLD_LOCK = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDONLY | os.O_CREAT, 0o644)  # read access is enough for a flock
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+sys.stdin.read()  # until the test closes it
+"""
+
+
+def test_another_user_cannot_hold_the_data_creation_lock(
+    other_user: OtherUser, shared_folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``TorchTrainer(serialize_data_creation=True)``'s machine-wide lock was a file in /tmp
+    under a name anyone can predict: another user who took it first made the user's workers
+    wait forever. It is in a private folder now; one that another user created first fails
+    with a message that says to remove it."""
+    from filelock import Timeout
+
+    from ddptrain.storage.ownership import ForeignFolderError
+    from ddptrain.util.sgd.torch import _creators
+
+    monkeypatch.setattr(tempfile, "tempdir", str(shared_folder))  # /tmp, as far as ddptrain knows
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setattr(_creators, "_lock", None)
+    holder = other_user.start(_HOLD_LOCK, str(shared_folder / f".ddptrain_sgd_data_creator_{os.getuid()}.lock"))
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        lock = _creators.data_creation_lock()
+        try:
+            lock.acquire(timeout=5)
+        except Timeout:
+            pytest.fail("another user's process holds the data creation lock")
+        lock.release()
+    finally:
+        holder.communicate(timeout=30)
+    shutil.rmtree(shared_folder / f"ddptrain-private-{os.getuid()}")
+    other_user.run(
+        "import os, sys; os.mkdir(sys.argv[1], 0o777)", str(shared_folder / f"ddptrain-private-{os.getuid()}")
+    )
+    monkeypatch.setattr(_creators, "_lock", None)
+    with pytest.raises(
+        ForeignFolderError, match=rf"ddptrain-private-{os.getuid()} is not a private folder of yours .*Remove it"
+    ):
+        _creators.data_creation_lock()

@@ -15,7 +15,7 @@ import stat
 
 from ddptrain.errors import DdpTrainError
 
-__all__ = ["ForeignFolderError", "check_own_folder"]
+__all__ = ["ForeignFolderError", "check_own_folder", "private_temp_dir"]
 
 
 class ForeignFolderError(DdpTrainError, RuntimeError):
@@ -59,3 +59,41 @@ def check_own_folder(path: str, what: str = "run folder") -> None:
             f"(mode {stat.S_IMODE(above.st_mode):04o}): anyone could replace the {what} with their own. "
             f"Use a storage_path only you can write, or `chmod +t {parent}` (as /tmp is)."
         )
+
+
+def private_temp_dir() -> str:
+    """A folder of this machine only this user can use, for locks and other small files that
+    must not sit in /tmp under a name other users can predict (they could create the file first,
+    hold its lock forever, or make it a link): ``$XDG_RUNTIME_DIR/ddptrain`` when the session has
+    one, else ``<tmp>/ddptrain-private-<uid>``, created 0700.
+
+    Raises:
+        ForeignFolderError: ``<tmp>/ddptrain-private-<uid>`` exists and is not a private folder
+            of this user (another user created it first); the message says to remove it.
+    """
+    import tempfile
+
+    uid = os.geteuid()
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isabs(runtime):
+        try:
+            info = os.stat(runtime)
+        except OSError:
+            info = None
+        if info is not None and info.st_uid == uid and not info.st_mode & 0o077:
+            folder = os.path.join(runtime, "ddptrain")
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+            return folder
+    folder = os.path.join(tempfile.gettempdir(), f"ddptrain-private-{uid}")
+    try:
+        os.mkdir(folder, 0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(folder)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != uid or info.st_mode & 0o077:
+        raise ForeignFolderError(
+            f"{folder} is not a private folder of yours (owner {_user(info.st_uid)}, mode "
+            f"{stat.S_IMODE(info.st_mode):04o}{'' if stat.S_ISDIR(info.st_mode) else ', not a folder'}): another user "
+            "may have created it to interfere with ddptrain's locks. Remove it (or set XDG_RUNTIME_DIR) and retry."
+        )
+    return folder
