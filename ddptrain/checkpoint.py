@@ -99,8 +99,10 @@ class Checkpoint:
     def to_directory(self, path: str | os.PathLike[str] | None = None) -> str:
         """Copy the checkpoint files into ``path`` (a new temporary folder by default).
 
-        Concurrent calls on one host for the same target are safe: one copies, the others
-        wait for it and reuse the result.
+        The new temporary folder is private (0700), whatever the checkpoint's own mode: the
+        copy in /tmp must not open to other users a checkpoint that sits in a private run
+        folder. Concurrent calls on one host for the same target are safe: one copies, the
+        others wait for it and reuse the result.
 
         Returns:
             The directory holding the files.
@@ -110,9 +112,9 @@ class Checkpoint:
         """
         from filelock import FileLock
 
-        target = Path(
-            path if path is not None else Path(tempfile.gettempdir()) / f"{_TEMP_PREFIX}{uuid.uuid4().hex}"
-        ).absolute()
+        if path is None:
+            return self._to_private_temp()
+        target = Path(path).absolute()
         if target == Path(self.path):
             return str(target)
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -133,6 +135,27 @@ class Checkpoint:
                     raise
                 done_marker.write_text(self.path)
         return str(target)
+
+    def _to_private_temp(self) -> str:
+        """Copy the files into a new private temporary folder (a fresh name: nobody else copies
+        into it, so no lock is needed)."""
+        target = tempfile.mkdtemp(prefix=_TEMP_PREFIX)  # 0700
+        try:
+            if self._fs is not None:
+                self._download(target)
+            elif not os.path.isdir(self.path):
+                raise FileNotFoundError(f"The checkpoint folder {self.path} does not exist.")
+            else:
+                for entry in os.scandir(self.path):  # `copytree` would give the folder the source's mode
+                    dest = os.path.join(target, entry.name)
+                    if entry.is_dir():
+                        shutil.copytree(entry.path, dest)
+                    else:
+                        shutil.copy2(entry.path, dest)
+        except BaseException:
+            shutil.rmtree(target, ignore_errors=True)
+            raise
+        return target
 
     @contextlib.contextmanager
     def as_directory(self) -> Iterator[str]:

@@ -24,6 +24,7 @@ from ddptrain.result import Result
 from ddptrain.storage import remote
 from ddptrain.storage.checkpoint_manager import RunDirectoryError
 from ddptrain.storage.layout import RunLayout
+from ddptrain.storage.ownership import check_own_folder
 
 if TYPE_CHECKING:
     from ddptrain.driver.run import Run
@@ -322,6 +323,7 @@ class DataParallelTrainer(BaseTrainer):
         if root is None:
             run_dir = os.path.abspath(os.path.expanduser(path.removeprefix("file://")))
             try:
+                check_own_folder(run_dir)  # what it unpickles must be the user's own
                 data = RunLayout(run_dir).trainer.read_bytes()
             except FileNotFoundError:
                 data = None

@@ -310,3 +310,6 @@ def pytest_terminal_summary(terminalreporter) -> None:  # noqa: ANN001 (pytest's
         )
         for skip in summary["skipped"]:
             terminalreporter.write_line(f"  skipped {skip}")
+
+
+from second_user import other_user, shared_folder  # noqa: E402, F401 (fixtures)

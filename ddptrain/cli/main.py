@@ -36,10 +36,13 @@ __all__ = ["main", "check_hosts"]
 # driver's address and port, then the agent's pins (``NAME=FOLDER``, see ``ddptrain.wire.boot.PIN``).
 _PROBE = (
     r"""
-import json, os, shutil, socket, sys
+import sys
+# `python -c` puts the working directory first on sys.path: off it before anything is imported
+# (another user may have planted a `json.py` there), then import as the agent does (PIN).
+sys.path[:] = [p for p in sys.path if p]
+import json, os, shutil, socket
 address, port = sys.argv[1:3]
 del sys.argv[1:3]
-# Import as the agent does (ddptrain.wire.boot.PIN): never from the working directory.
 """
     + PIN
     + r"""

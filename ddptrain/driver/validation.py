@@ -41,7 +41,9 @@ __all__ = ["Finished", "LocalHost", "Process", "Task", "Validations", "Where", "
 _logger = logging.getLogger(__name__)
 
 _CHILD = (
-    "import sys; sys.path.insert(0, sys.argv[1]); "
+    # This ddptrain first; the working directory ('' with -c: another user may have planted
+    # modules there) off the path before anything is imported.
+    "import sys; sys.path[:] = [sys.argv[1]] + [p for p in sys.path if p]; "
     "from ddptrain.driver.validation_child import main; sys.exit(main(sys.argv[2]))"
 )
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ddptrain.errors import DdpTrainError
 from ddptrain.storage.layout import RunLayout
+from ddptrain.storage.ownership import check_own_folder
 
 __all__ = ["RunInUseError", "RunLock", "driver_is_alive", "try_lock_dir"]
 
@@ -45,6 +46,8 @@ class RunLock:
     needed.
 
     Raises:
+        ForeignFolderError: The run directory belongs to another user, or other users can
+            write it or replace it (see :mod:`ddptrain.storage.ownership`).
         RunInUseError: A live driver holds it; the error names its host, pid and start time
             (from its ``run.json``).
     """
@@ -56,6 +59,7 @@ class RunLock:
 
     def __enter__(self) -> RunLock:
         os.makedirs(self.run_dir, mode=0o700, exist_ok=True)
+        check_own_folder(self.run_dir)  # not one another user created before the run
         fd = try_lock_dir(self.run_dir)
         if fd is None:
             raise RunInUseError(

@@ -25,6 +25,7 @@ from ddptrain import config as _config
 from ddptrain.config import RunConfig as TrainRunConfig
 from ddptrain.errors import ConfigError
 from ddptrain.storage import layout as storage
+from ddptrain.storage.ownership import check_own_folder
 from ddptrain.tune._sweep import STATE_FILE, Sweep
 from ddptrain.tune.progress import StatusReporter
 from ddptrain.tune.result_grid import ResultGrid, best_trial
@@ -209,6 +210,7 @@ class Tuner:
         scheduler = tc.scheduler if tc.scheduler is not None else FIFOScheduler()
         self._plain_run_config._check_storage()
         os.makedirs(self._path, mode=0o700, exist_ok=True)
+        check_own_folder(self._path, "sweep folder")
         restored = self._restored_state
         trials = [Trial.from_state(s) for s in restored["trials"]] if restored else []
         if not restored:
@@ -309,6 +311,7 @@ class Tuner:
             raise ConfigError(
                 f"{folder} is not a sweep that can be restored (it has no {TUNER_FILE} and {STATE_FILE})."
             )
+        check_own_folder(folder, "sweep folder")  # what it unpickles must be the user's own
         with open(os.path.join(folder, TUNER_FILE), "rb") as f:
             saved = cloudpickle.load(f)
         with open(os.path.join(folder, STATE_FILE), "rb") as f:

@@ -28,7 +28,12 @@ from ddptrain.errors import LaunchError
 __all__ = ["TrackerProcess"]
 
 _logger = logging.getLogger(__name__)
-_CHILD = "import json, sys; sys.path[:0] = json.loads(sys.argv[2]); from ddptrain.xgboost._tracker import main; main()"
+# The driver's path, and never the working directory ('' with -c), which another user may have
+# planted modules in: it is taken off before anything is imported.
+_CHILD = (
+    "import sys; sys.path[:] = [p for p in sys.path if p]; import json; sys.path[:0] = json.loads(sys.argv[2]); "
+    "from ddptrain.xgboost._tracker import main; main()"
+)
 _WATCH_S = 0.5  # how often the driver checks that the worker group still runs
 _TERM_S = 2.0  # from SIGTERM to SIGKILL of the tracker
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
-import tempfile
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +17,7 @@ import torch
 from filelock import FileLock
 
 from ddptrain.errors import ConfigError
+from ddptrain.storage.ownership import private_temp_dir
 
 if TYPE_CHECKING:
     from ddptrain.util.sgd.torch.training_operator import TrainingOperator
@@ -74,10 +74,12 @@ _lock: FileLock | None = None
 def data_creation_lock() -> FileLock:
     """The machine-wide lock (one per user) under which data is created, one worker at a time.
     One object per process, so that taking it again inside (``TorchTrainer(serialize_data_creation=True)``
-    around a ``from_creators`` operator) does not wait on itself."""
+    around a ``from_creators`` operator) does not wait on itself. It lives in a private folder:
+    a lock file in /tmp, under a name anyone can predict, let another user hold it forever (the
+    workers waited without end) or make it a link."""
     global _lock
     if _lock is None:
-        _lock = FileLock(os.path.join(tempfile.gettempdir(), f".ddptrain_sgd_data_creator_{os.getuid()}.lock"))
+        _lock = FileLock(os.path.join(private_temp_dir(), "sgd_data_creator.lock"))
     return _lock
 
 
