@@ -1,0 +1,71 @@
+"""GPU planning without a GPU: which GPU each worker is given, how many workers a host's GPUs
+hold, and what the driver asks CUDA (never anything that starts it).
+
+These run on every machine: the planning functions are pure, and where the planning asks
+torch how many GPUs this machine has, ``torch.cuda.device_count`` is replaced (only here, in
+unit tests of the plan; tests/test_gpu.py runs the real thing on a GPU).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ddptrain as train
+from ddptrain.driver.plan import Plan
+from ddptrain.errors import ConfigError
+from ddptrain.launch.hosts import HostSpec, gpus_needed, slots_for_gpus
+from ddptrain.launch.ssh import gpu_slots
+
+
+def _gpu_scaling(num_workers: int | tuple[int, int], gpus: float, **kwargs: object) -> train.ScalingConfig:
+    return train.ScalingConfig(num_workers=num_workers, use_gpu=True, resources_per_worker={"GPU": gpus}, **kwargs)
+
+
+@pytest.fixture
+def two_gpus_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This machine has 2 GPUs, as far as the plan asks (NVML's count: it starts no CUDA)."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+
+
+def test_a_fraction_of_a_gpu_never_spans_two_gpus() -> None:
+    # As in Ray, a worker's share of a GPU lies on one GPU: at 0.4 each, a GPU holds 2 workers
+    # (0.8), and the third goes to the next GPU rather than taking 0.4 more of the first.
+    assert slots_for_gpus(2, 0.4) == 4
+    assert gpus_needed(5, 0.4) == 3
+    assert slots_for_gpus(1, 0.1) == 10 and gpus_needed(10, 0.1) == 1
+    assert slots_for_gpus(3, 1 / 3) == 9 and gpus_needed(9, 1 / 3) == 3
+    assert slots_for_gpus(4, 2) == 2 and gpus_needed(3, 2) == 6
+    plan = Plan(_gpu_scaling(5, 0.4))
+    assert [plan.local_devices(local_rank) for local_rank in range(5)] == [(0,), (0,), (1,), (1,), (2,)]
+    assert [spec.devices for spec in plan.worker_specs(0, "127.0.0.1", 1)] == [(0,), (0,), (1,), (1,), (2,)]
+
+
+def test_a_host_list_holds_only_whole_shares_of_its_gpus() -> None:
+    assert gpu_slots([HostSpec("box", gpus=(0, 1))], 0.4)[0].slots == 4
+    with pytest.raises(ConfigError, match=r"need 3 GPU\(s\), but its `gpus` lists 2"):
+        gpu_slots([HostSpec("box", slots=5, gpus=(0, 1))], 0.4)
+    with pytest.raises(ConfigError, match=r"`num_workers=5` needs 5 slots, but the hosts have 4 \(box=4\)"):
+        Plan(_gpu_scaling(5, 0.4, hosts=["box gpus=0,1"]))
+
+
+def test_more_fractional_workers_than_this_machine_holds_is_a_clear_error(two_gpus_here: None) -> None:
+    Plan(_gpu_scaling(4, 0.4)).check_gpus()  # 2 per GPU
+    with pytest.raises(ConfigError, match=r"asks for 3 GPU\(s\) on this machine \(5 workers at 0.4.*torch sees 2"):
+        Plan(_gpu_scaling(5, 0.4)).check_gpus()
+
+
+def test_an_elastic_run_counts_whole_shares_of_this_machines_gpus(two_gpus_here: None) -> None:
+    assert Plan(_gpu_scaling((1, 30), 0.1)).world_size == 20  # 10 per GPU (2 // 0.1 is 19.0 in floats)
+    assert Plan(_gpu_scaling((1, 30), 0.4)).world_size == 4
+
+
+def test_a_tune_trial_reserves_the_gpus_its_workers_are_placed_on() -> None:
+    from ddptrain.tune.trainable import TrainerTrainable
+
+    trainer = train.DataParallelTrainer(_nothing, scaling_config=_gpu_scaling(5, 0.4), train_loop_config={})
+    assert TrainerTrainable(trainer).prepare({}).gpus == 3  # 2 + 2 + 1 workers
+
+
+def _nothing(config: dict) -> None:
+    pass
