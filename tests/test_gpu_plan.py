@@ -69,3 +69,64 @@ def test_a_tune_trial_reserves_the_gpus_its_workers_are_placed_on() -> None:
 
 def _nothing(config: dict) -> None:
     pass
+
+
+# ----------------------------------------------------------------- the driver never starts CUDA
+# Asking CUDA anything through its runtime (`torch.cuda.is_available()`, ...) starts it in the
+# driver (cuInit): processes the driver forks then cannot use CUDA, and `ddptrain run` scripts
+# are drivers. Counting GPUs goes through NVML (`torch.cuda.device_count()`), which does not.
+_STARTS_CUDA = ("is_available", "init", "_lazy_init", "current_device", "set_device", "synchronize")
+
+
+@pytest.fixture
+def cuda_must_not_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In this (the driver's) process, the calls that start CUDA fail the test; 2 GPUs counted."""
+
+    def refuse(name: str):  # type: ignore[no-untyped-def]
+        def call(*args: object, **kwargs: object) -> None:
+            raise AssertionError(f"the driver called torch.cuda.{name}(), which starts CUDA in it")
+
+        return call
+
+    for name in _STARTS_CUDA:
+        monkeypatch.setattr(torch.cuda, name, refuse(name))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+
+
+def test_ray_cluster_resources_count_gpus_without_starting_cuda(cuda_must_not_start: None) -> None:
+    from ddptrain import ray_compat
+
+    assert ray_compat._RayModule().cluster_resources()["GPU"] == 2.0
+
+
+def _visible_gpus() -> str | None:
+    import os
+
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def test_a_gpu_run_starts_no_cuda_in_the_driver(cuda_must_not_start: None, storage: str) -> None:
+    # The whole driver side of a GPU run (plan, GPU check, launch, results) on this machine's
+    # 2 (counted) GPUs. Its workers touch no CUDA: each says which GPU it was given.
+    trainer = train.DataParallelTrainer(
+        _visible_gpus,
+        scaling_config=train.ScalingConfig(num_workers=2, use_gpu=True),
+        run_config=train.RunConfig(storage_path=storage),
+    )
+    assert trainer.fit().return_values == ["0", "1"]
+
+
+def test_a_torch_gpu_run_on_a_host_without_cuda_fails_naming_it(cuda_must_not_start: None, storage: str) -> None:
+    # TorchTrainer's driver side (nccl chosen, failure explained) without CUDA here either;
+    # the worker, whose torch cannot use CUDA, says so before the function runs.
+    from ddptrain.torch import TorchTrainer
+
+    if torch.cuda._is_compiled() and torch.version.cuda is not None:
+        pytest.skip("this torch is built for CUDA: its workers would not fail")
+    trainer = TorchTrainer(
+        _visible_gpus,
+        scaling_config=train.ScalingConfig(num_workers=1, use_gpu=True, hosts=["localhost slots=1 gpus=0"]),
+        run_config=train.RunConfig(storage_path=storage),
+    )
+    with pytest.raises(train.TrainingFailedError, match=r"rank 0 was given GPU\(s\) \[0\] on host .*cannot use CUDA"):
+        trainer.fit()
