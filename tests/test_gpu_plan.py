@@ -8,6 +8,8 @@ unit tests of the plan; tests/test_gpu.py runs the real thing on a GPU).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -130,3 +132,32 @@ def test_a_torch_gpu_run_on_a_host_without_cuda_fails_naming_it(cuda_must_not_st
     )
     with pytest.raises(train.TrainingFailedError, match=r"rank 0 was given GPU\(s\) \[0\] on host .*cannot use CUDA"):
         trainer.fit()
+
+
+# ----------------------------------------------------------------- a worker's own GPUs
+@pytest.mark.parametrize(
+    ("visible", "own", "seen"),
+    [(None, "1", "1"), ("3,5,7", "0,2", "3,7"), ("GPU-aa, GPU-bb", "1", "GPU-bb")],
+)
+def test_a_worker_of_another_backend_sees_only_its_own_gpus(
+    monkeypatch: pytest.MonkeyPatch, visible: str | None, own: str, seen: str
+) -> None:
+    from ddptrain.worker.main import _see_own_gpus
+
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    monkeypatch.setenv("DDPTRAIN_OWN_GPUS", own)
+    _see_own_gpus()
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == seen
+
+
+def test_a_worker_given_a_gpu_where_none_is_visible_fails_saying_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    # CUDA_VISIBLE_DEVICES="" hides every GPU: the worker must not run on none, silently.
+    from ddptrain.worker.main import _see_own_gpus
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setenv("DDPTRAIN_OWN_GPUS", "0")
+    with pytest.raises(ConfigError, match=r"given GPU\(s\) \[0\] .* CUDA_VISIBLE_DEVICES='' lists 0"):
+        _see_own_gpus()
