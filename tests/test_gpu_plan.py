@@ -82,11 +82,12 @@ _STARTS_CUDA = ("is_available", "init", "_lazy_init", "current_device", "set_dev
 
 @pytest.fixture
 def cuda_must_not_start(monkeypatch: pytest.MonkeyPatch) -> None:
-    """In this (the driver's) process, the calls that start CUDA fail the test; 2 GPUs counted."""
+    """In this process (a driver, or a worker function run here), the calls that start CUDA
+    fail the test; 2 GPUs counted."""
 
     def refuse(name: str):  # type: ignore[no-untyped-def]
         def call(*args: object, **kwargs: object) -> None:
-            raise AssertionError(f"the driver called torch.cuda.{name}(), which starts CUDA in it")
+            raise AssertionError(f"torch.cuda.{name}() was called, which starts CUDA in this process")
 
         return call
 
@@ -161,3 +162,11 @@ def test_a_worker_given_a_gpu_where_none_is_visible_fails_saying_so(monkeypatch:
     monkeypatch.setenv("DDPTRAIN_OWN_GPUS", "0")
     with pytest.raises(ConfigError, match=r"given GPU\(s\) \[0\] .* CUDA_VISIBLE_DEVICES='' lists 0"):
         _see_own_gpus()
+
+
+def test_a_cpu_workers_teardown_does_not_start_cuda(cuda_must_not_start: None) -> None:
+    # Each worker of every torch run ends its process group this way: on a GPU machine, a CPU
+    # run's workers must not start CUDA there just to find they have no cache to empty.
+    from ddptrain.torch.config import _destroy_process_group
+
+    _destroy_process_group()
