@@ -13,6 +13,14 @@ Measured, each in the same repeats as its baseline:
   the agent loads the training function once and forks (CPU default) and when it forks first
   and each worker loads the function itself (the GPU default, ``DDPTRAIN_WORKER_START=clean``).
   Runs without a GPU too.
+* ``shared_gpu_first_line_s`` (GPU): ``fit()`` to the first line of 2 workers at half a GPU
+  each (both on GPU 0, gloo over CUDA tensors), and ``warm_gpu_first_line_s``: a second
+  one-worker GPU ``fit()`` on the first one's warm worker (``reuse_workers``: its nccl group
+  destroyed and made again). Paths, not targets: they show that these GPU runs work, and what
+  they cost next to ``first_line_s``.
+* ``driver_started_cuda`` (GPU): whether this process (the driver of every run above) ended
+  up with CUDA started (a context, or only cuInit, which keeps processes it forks from using
+  CUDA). It must stay false: the script then exits non-zero.
 * CPU stand-ins for the two GPU targets, measured without a GPU only (``--cpu-proxy`` forces
   them): ``cpu_samples_per_s`` against ``cpu_baseline_samples_per_s`` (the same loop on the CPU,
   smaller: batch 32, 32x32 inputs, 30 steps; both with a thread per core) and
@@ -140,17 +148,38 @@ def spawn_first_line() -> float:
     return stamp - before
 
 
-def fit_first_line(storage: str, name: str, use_gpu: bool, num_workers: int) -> float:
+def fit_first_line(
+    storage: str, name: str, use_gpu: bool, num_workers: int, resources: dict[str, float] | None = None
+) -> float:
     import ddptrain as train
     from ddptrain.torch import TorchTrainer
 
     trainer = TorchTrainer(
         first_line,
-        scaling_config=train.ScalingConfig(num_workers=num_workers, use_gpu=use_gpu),
+        scaling_config=train.ScalingConfig(num_workers=num_workers, use_gpu=use_gpu, resources_per_worker=resources),
         run_config=train.RunConfig(storage_path=storage, name=name),
     )
     before = time.time()
     return min(trainer.fit().return_values) - before
+
+
+def warm_gpu_first_line(storage: str, name: str) -> float:
+    """``fit()`` to the first line of a one-worker GPU run on the warm worker of the one before."""
+    import ddptrain as train
+
+    with train.reuse_workers():
+        fit_first_line(storage, f"{name}-cold", True, 1)
+        return fit_first_line(storage, name, True, 1)
+
+
+def driver_started_cuda() -> bool:
+    """Whether CUDA was started in this process: a context, or only cuInit (which marks the
+    processes it forks, and shows only in one of them)."""
+    import torch
+
+    from ddptrain.agent.process import children_cannot_use_cuda
+
+    return bool(torch.cuda.is_initialized() or children_cannot_use_cuda(torch))
 
 
 def fit_throughput(storage: str, name: str, steps: int, use_gpu: bool = True) -> float:
@@ -200,7 +229,7 @@ def main() -> int:
 
     import ddptrain  # noqa: F401
 
-    has_gpu = torch.cuda.is_available() and torch.cuda.device_count() > 0
+    has_gpu = torch.cuda.device_count() > 0  # NVML's count: this process is a driver, CUDA stays off here
     steps = 200 if args.quick else STEPS
     env = _bench.environment()
     _bench.emit({"bench": BENCH, "metric": "environment", **env, "repeats": args.repeats, "gpu": has_gpu})
@@ -214,7 +243,8 @@ def main() -> int:
     runs = 0
     try:
         proxy = args.cpu_proxy or not has_gpu
-        tasks = ["shared", "clean"] + (["fit_gpu", "spawn", "fit_tput", "plain_tput"] if has_gpu else [])
+        gpu_tasks = ["fit_gpu", "spawn", "fit_tput", "plain_tput", "fit_gpu_shared", "warm_gpu"]
+        tasks = ["shared", "clean"] + (gpu_tasks if has_gpu else [])
         tasks += ["clean_1", "spawn", "cpu_tput", "cpu_plain_tput"] if proxy else []
         tasks = list(dict.fromkeys(tasks))  # one spawn measurement serves both comparisons
         start_mode(storage, "warmup", "shared")  # not measured: page cache
@@ -229,6 +259,11 @@ def main() -> int:
                     record(f"start_{task}_s", repeat, start_mode(storage, f"run{runs}", task))
                 elif task == "fit_gpu":
                     record("first_line_s", repeat, fit_first_line(storage, f"run{runs}", True, 1))
+                elif task == "fit_gpu_shared":
+                    value = fit_first_line(storage, f"run{runs}", True, 2, resources={"GPU": 0.5})
+                    record("shared_gpu_first_line_s", repeat, value)
+                elif task == "warm_gpu":
+                    record("warm_gpu_first_line_s", repeat, warm_gpu_first_line(storage, f"run{runs}"))
                 elif task == "spawn":
                     record("spawn_first_line_s", repeat, spawn_first_line())
                 elif task == "fit_tput":
@@ -244,6 +279,9 @@ def main() -> int:
     finally:
         shutil.rmtree(storage, ignore_errors=True)
         left = _bench.check_leftovers(BENCH)
+    started_cuda = has_gpu and driver_started_cuda()
+    if has_gpu:
+        _bench.emit({"bench": BENCH, "metric": "driver_started_cuda", "value": started_cuda})
 
     med = {metric: _bench.median(v) for metric, v in values.items()}
     for metric, v in values.items():
@@ -255,6 +293,11 @@ def main() -> int:
     )
     if has_gpu:
         lines += _against_targets(med, "", "samples_per_s", "baseline_samples_per_s", "first_line_s", "ratios")
+        lines.append(
+            f"  fit() to first line: 2 workers at half a GPU {med['shared_gpu_first_line_s']:.3f} s, "
+            f"a warm GPU worker {med['warm_gpu_first_line_s']:.3f} s (one GPU worker: {med['first_line_s']:.3f} s)"
+        )
+        lines.append(f"  the driver started CUDA: {'YES (a defect)' if started_cuda else 'no'}")
     else:
         lines.append("  no CUDA device: GPU throughput and GPU launch not measured")
     if "cpu_samples_per_s" in med:
@@ -263,7 +306,7 @@ def main() -> int:
         lines += _against_targets(med, prefix, *keys)
     lines.append(f"  leftover processes: {len(left)}")
     print("\n".join(lines))
-    return 1 if left else 0
+    return 1 if left or started_cuda else 0
 
 
 if __name__ == "__main__":

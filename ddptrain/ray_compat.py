@@ -105,12 +105,15 @@ class _RayModule(types.ModuleType):
         return self._initialized
 
     def cluster_resources(self) -> dict[str, float]:
-        """This machine's CPUs and GPUs (what a local run can use)."""
+        """This machine's CPUs and GPUs (what a local run can use). GPUs are counted the way
+        that does not start CUDA in this process (NVML's count; ``torch.cuda.is_available()``
+        would start it, and the script is the driver of its runs)."""
         import torch
 
         resources = {"CPU": float(os.cpu_count() or 1)}
-        if torch.cuda.is_available():
-            resources["GPU"] = float(torch.cuda.device_count())
+        gpus = torch.cuda.device_count()
+        if gpus > 0:
+            resources["GPU"] = float(gpus)
         return resources
 
     def __getattr__(self, name: str) -> Any:

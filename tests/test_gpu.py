@@ -474,3 +474,113 @@ def test_a_jax_worker_computes_on_its_own_gpu(storage: str) -> None:
     (value,) = result.return_values
     assert value["platforms"] == ["gpu"] and value["local_devices"] == 1, value
     assert value["total"] == 56.0 and value["visible"] is not None and "," not in value["visible"], value
+
+
+# ----------------------------------------------------------------- what a one-GPU machine can check
+DRIVER_SCRIPT = """
+import sys
+
+import torch
+
+import ddptrain as train
+from ddptrain import ray_compat
+from ddptrain.agent.process import children_cannot_use_cuda
+from ddptrain.torch import TorchTrainer, get_device
+
+
+def train_func():
+    return torch.ones(2, device=get_device())  # a CUDA tensor, unpickled by the driver
+
+
+if __name__ == "__main__":
+    gpus = ray_compat._RayModule().cluster_resources().get("GPU", 0)
+    result = TorchTrainer(
+        train_func,
+        scaling_config=train.ScalingConfig(num_workers=1, use_gpu=True),
+        run_config=train.RunConfig(storage_path=sys.argv[1]),
+    ).fit()
+    (value,) = result.return_values
+    print("RESULT", gpus > 0, value.device, torch.cuda.is_initialized(), children_cannot_use_cuda(torch))
+"""
+
+
+@needs_one_gpu
+def test_the_driver_of_a_gpu_run_never_starts_cuda(storage: str, tmp_path) -> None:
+    # The driver counts GPUs (NVML: it starts nothing), starts and watches the workers and
+    # unpickles what they return without ever starting CUDA: no context, and no cuInit either
+    # (which would keep any process it forks from using CUDA). Its own process: this one asked
+    # CUDA already (the skip marks above).
+    import subprocess
+    import sys
+
+    script = tmp_path / "gpu_driver.py"
+    script.write_text(DRIVER_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), storage], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "RESULT True cpu False False" in proc.stdout, proc.stdout + proc.stderr
+
+
+def warm_func() -> dict:
+    import torch.distributed as dist
+
+    total = torch.tensor([1.0], device=get_device())
+    dist.all_reduce(total)
+    return {"pid": os.getpid(), "backend": dist.get_backend(), "sum": total.item(), "device": str(total.device)}
+
+
+@needs_one_gpu
+def test_warm_gpu_fits_run_on_the_same_worker_with_a_new_process_group(storage: str) -> None:
+    # The first fit's process group (nccl) is destroyed as it ends, and the next fit on the
+    # same warm worker builds a new one on the same GPU.
+    def fit(name: str) -> dict:
+        trainer = TorchTrainer(
+            warm_func,
+            scaling_config=train.ScalingConfig(num_workers=1, use_gpu=True),
+            run_config=train.RunConfig(name=name, storage_path=storage),
+        )
+        (value,) = trainer.fit().return_values
+        return value
+
+    with train.reuse_workers():
+        first, second = fit("warm-1"), fit("warm-2")
+    assert first["pid"] == second["pid"]
+    for out in (first, second):
+        assert out == {"pid": first["pid"], "backend": "nccl", "sum": 1.0, "device": "cuda:0"}
+
+
+@needs_two_gpus
+def test_fractional_workers_fill_one_gpu_before_the_next(storage: str) -> None:
+    values = fit_gpu(devices_func, storage, num_workers=3, resources_per_worker={"GPU": 0.5})
+    assert [v["device"] for v in values] == ["cuda:0", "cuda:0", "cuda:1"]
+
+
+def metrics_with_a_cuda_tensor() -> None:
+    train.report({"loss": torch.ones((), device=get_device())})
+
+
+@needs_one_gpu
+def test_a_cuda_tensor_in_metrics_is_refused_naming_it(storage: str) -> None:
+    with pytest.raises(train.TrainingFailedError, match=r"metrics\['loss'\] is a torch.Tensor"):
+        fit_gpu(metrics_with_a_cuda_tensor, storage, num_workers=1)
+
+
+def jax_sharing() -> dict:
+    import jax.numpy as jnp
+
+    return {"total": float((jnp.arange(8.0) * 2).sum()), "visible": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+
+@needs_one_gpu
+@pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="needs `pip install ddptrain[jax]`")
+def test_two_jax_workers_share_one_gpu(storage: str) -> None:
+    # Each JAX process takes 75% of its GPU's memory at its start unless told otherwise: two
+    # workers at half a GPU each must still both start.
+    from ddptrain.jax import JaxTrainer
+
+    result = JaxTrainer(
+        jax_sharing,
+        scaling_config=train.ScalingConfig(num_workers=2, use_gpu=True, resources_per_worker={"GPU": 0.5}),
+        run_config=train.RunConfig(name="jax-halves", storage_path=storage),
+    ).fit()
+    assert [v["total"] for v in result.return_values] == [56.0, 56.0]
+    assert len({v["visible"] for v in result.return_values}) == 1  # the same GPU

@@ -108,13 +108,14 @@ def _train_func(config: dict[str, Any]) -> dict[str, Any]:
     return seen
 
 
-def _fit(storage: str, use_gpu: bool = False, **config: Any) -> train.Result:
+def _fit(storage: str, use_gpu: bool = False, gpus_per_worker: float | None = None, **config: Any) -> train.Result:
     x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0)).numpy()
+    resources = None if gpus_per_worker is None else {"GPU": gpus_per_worker}
     return TorchTrainer(
         _train_func,
         train_loop_config=config,
         datasets={"train": train.data.from_numpy({"x": x, "y": (x[:, 0] > 0).astype("int64")})},
-        scaling_config=train.ScalingConfig(num_workers=2, use_gpu=use_gpu),
+        scaling_config=train.ScalingConfig(num_workers=2, use_gpu=use_gpu, resources_per_worker=resources),
         run_config=train.RunConfig(storage_path=storage, failure_config=train.FailureConfig(max_failures=1)),
     ).fit()
 
@@ -315,6 +316,21 @@ def test_sharded_strategies_on_gpus(storage: str, strategy: str) -> None:
     assert result.return_values[0]["global_step"] == 4
     # FSDP: Lightning's full state dict, one file from rank 0; DeepSpeed: a folder of every rank's shards.
     assert os.path.exists(os.path.join(result.checkpoint.path, RayTrainReportCallback.CHECKPOINT_NAME))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpus() < 1, reason="needs a CUDA GPU")
+def test_ddp_on_gpus_restarts_from_a_checkpoint_written_on_the_gpu(storage: str) -> None:
+    # Two workers: a GPU each (nccl) where there are 2, else half of GPU 0 each (gloo). Rank 1
+    # dies as epoch 1 starts; the restart loads the epoch-0 checkpoint saved from CUDA tensors.
+    halves = _gpus() < 2
+    share = 0.5 if halves else None
+    result = _fit(storage, use_gpu=True, gpus_per_worker=share, package="lightning", epochs=2, crash_at=1)
+    rank0, rank1 = result.return_values
+    assert [rank0["root_device"], rank1["root_device"]] == (["cuda:0", "cuda:0"] if halves else ["cuda:0", "cuda:1"])
+    assert rank0["start_epoch"] == 1 and rank0["global_step"] == 8
+    assert all(torch.equal(a, b) for a, b in zip(rank0["weights"], rank1["weights"]))  # on the CPU here
+    assert [m["epoch"] for m in result.metrics_history] == [0, 1]
 
 
 @pytest.mark.skip(

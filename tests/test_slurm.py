@@ -73,6 +73,20 @@ def test_slots_from_the_allocation() -> None:
     assert [h.slots for h in allocation_hosts(only_cpus)] == [4, 4]
 
 
+def test_gpu_slots_under_salloc_come_from_the_gpus_asked_per_node() -> None:
+    # Under salloc the driver runs outside the job's nodes: SLURM sets neither SLURM_GPUS_ON_NODE
+    # nor SLURM_JOB_GPUS there, only what was asked (`--gpus-per-node=[type:]N`).
+    job = {"SLURM_JOB_NODELIST": "g[1-2]", "SLURM_TASKS_PER_NODE": "1(x2)", "SLURM_JOB_CPUS_PER_NODE": "32(x2)"}
+    assert [h.slots for h in allocation_hosts({**job, "SLURM_GPUS_PER_NODE": "4"}, use_gpu=True)] == [4, 4]
+    typed = {**job, "SLURM_GPUS_PER_NODE": "h200:4"}
+    assert [h.slots for h in allocation_hosts(typed, use_gpu=True, gpus_per_worker=2)] == [2, 2]
+    assert [h.slots for h in allocation_hosts(typed)] == [1, 1]  # CPU workers: the tasks
+    on_node = {**typed, "SLURM_GPUS_ON_NODE": "2"}  # in the batch step: what the node has
+    assert [h.slots for h in allocation_hosts(on_node, use_gpu=True)] == [2, 2]
+    none_in_this_step = {**typed, "SLURM_GPUS_ON_NODE": "0"}  # an interactive step without GPUs
+    assert [h.slots for h in allocation_hosts(none_in_this_step, use_gpu=True)] == [4, 4]
+
+
 def test_hosts_slurm_outside_an_allocation_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
     for key in list(os.environ):
         if key.startswith("SLURM_"):

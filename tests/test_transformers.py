@@ -82,17 +82,19 @@ def _train_func(config: dict[str, Any]) -> dict[str, Any]:
     resume = os.path.join(checkpoint.path, RayTrainReportCallback.CHECKPOINT_NAME) if checkpoint else None
     trainer.train(resume_from_checkpoint=resume)
     seen["world_size"] = args.world_size
+    seen["device"] = str(args.device)
+    seen["param_devices"] = sorted({str(p.device) for p in trainer.model.parameters()})
     seen["global_step"] = trainer.state.global_step
     seen["weights"] = [p.detach().clone() for p in trainer.model.parameters()]
     return seen
 
 
-def _fit(storage: str, tmp_path: Path, **config: Any) -> train.Result:
+def _fit(storage: str, tmp_path: Path, scaling: train.ScalingConfig | None = None, **config: Any) -> train.Result:
     return TorchTrainer(
         _train_func,
         train_loop_config={"output_dir": str(tmp_path / "hf_output"), **config},
         datasets={"train": _dataset()},
-        scaling_config=train.ScalingConfig(num_workers=2),
+        scaling_config=scaling or train.ScalingConfig(num_workers=2),
         run_config=train.RunConfig(storage_path=storage, failure_config=train.FailureConfig(max_failures=1)),
     ).fit()
 
@@ -125,6 +127,26 @@ def test_steps_sharding_restart_resumes_step_count_and_checkpoint_loads(storage:
             os.path.join(d, RayTrainReportCallback.CHECKPOINT_NAME)
         )
     assert all(torch.equal(a, b) for a, b in zip(loaded.parameters(), rank0["weights"]))
+
+
+def _gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpus() < 1, reason="needs a CUDA GPU")
+def test_hf_trainer_on_gpus_trains_on_each_workers_device_and_resumes(storage: str, tmp_path: Path) -> None:
+    # Two workers: a GPU each where there are 2, else half of GPU 0 each. accelerate must put
+    # each rank's model (and its DDP wrapper) on ddptrain's device for it, not on cuda:LOCAL_RANK.
+    halves = _gpus() < 2
+    scaling = train.ScalingConfig(num_workers=2, use_gpu=True, resources_per_worker={"GPU": 0.5} if halves else None)
+    result = _fit(storage, tmp_path, scaling=scaling, crash_at_step=5)
+    rank0, rank1 = result.return_values
+    devices = ["cuda:0", "cuda:0"] if halves else ["cuda:0", "cuda:1"]
+    assert [rank0["device"], rank1["device"]] == devices
+    assert [rank0["param_devices"], rank1["param_devices"]] == [[d] for d in devices]
+    assert rank0["world_size"] == 2 and rank0["start_step"] == 4 and rank0["global_step"] == 8
+    assert all(torch.equal(a, b) for a, b in zip(rank0["weights"], rank1["weights"]))
 
 
 def _accelerate_func() -> dict[str, Any]:

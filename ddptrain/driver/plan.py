@@ -17,7 +17,19 @@ from ddptrain import _env, ray_compat
 from ddptrain.config import ScalingConfig
 from ddptrain.errors import ConfigError, LaunchError
 from ddptrain.launch.fanout import each_host
-from ddptrain.launch.hosts import SLURM, HostSpec, Placement, is_local, parse_hosts, place_workers, with_ssh_config
+from ddptrain.launch.hosts import (
+    SLURM,
+    HostSpec,
+    Placement,
+    gpus_needed,
+    is_local,
+    parse_hosts,
+    place_workers,
+    slots_for_gpus,
+    with_ssh_config,
+    worker_gpus,
+    workers_per_gpu,
+)
 from ddptrain.launch.launcher import GroupLauncher, HostLauncher, Launcher, LocalLauncher
 from ddptrain.launch.slurm import SlurmLauncher
 from ddptrain.launch.slurm_allocation import allocation_hosts
@@ -99,7 +111,7 @@ class Plan:
         if config.use_gpu:
             import torch
 
-            return int(torch.cuda.device_count() // config.num_gpus_per_worker)
+            return slots_for_gpus(torch.cuda.device_count(), config.num_gpus_per_worker)
         return int((os.cpu_count() or 1) // max(config.num_cpus_per_worker, 1))
 
     def _elastic_size(self, capacity: int, where: str) -> int:
@@ -123,12 +135,14 @@ class Plan:
             return
         import torch
 
-        needed = self.scaling_config.num_gpus_per_worker * self.world_size
-        available = torch.cuda.device_count()
+        gpus = self.scaling_config.num_gpus_per_worker
+        needed = gpus_needed(self.world_size, gpus)
+        available = torch.cuda.device_count()  # NVML's count where it can: it does not start CUDA here
         if needed > available:
+            shares = f", {workers_per_gpu(gpus)} per GPU" if gpus < 1 else ""
             raise ConfigError(
-                f"`ScalingConfig` asks for {needed:g} GPU(s) on this machine "
-                f"({self.world_size} workers x {self.scaling_config.num_gpus_per_worker:g}), "
+                f"`ScalingConfig` asks for {needed} GPU(s) on this machine "
+                f"({self.world_size} workers at {gpus:g} GPU(s) each{shares}), "
                 f"but torch sees {available}. Lower `num_workers` or set `use_gpu=False`."
             )
 
@@ -139,11 +153,9 @@ class Plan:
 
     def local_devices(self, local_rank: int) -> tuple[int, ...]:
         """The GPU numbers of a host's ``local_rank``-th worker among the GPUs the host lets the
-        run see (``()`` without GPUs). Fractional GPUs put several workers on one number."""
-        gpus = self.scaling_config.num_gpus_per_worker
-        if gpus >= 1:
-            return tuple(local_rank * int(gpus) + i for i in range(int(gpus)))
-        return (int(local_rank * gpus),) if gpus > 0 else ()
+        run see (``()`` without GPUs). Fractional GPUs put several workers on one number, and
+        fill one GPU before the next (a worker's share never spans two GPUs, as in Ray)."""
+        return worker_gpus(local_rank, self.scaling_config.num_gpus_per_worker)
 
     @property
     def ranks_share_a_gpu(self) -> bool:

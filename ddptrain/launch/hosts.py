@@ -41,6 +41,8 @@ __all__ = [
     "parse_hosts",
     "place_workers",
     "slots_for_gpus",
+    "worker_gpus",
+    "workers_per_gpu",
 ]
 
 # `hosts="slurm"`: the nodes of the SLURM allocation this process runs in (``ddptrain.launch.slurm``).
@@ -106,16 +108,35 @@ def _parse_gpus(value: str, where: str) -> tuple[int, ...]:
     return ids
 
 
+def workers_per_gpu(gpus_per_worker: float) -> int:
+    """How many workers share one GPU at ``gpus_per_worker`` (below 1) each: as in Ray, a
+    worker's share lies on one GPU, so at 0.4 a GPU holds 2 (0.8), never 2.5."""
+    return max(1, math.floor(1 / gpus_per_worker + 1e-9))
+
+
 def slots_for_gpus(count: int, gpus_per_worker: float) -> int:
     """Workers that ``count`` GPUs hold at ``gpus_per_worker`` each (below 1, workers share a GPU)."""
     if gpus_per_worker >= 1:
-        return int(count // gpus_per_worker)
-    return int(count / gpus_per_worker)
+        return math.floor(count / gpus_per_worker + 1e-9)
+    return count * workers_per_gpu(gpus_per_worker)
 
 
 def gpus_needed(workers: int, gpus_per_worker: float) -> int:
     """GPU ids that ``workers`` workers of one host need (the inverse of :func:`slots_for_gpus`)."""
-    return math.ceil(workers * gpus_per_worker - 1e-9)
+    if gpus_per_worker >= 1:
+        return math.ceil(workers * gpus_per_worker - 1e-9)
+    return math.ceil(workers / workers_per_gpu(gpus_per_worker))
+
+
+def worker_gpus(local_rank: int, gpus_per_worker: float) -> tuple[int, ...]:
+    """The GPU numbers of a host's ``local_rank``-th worker, among the GPUs the host lets the run
+    see (``()`` without GPUs): whole GPUs in turn, or a share of one (:func:`workers_per_gpu`)."""
+    if gpus_per_worker >= 1:
+        whole = round(gpus_per_worker)
+        return tuple(local_rank * whole + i for i in range(whole))
+    if gpus_per_worker > 0:
+        return (local_rank // workers_per_gpu(gpus_per_worker),)
+    return ()
 
 
 def _parse_line(text: str, where: str) -> HostSpec:

@@ -102,11 +102,18 @@ def tasks_per_node(text: str, nodes: int) -> list[int]:
 
 
 def _gpus_on_node(env: Mapping[str, str]) -> int | None:
-    """GPUs the allocation gives each node: ``SLURM_GPUS_ON_NODE``, else ``SLURM_JOB_GPUS``'s ids."""
-    if env.get("SLURM_GPUS_ON_NODE", "").strip().isdigit():
-        return int(env["SLURM_GPUS_ON_NODE"])
+    """GPUs the allocation gives each node: ``SLURM_GPUS_ON_NODE``, else ``SLURM_JOB_GPUS``'s ids
+    (both set on the batch host), else ``SLURM_GPUS_PER_NODE`` (``--gpus-per-node=[type:]N``:
+    all an ``salloc`` shell, which runs outside the job's nodes, is told). A step of the job
+    without GPUs of its own (salloc's interactive step) says 0 on node: the others are asked."""
+    on_node = env.get("SLURM_GPUS_ON_NODE", "").strip()
+    if on_node.isdigit() and int(on_node) > 0:
+        return int(on_node)
     ids = [i for i in env.get("SLURM_JOB_GPUS", "").split(",") if i.strip()]
-    return len(ids) if ids else None
+    if ids:
+        return len(ids)
+    asked = env.get("SLURM_GPUS_PER_NODE", "").strip().rsplit(":", 1)[-1]
+    return int(asked) if asked.isdigit() else None
 
 
 def allocation_hosts(
@@ -115,7 +122,8 @@ def allocation_hosts(
     """The nodes of the SLURM job this process runs in, with their slots (workers).
 
     Slots per node: ``SLURM_NTASKS_PER_NODE`` (``--ntasks-per-node``); else, with ``use_gpu``,
-    one per ``gpus_per_worker`` of the node's GPUs (``SLURM_GPUS_ON_NODE`` / ``SLURM_JOB_GPUS``);
+    one per ``gpus_per_worker`` of the node's GPUs (``SLURM_GPUS_ON_NODE`` / ``SLURM_JOB_GPUS`` /
+    ``SLURM_GPUS_PER_NODE``);
     else ``SLURM_TASKS_PER_NODE`` (``--ntasks``, e.g. ``2(x3),1``); else ``SLURM_CPUS_ON_NODE``.
 
     Raises:

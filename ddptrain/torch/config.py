@@ -162,12 +162,15 @@ def _gloo_connect_failure(join_s: float, exc: BaseException) -> str:
 
 
 def _destroy_process_group() -> None:
+    """Runs on each worker: leave the process group and hand back the GPU memory torch keeps
+    cached. Only a worker that started CUDA has any: asking ``is_available()`` first would
+    start CUDA in every CPU worker of a GPU machine (``is_initialized()`` reads a flag)."""
     import torch
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.destroy_process_group()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():
         torch.cuda.empty_cache()
 
 

@@ -24,7 +24,7 @@ from ddptrain import _env
 from ddptrain.base_trainer import BaseTrainer
 from ddptrain.config import RunConfig, ScalingConfig
 from ddptrain.errors import ConfigError
-from ddptrain.launch.hosts import HostSpec, parse_hosts
+from ddptrain.launch.hosts import HostSpec, gpus_needed, parse_hosts
 from ddptrain.result import Result
 
 __all__ = ["TrainerTrainable", "FunctionTrainable", "as_trainable", "with_resources", "wrap_trainable"]
@@ -109,8 +109,9 @@ class TrainerTrainable:
         if raw_hosts is not None and scaling.max_workers > 0:  # the workers run there: only the driver here
             return PreparedTrial(cpus=driver_cpus, gpus=0.0, trainer=trainer, hosts=parse_hosts(raw_hosts))
         cpus = scaling.max_workers * scaling.num_cpus_per_worker + driver_cpus
-        gpus = scaling.max_workers * scaling.num_gpus_per_worker
-        return PreparedTrial(cpus=cpus, gpus=gpus, trainer=trainer)
+        # The GPUs its workers are placed on: at a fraction each, whole GPUs' worth of shares.
+        gpus = gpus_needed(scaling.max_workers, scaling.num_gpus_per_worker) if scaling.use_gpu else 0
+        return PreparedTrial(cpus=cpus, gpus=float(gpus), trainer=trainer)
 
     def run(self, prepared: PreparedTrial, run_config: RunConfig, hosts: list[HostSpec] | None = None) -> Result:
         """Fit the prepared trainer with the trial's run config, on ``hosts`` if given (its

@@ -93,7 +93,7 @@ def _see_own_gpus() -> None:
     if visible is None:
         os.environ["CUDA_VISIBLE_DEVICES"] = own
         return
-    ids = [entry.strip() for entry in visible.split(",")]
+    ids = [entry.strip() for entry in visible.split(",") if entry.strip()]  # "": no GPU at all
     if max(indices) >= len(ids):
         raise ConfigError(
             f"this worker was given GPU(s) {indices} of host {socket.gethostname()!r}, but its "

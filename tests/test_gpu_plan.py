@@ -1,0 +1,172 @@
+"""GPU planning without a GPU: which GPU each worker is given, how many workers a host's GPUs
+hold, and what the driver asks CUDA (never anything that starts it).
+
+These run on every machine: the planning functions are pure, and where the planning asks
+torch how many GPUs this machine has, ``torch.cuda.device_count`` is replaced (only here, in
+unit tests of the plan; tests/test_gpu.py runs the real thing on a GPU).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import ddptrain as train
+from ddptrain.driver.plan import Plan
+from ddptrain.errors import ConfigError
+from ddptrain.launch.hosts import HostSpec, gpus_needed, slots_for_gpus
+from ddptrain.launch.ssh import gpu_slots
+
+
+def _gpu_scaling(num_workers: int | tuple[int, int], gpus: float, **kwargs: object) -> train.ScalingConfig:
+    return train.ScalingConfig(num_workers=num_workers, use_gpu=True, resources_per_worker={"GPU": gpus}, **kwargs)
+
+
+@pytest.fixture
+def two_gpus_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This machine has 2 GPUs, as far as the plan asks (NVML's count: it starts no CUDA)."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+
+
+def test_a_fraction_of_a_gpu_never_spans_two_gpus() -> None:
+    # As in Ray, a worker's share of a GPU lies on one GPU: at 0.4 each, a GPU holds 2 workers
+    # (0.8), and the third goes to the next GPU rather than taking 0.4 more of the first.
+    assert slots_for_gpus(2, 0.4) == 4
+    assert gpus_needed(5, 0.4) == 3
+    assert slots_for_gpus(1, 0.1) == 10 and gpus_needed(10, 0.1) == 1
+    assert slots_for_gpus(3, 1 / 3) == 9 and gpus_needed(9, 1 / 3) == 3
+    assert slots_for_gpus(4, 2) == 2 and gpus_needed(3, 2) == 6
+    plan = Plan(_gpu_scaling(5, 0.4))
+    assert [plan.local_devices(local_rank) for local_rank in range(5)] == [(0,), (0,), (1,), (1,), (2,)]
+    assert [spec.devices for spec in plan.worker_specs(0, "127.0.0.1", 1)] == [(0,), (0,), (1,), (1,), (2,)]
+
+
+def test_a_host_list_holds_only_whole_shares_of_its_gpus() -> None:
+    assert gpu_slots([HostSpec("box", gpus=(0, 1))], 0.4)[0].slots == 4
+    with pytest.raises(ConfigError, match=r"need 3 GPU\(s\), but its `gpus` lists 2"):
+        gpu_slots([HostSpec("box", slots=5, gpus=(0, 1))], 0.4)
+    with pytest.raises(ConfigError, match=r"`num_workers=5` needs 5 slots, but the hosts have 4 \(box=4\)"):
+        Plan(_gpu_scaling(5, 0.4, hosts=["box gpus=0,1"]))
+
+
+def test_more_fractional_workers_than_this_machine_holds_is_a_clear_error(two_gpus_here: None) -> None:
+    Plan(_gpu_scaling(4, 0.4)).check_gpus()  # 2 per GPU
+    with pytest.raises(ConfigError, match=r"asks for 3 GPU\(s\) on this machine \(5 workers at 0.4.*torch sees 2"):
+        Plan(_gpu_scaling(5, 0.4)).check_gpus()
+
+
+def test_an_elastic_run_counts_whole_shares_of_this_machines_gpus(two_gpus_here: None) -> None:
+    assert Plan(_gpu_scaling((1, 30), 0.1)).world_size == 20  # 10 per GPU (2 // 0.1 is 19.0 in floats)
+    assert Plan(_gpu_scaling((1, 30), 0.4)).world_size == 4
+
+
+def test_a_tune_trial_reserves_the_gpus_its_workers_are_placed_on() -> None:
+    from ddptrain.tune.trainable import TrainerTrainable
+
+    trainer = train.DataParallelTrainer(_nothing, scaling_config=_gpu_scaling(5, 0.4), train_loop_config={})
+    assert TrainerTrainable(trainer).prepare({}).gpus == 3  # 2 + 2 + 1 workers
+
+
+def _nothing(config: dict) -> None:
+    pass
+
+
+# ----------------------------------------------------------------- the driver never starts CUDA
+# Asking CUDA anything through its runtime (`torch.cuda.is_available()`, ...) starts it in the
+# driver (cuInit): processes the driver forks then cannot use CUDA, and `ddptrain run` scripts
+# are drivers. Counting GPUs goes through NVML (`torch.cuda.device_count()`), which does not.
+_STARTS_CUDA = ("is_available", "init", "_lazy_init", "current_device", "set_device", "synchronize")
+
+
+@pytest.fixture
+def cuda_must_not_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In this process (a driver, or a worker function run here), the calls that start CUDA
+    fail the test; 2 GPUs counted."""
+
+    def refuse(name: str):  # type: ignore[no-untyped-def]
+        def call(*args: object, **kwargs: object) -> None:
+            raise AssertionError(f"torch.cuda.{name}() was called, which starts CUDA in this process")
+
+        return call
+
+    for name in _STARTS_CUDA:
+        monkeypatch.setattr(torch.cuda, name, refuse(name))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+
+
+def test_ray_cluster_resources_count_gpus_without_starting_cuda(cuda_must_not_start: None) -> None:
+    from ddptrain import ray_compat
+
+    assert ray_compat._RayModule().cluster_resources()["GPU"] == 2.0
+
+
+def _visible_gpus() -> str | None:
+    import os
+
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def test_a_gpu_run_starts_no_cuda_in_the_driver(cuda_must_not_start: None, storage: str) -> None:
+    # The whole driver side of a GPU run (plan, GPU check, launch, results) on this machine's
+    # 2 (counted) GPUs. Its workers touch no CUDA: each says which GPU it was given.
+    trainer = train.DataParallelTrainer(
+        _visible_gpus,
+        scaling_config=train.ScalingConfig(num_workers=2, use_gpu=True),
+        run_config=train.RunConfig(storage_path=storage),
+    )
+    assert trainer.fit().return_values == ["0", "1"]
+
+
+def test_a_torch_gpu_run_on_a_host_without_cuda_fails_naming_it(cuda_must_not_start: None, storage: str) -> None:
+    # TorchTrainer's driver side (nccl chosen, failure explained) without CUDA here either;
+    # the worker, whose torch cannot use CUDA, says so before the function runs.
+    from ddptrain.torch import TorchTrainer
+
+    if torch.cuda._is_compiled() and torch.version.cuda is not None:
+        pytest.skip("this torch is built for CUDA: its workers would not fail")
+    trainer = TorchTrainer(
+        _visible_gpus,
+        scaling_config=train.ScalingConfig(num_workers=1, use_gpu=True, hosts=["localhost slots=1 gpus=0"]),
+        run_config=train.RunConfig(storage_path=storage),
+    )
+    with pytest.raises(train.TrainingFailedError, match=r"rank 0 was given GPU\(s\) \[0\] on host .*cannot use CUDA"):
+        trainer.fit()
+
+
+# ----------------------------------------------------------------- a worker's own GPUs
+@pytest.mark.parametrize(
+    ("visible", "own", "seen"),
+    [(None, "1", "1"), ("3,5,7", "0,2", "3,7"), ("GPU-aa, GPU-bb", "1", "GPU-bb")],
+)
+def test_a_worker_of_another_backend_sees_only_its_own_gpus(
+    monkeypatch: pytest.MonkeyPatch, visible: str | None, own: str, seen: str
+) -> None:
+    from ddptrain.worker.main import _see_own_gpus
+
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    monkeypatch.setenv("DDPTRAIN_OWN_GPUS", own)
+    _see_own_gpus()
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == seen
+
+
+def test_a_worker_given_a_gpu_where_none_is_visible_fails_saying_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    # CUDA_VISIBLE_DEVICES="" hides every GPU: the worker must not run on none, silently.
+    from ddptrain.worker.main import _see_own_gpus
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setenv("DDPTRAIN_OWN_GPUS", "0")
+    with pytest.raises(ConfigError, match=r"given GPU\(s\) \[0\] .* CUDA_VISIBLE_DEVICES='' lists 0"):
+        _see_own_gpus()
+
+
+def test_a_cpu_workers_teardown_does_not_start_cuda(cuda_must_not_start: None) -> None:
+    # Each worker of every torch run ends its process group this way: on a GPU machine, a CPU
+    # run's workers must not start CUDA there just to find they have no cache to empty.
+    from ddptrain.torch.config import _destroy_process_group
+
+    _destroy_process_group()
