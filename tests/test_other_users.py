@@ -29,6 +29,12 @@ for name in names:
         f.write(body % folder)
 """
 
+_AS_PACKAGE = """
+import os, sys
+os.mkdir(sys.argv[1])
+os.rename(sys.argv[1] + ".py", os.path.join(sys.argv[1], "__init__.py"))
+"""
+
 # The user's own script, in a folder of theirs; run from the shared folder.
 _DRIVER = """
 import os, sys, tempfile
@@ -111,6 +117,26 @@ def test_modules_planted_in_a_shared_working_directory_are_never_imported(
     assert imported == {}, imported
     assert fit.returncode == 0 and "RETURNED [[1.0], [1.0]]" in fit.stdout, fit.stdout + fit.stderr
     assert check.returncode == 0 and "the probe did not run" not in check.stdout, check.stdout + check.stderr
+
+
+def test_the_agent_imports_nothing_from_a_shared_working_directory_however_python_starts(
+    other_user: OtherUser, shared_folder: Path
+) -> None:
+    """The agent's first line imported ``types`` and ``importlib.machinery`` before it took the
+    working directory off ``sys.path``. Where Python's start-up has not loaded them already
+    (Python 3.10 and 3.12, Debian's 3.11, an installation without a ``.pth`` that imports them;
+    ``-S`` stands for those here), a ``types.py`` or ``importlib/`` planted in the working
+    directory ran as the user, in every local run's agent."""
+    from ddptrain.wire.boot import agent_command, import_pins
+
+    other_user.run(_PLANT, str(shared_folder), "types,importlib,os,sitecustomize,usercustomize")
+    other_user.run(_AS_PACKAGE, str(shared_folder / "importlib"))  # a package wins over the stdlib's too
+    python, *rest = agent_command(sys.executable, import_pins())
+    subprocess.run(
+        [python, "-S", *rest], cwd=shared_folder, stdin=subprocess.DEVNULL, capture_output=True, timeout=60
+    )  # no bootstrap on stdin: the agent ends at once (or fails to import, without site-packages)
+    imported = {p.name: p.read_text() for p in shared_folder.glob("IMPORTED-*")}
+    assert imported == {}, imported
 
 
 # ----------------------------------------------------------------- run folders other users made
