@@ -9,13 +9,17 @@ bit, lets anyone rename the user's run folder away and put their own in its plac
 
 from __future__ import annotations
 
+import logging
 import os
 import pwd
 import stat
+import tempfile
 
 from ddptrain.errors import DdpTrainError
 
 __all__ = ["ForeignFolderError", "check_own_folder", "private_temp_dir"]
+
+_logger = logging.getLogger(__name__)
 
 
 class ForeignFolderError(DdpTrainError, RuntimeError):
@@ -29,9 +33,26 @@ def _user(uid: int) -> str:
         return f"uid {uid}"
 
 
+def _maps_us_to(path: str, owner: int) -> bool:
+    """Whether files this user creates in folder ``path`` get ``owner`` (an NFS export that
+    squashes root to ``nobody``, say): then a folder owned by ``owner`` is as much the user's
+    own as that file system allows."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=".ddptrain-owner-", dir=path)
+    except OSError:
+        return False  # not even writable by us: not ours
+    try:
+        return os.fstat(fd).st_uid == owner
+    finally:
+        os.close(fd)
+        os.unlink(name)
+
+
 def check_own_folder(path: str, what: str = "run folder") -> None:
-    """Raise :class:`ForeignFolderError` unless folder ``path`` belongs to this user and no other
-    user can write it, and its parent cannot be used to replace it.
+    """Raise :class:`ForeignFolderError` unless folder ``path`` belongs to this user; log a
+    warning when other users could write it or replace it (a folder every user can write, or
+    one in a folder every user can write without the sticky bit: on file systems without Unix
+    modes, such as a Windows drive under WSL, everything looks that way).
 
     Args:
         path: An existing folder (a link to one is judged by what it points to).
@@ -39,26 +60,28 @@ def check_own_folder(path: str, what: str = "run folder") -> None:
     """
     info = os.stat(path)
     uid = os.geteuid()
-    if info.st_uid != uid:
+    if info.st_uid != uid and not _maps_us_to(path, info.st_uid):
         raise ForeignFolderError(
             f"The {what} {path} belongs to {_user(info.st_uid)}, not to you ({_user(uid)}): that user "
             "created it and could read what this run writes there and plant checkpoints it would "
             "resume from. Use a storage_path only you can write (the default is ~/ddptrain_results), "
             "or another `RunConfig(name=...)`."
         )
-    if info.st_mode & stat.S_IWOTH:
-        raise ForeignFolderError(
-            f"The {what} {path} can be written by every user (mode {stat.S_IMODE(info.st_mode):04o}): "
-            f"anyone could plant checkpoints this run would resume from. `chmod o-w {path}` first."
-        )
     parent = os.path.dirname(os.path.realpath(path))
     above = os.stat(parent)
-    if above.st_mode & stat.S_IWOTH and not above.st_mode & stat.S_ISVTX:
-        raise ForeignFolderError(
-            f"The {what} {path} is in {parent}, which every user can write without the sticky bit "
-            f"(mode {stat.S_IMODE(above.st_mode):04o}): anyone could replace the {what} with their own. "
-            f"Use a storage_path only you can write, or `chmod +t {parent}` (as /tmp is)."
-        )
+    if info.st_mode & stat.S_IWOTH:
+        _logger.warning(
+            "ddptrain: every user can write the %s %s (mode %04o): anyone could plant checkpoints it "
+            "resumes from. `chmod o-w %s` unless its file system has no Unix modes.",
+            what, path, stat.S_IMODE(info.st_mode), path,
+        )  # fmt: skip
+    elif above.st_mode & stat.S_IWOTH and not above.st_mode & stat.S_ISVTX:
+        _logger.warning(
+            "ddptrain: the %s %s is in %s, which every user can write without the sticky bit (mode %04o): "
+            "anyone could replace it with their own. Use a storage_path only you can write, or "
+            "`chmod +t %s` (as /tmp is).",
+            what, path, parent, stat.S_IMODE(above.st_mode), parent,
+        )  # fmt: skip
 
 
 def private_temp_dir() -> str:
@@ -71,8 +94,6 @@ def private_temp_dir() -> str:
         ForeignFolderError: ``<tmp>/ddptrain-private-<uid>`` exists and is not a private folder
             of this user (another user created it first); the message says to remove it.
     """
-    import tempfile
-
     uid = os.geteuid()
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if runtime and os.path.isabs(runtime):

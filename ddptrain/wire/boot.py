@@ -39,9 +39,11 @@ __all__ = [
 # a folder that shadows an installed package wins in the agent as it does in the driver. The
 # user's own modules resolve once the bootstrap has arrived, through the driver's ``sys.path``.
 PIN = (
-    "import os, sys, types, importlib.machinery; "
+    # `sys` is always loaded; `types` and `importlib` are not on every installation (Python 3.10,
+    # 3.12, Debian's 3.11 without a .pth that loads them): the path is cleaned before they are imported.
+    "import sys; sys.path[:] = [p for p in sys.path if p]; "
+    "import os, types, importlib.machinery; "
     "pins = dict(arg.split('=', 1) for arg in sys.argv[1:]); del sys.argv[1:]; "
-    "sys.path[:] = [p for p in sys.path if p]; "
     "sys.meta_path.insert(0, types.SimpleNamespace(find_spec=lambda name, path=None, target=None: "
     "importlib.machinery.PathFinder.find_spec(name, [pins[name]]) if name in pins else None)); "
 )
