@@ -184,3 +184,18 @@ def test_batches_for_plain_cuda_go_to_the_callers_gpu_not_the_prefetch_threads(m
     assert resolve_device(torch.device("cuda")) == torch.device("cuda", 1)
     assert resolve_device("cuda:0") == torch.device("cuda", 0)
     assert resolve_device("cpu") == torch.device("cpu")
+
+
+def test_batches_moved_by_the_data_iterator_include_those_in_any_mapping() -> None:
+    # A collate_fn of iter_torch_batches may return a transformers BatchEncoding (a UserDict);
+    # "meta" stands in for a GPU: a tensor left on the CPU shows.
+    import collections
+
+    from ddptrain.data._torch import move
+
+    class Encoding(collections.UserDict):
+        pass
+
+    batch = move(Encoding({"input_ids": torch.ones(2, 3), "n": 2}), torch.device("meta"), pin_memory=False)
+    assert isinstance(batch, Encoding)
+    assert batch["input_ids"].device.type == "meta" and batch["n"] == 2

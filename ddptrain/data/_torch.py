@@ -13,7 +13,7 @@ import torch
 import torch.utils.data
 
 from ddptrain import context
-from ddptrain.torch.train_loop_utils import get_device
+from ddptrain.torch.train_loop_utils import _same_mapping, get_device
 
 __all__ = [
     "resolve_device",
@@ -107,8 +107,8 @@ def move(value: Any, device: torch.device, pin_memory: bool) -> Any:
         if pin_memory and device.type == "cuda" and value.device.type == "cpu":
             return value.pin_memory().to(device, non_blocking=True)
         return value.to(device)
-    if isinstance(value, dict):
-        return {key: move(item, device, pin_memory) for key, item in value.items()}
+    if isinstance(value, Mapping):  # dicts, and what collators return (BatchEncoding is a UserDict)
+        return _same_mapping(value, {key: move(item, device, pin_memory) for key, item in value.items()})
     if isinstance(value, (list, tuple)):
         return type(value)(move(item, device, pin_memory) for item in value)
     return value
