@@ -640,6 +640,29 @@ def test_batches_go_to_the_workers_gpu(storage: str) -> None:
     assert result.return_value == {"auto": "cuda:0", "pinned": "cuda:0", "collated": "cpu"}
 
 
+def batches_on_plain_cuda() -> dict:
+    from ddptrain.torch import get_device
+
+    shard = train.get_dataset_shard("train")
+    # A shuffle buffer: the batches are made, and moved, in the prefetch thread.
+    batch = next(iter(shard.iter_torch_batches(batch_size=2, device="cuda", local_shuffle_buffer_size=4)))
+    return {"batch": str(batch["x"].device), "worker": str(get_device())}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_batches_for_plain_cuda_go_to_each_workers_own_gpu(storage: str) -> None:
+    from ddptrain.torch import TorchTrainer
+
+    result = TorchTrainer(
+        batches_on_plain_cuda,
+        datasets={"train": train.data.from_numpy({"x": np.ones((16, 3), np.float32)})},
+        scaling_config=train.ScalingConfig(num_workers=2, use_gpu=True),
+        run_config=train.RunConfig(storage_path=storage),
+    ).fit()
+    assert result.return_values == [{"batch": "cuda:0", "worker": "cuda:0"}, {"batch": "cuda:1", "worker": "cuda:1"}]
+
+
 # --- zip (Ray's ingest examples zip features and labels) ---------------------------------------
 def test_zip_puts_columns_side_by_side_like_ray() -> None:
     ids = train.data.range(4)

@@ -584,3 +584,31 @@ def test_two_jax_workers_share_one_gpu(storage: str) -> None:
     ).fit()
     assert [v["total"] for v in result.return_values] == [56.0, 56.0]
     assert len({v["visible"] for v in result.return_values}) == 1  # the same GPU
+
+
+def hold_most_of_the_gpu(config: dict) -> dict:
+    import os
+
+    free, total = torch.cuda.mem_get_info(get_device())
+    held = torch.empty(int(total * 0.6), dtype=torch.uint8, device=get_device())
+    torch.cuda.synchronize()
+    marker = os.path.join(config["dir"], "crashed_once")
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        os._exit(7)  # dies holding 60% of its GPU
+    del held
+    return {"free_at_start": free, "total": total}
+
+
+@needs_one_gpu
+def test_a_restart_finds_the_gpu_memory_of_the_crashed_attempt_freed(storage: str, tmp_path) -> None:
+    # The next attempt's worker starts only once the dead one's memory is back: 60% twice
+    # does not fit on one GPU.
+    trainer = TorchTrainer(
+        hold_most_of_the_gpu,
+        train_loop_config={"dir": str(tmp_path)},
+        scaling_config=train.ScalingConfig(num_workers=1, use_gpu=True),
+        run_config=train.RunConfig(storage_path=storage, failure_config=train.FailureConfig(max_failures=1)),
+    )
+    (value,) = trainer.fit().return_values
+    assert value["free_at_start"] >= 0.6 * value["total"]

@@ -170,3 +170,32 @@ def test_a_cpu_workers_teardown_does_not_start_cuda(cuda_must_not_start: None) -
     from ddptrain.torch.config import _destroy_process_group
 
     _destroy_process_group()
+
+
+# ----------------------------------------------------------------- batches on "cuda"
+def test_batches_for_plain_cuda_go_to_the_callers_gpu_not_the_prefetch_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    # iter_torch_batches moves batches in its prefetch thread, where plain "cuda" would mean
+    # GPU 0 (torch.cuda.set_device is per thread): "cuda" must become the caller's GPU, with
+    # its number, when the iterator is made. A numbered device stays as it is.
+    from ddptrain.data._torch import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)  # the worker's thread is on GPU 1
+    assert resolve_device("cuda") == torch.device("cuda", 1)
+    assert resolve_device(torch.device("cuda")) == torch.device("cuda", 1)
+    assert resolve_device("cuda:0") == torch.device("cuda", 0)
+    assert resolve_device("cpu") == torch.device("cpu")
+
+
+def test_batches_moved_by_the_data_iterator_include_those_in_any_mapping() -> None:
+    # A collate_fn of iter_torch_batches may return a transformers BatchEncoding (a UserDict);
+    # "meta" stands in for a GPU: a tensor left on the CPU shows.
+    import collections
+
+    from ddptrain.data._torch import move
+
+    class Encoding(collections.UserDict):
+        pass
+
+    batch = move(Encoding({"input_ids": torch.ones(2, 3), "n": 2}), torch.device("meta"), pin_memory=False)
+    assert isinstance(batch, Encoding)
+    assert batch["input_ids"].device.type == "meta" and batch["n"] == 2

@@ -7,11 +7,12 @@ rank, and the assertions run in the test process.
 
 from __future__ import annotations
 
+import collections
 import copy
 import pickle
 import random
 import warnings
-from collections import namedtuple
+from collections import OrderedDict, namedtuple
 
 import pytest
 import torch
@@ -408,6 +409,28 @@ def test_device_loader_moves_nested_batches_and_exposes_loader() -> None:
     # The wrapper survives copy and pickle (which build it without __init__).
     assert [b["a"].tolist() for b in copy.copy(loader)] == [[[0], [1]], [[2], [3]]]
     assert len(pickle.loads(pickle.dumps(loader))) == 2
+
+
+class _Encoding(collections.UserDict):
+    """A batch as transformers' tokenizers and collators give it (``BatchEncoding`` is a ``UserDict``)."""
+
+
+def test_device_loader_moves_every_mapping_a_collate_function_returns() -> None:
+    # The "meta" device stands in for a GPU: a tensor left on the CPU shows.
+    from ddptrain.torch.train_loop_utils import _DeviceLoader
+
+    def collate(rows: list) -> _Encoding:
+        return _Encoding({"input_ids": torch.stack(rows), "lengths": [len(r) for r in rows]})
+
+    loader = _DeviceLoader(DataLoader([torch.ones(3)] * 4, batch_size=2, collate_fn=collate), torch.device("meta"))
+    batch = next(iter(loader))
+    assert isinstance(batch, _Encoding)  # the collator's type is kept where it can be rebuilt
+    assert batch["input_ids"].device.type == "meta"
+    assert batch["lengths"] == [3, 3]
+    ordered = _DeviceLoader(
+        DataLoader([torch.ones(3)] * 2, batch_size=2, collate_fn=lambda r: OrderedDict(x=r[0])), torch.device("meta")
+    )
+    assert next(iter(ordered))["x"].device.type == "meta"
 
 
 # ---------------------------------------------------------------------- reproducibility

@@ -13,7 +13,7 @@ import torch
 import torch.utils.data
 
 from ddptrain import context
-from ddptrain.torch.train_loop_utils import get_device
+from ddptrain.torch.train_loop_utils import _same_mapping, get_device
 
 __all__ = [
     "resolve_device",
@@ -32,16 +32,21 @@ _TENSOR_KINDS = "biufc"
 
 def resolve_device(device: Any) -> torch.device:
     """``"auto"``: this worker's device inside a training function (``ddptrain.torch.get_device()``),
-    else the CPU. Anything else is given to ``torch.device``."""
+    else the CPU. Anything else is given to ``torch.device``; a CUDA device without a number is
+    the caller's current GPU (its worker's), numbered now: batches are moved in a prefetch
+    thread, where plain ``"cuda"`` would mean GPU 0 (the current device is per thread)."""
     if isinstance(device, str) and device == "auto":
         if context._session is None:
             return torch.device("cpu")
 
         return get_device()
     try:
-        return torch.device(device)
+        resolved = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise ValueError(f"`device` must be 'auto', a torch.device or a device string, got {device!r}.") from exc
+    if resolved.type == "cuda" and resolved.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return resolved
 
 
 # A tensor on the same memory as a numpy array.
@@ -102,8 +107,8 @@ def move(value: Any, device: torch.device, pin_memory: bool) -> Any:
         if pin_memory and device.type == "cuda" and value.device.type == "cpu":
             return value.pin_memory().to(device, non_blocking=True)
         return value.to(device)
-    if isinstance(value, dict):
-        return {key: move(item, device, pin_memory) for key, item in value.items()}
+    if isinstance(value, Mapping):  # dicts, and what collators return (BatchEncoding is a UserDict)
+        return _same_mapping(value, {key: move(item, device, pin_memory) for key, item in value.items()})
     if isinstance(value, (list, tuple)):
         return type(value)(move(item, device, pin_memory) for item in value)
     return value

@@ -7,7 +7,7 @@ import os
 import random
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -109,7 +109,8 @@ def prepare_model(
 
 
 class _DeviceLoader:
-    """Iterates a DataLoader and moves every batch (tensors in nested lists/dicts) to a device."""
+    """Iterates a DataLoader and moves every batch (tensors in nested lists, tuples and mappings,
+    such as the ``BatchEncoding`` of a transformers collator) to a device."""
 
     def __init__(self, loader: DataLoader[Any], device: torch.device) -> None:
         self._loader = loader
@@ -119,8 +120,8 @@ class _DeviceLoader:
     def _move(self, item: Any) -> Any:
         if isinstance(item, torch.Tensor):
             return item.to(self._device, non_blocking=self._non_blocking)
-        if isinstance(item, dict):
-            return {k: self._move(v) for k, v in item.items()}
+        if isinstance(item, Mapping):  # dicts, and what collators return (BatchEncoding is a UserDict)
+            return _same_mapping(item, {k: self._move(v) for k, v in item.items()})
         if isinstance(item, (list, tuple)):
             moved = [self._move(v) for v in item]
             return type(item)(*moved) if hasattr(item, "_fields") else type(item)(moved)
@@ -138,6 +139,17 @@ class _DeviceLoader:
             # Not set yet (copy/pickle build the object without __init__): no recursion.
             raise AttributeError(name)
         return getattr(self._loader, name)
+
+
+def _same_mapping(original: Mapping[Any, Any], moved: dict[Any, Any]) -> Any:
+    """``moved`` as the type of ``original`` where that type rebuilds from a dict (a plain
+    ``dict`` otherwise, e.g. a ``defaultdict``)."""
+    if type(original) is dict:
+        return moved
+    try:
+        return type(original)(moved)  # type: ignore[call-arg]
+    except Exception:
+        return moved
 
 
 def _with_sampler(loader: DataLoader[Any], world_size: int, rank: int) -> DataLoader[Any]:
@@ -209,7 +221,8 @@ def prepare_data_loader(
     Args:
         data_loader: The loader.
         add_dist_sampler: Add the ``DistributedSampler``.
-        move_to_device: Move batches to :func:`get_device`.
+        move_to_device: Move batches to :func:`get_device`: the tensors in them, also inside
+            lists, tuples and mappings (a collator's ``BatchEncoding`` keeps its type).
         auto_transfer: Copy to CUDA asynchronously (``non_blocking``).
     """
     world_size, rank = _world()
