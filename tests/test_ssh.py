@@ -130,7 +130,7 @@ def test_a_host_that_refuses_on_stdout_says_why_the_agent_did_not_start(ssh, sto
     run = json.loads(Path(storage, "closed", "run.json").read_text())
     assert run["status"] == "ERRORED" and "closed for maintenance" in run["error"], run
     err = capfd.readouterr().err
-    assert re.search(r"ddptrain: run 'closed' failed after .*LaunchError: .*closed for maintenance", err), err
+    assert re.search(r"(?s)ddptrain: run 'closed' failed after .*LaunchError: .*closed for maintenance", err), err
 
 
 def test_hostile_working_directory(ssh, storage: str, tmp_path: Path) -> None:
