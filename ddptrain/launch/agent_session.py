@@ -215,7 +215,14 @@ class AgentSession:
         if not seen and not self._stop.is_set():  # the agent never ran: wrong python, missing ddptrain, ...
             detail = self.exit_detail()
             on_event(AgentFailed(AGENT_RANK, f"{self.connection.where} the agent did not start ({detail})"))
-        on_event(AgentGone(AGENT_RANK, self.connection.exit_code()))
+        on_event(AgentGone(AGENT_RANK, self.connection.exit_code(), self._last_words()))
+
+    def _last_words(self) -> str:
+        """The agent's last stderr line, if it is the agent's own (why it stopped)."""
+        if self._stderr_thread is not None:
+            self._stderr_thread.join(1.0)  # let it take the last lines
+        last = self._stderr_tail[-1] if self._stderr_tail else ""
+        return last if last.startswith("ddptrain agent: ") else ""
 
     def reset(self, timeout_s: float) -> bool:
         """Make the agent ready for the next attempt's :meth:`start`: it kills every worker (and
