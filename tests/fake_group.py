@@ -46,6 +46,9 @@ class FakeGroup:
     def ask(self, command: bytes) -> None:
         pass
 
+    def stopped_agents(self) -> list[tuple[str, int]]:
+        return []
+
     def where(self, rank: int) -> str:
         return f"rank {rank}"
 

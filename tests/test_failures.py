@@ -197,6 +197,32 @@ def test_workers_exit_when_the_driver_is_killed(tmp_path: Path, storage: str) ->
     assert tagged_processes() == []
 
 
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.timeout(60)
+def test_a_stopped_agent_does_not_outlive_a_killed_driver(tmp_path: Path, storage: str) -> None:
+    # A stopped agent never saw its stdin end: it stayed stopped (state T) for good after its
+    # driver was killed, holding its workers' exit statuses and its own memory.
+    from conftest import tagged_processes
+
+    proc = start_driver(tmp_path, storage)
+    parents = [_parent(pid) for pid in tagged_processes() if pid != proc.pid]
+    (agent,) = {pid for pid in parents if parents.count(pid) == 2}  # the parent of both workers
+    os.kill(agent, signal.SIGSTOP)
+    proc.kill()
+    proc.wait()
+    proc.stdout.close()
+    deadline = time.monotonic() + 10
+    while tagged_processes() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = tagged_processes()
+    if agent in left:
+        os.kill(agent, signal.SIGCONT)  # let it go for the next tests
+    assert left == []
+
+
 def crash_with_a_child_holding_the_pipes() -> None:
     import subprocess
 

@@ -184,3 +184,72 @@ def test_ddptrain_stack_prints_every_ranks_stack_of_a_live_run(storage: str, tmp
         [sys.executable, "-m", "ddptrain.cli", "stack", os.path.join(storage, "live")], capture_output=True, text=True
     )
     assert gone.returncode == 1 and "not running" in gone.stderr
+
+
+def chatty_loop(config: dict) -> int:
+    """Prints a lot (through its agent) and reports until told to stop; rank 0 leaves its agent's pid."""
+    from pathlib import Path
+
+    if train.get_context().get_world_rank() == 0:
+        Path(config["agent"]).write_text(str(os.getppid()))
+    steps = 0
+    while not Path(config["done"]).exists():
+        print("x" * 2000, flush=True)
+        train.report({"step": steps})
+        steps += 1
+        time.sleep(0.05)
+    return steps
+
+
+@pytest.mark.timeout(90)
+def test_a_stopped_agent_is_named_and_the_run_goes_on_once_it_resumes(
+    storage: str, tmp_path, monkeypatch, caplog
+) -> None:
+    # A local agent stopped by a signal answers nothing: its workers block on their output and
+    # the driver heard nothing of it (a stall warning came after 30 s with states from before).
+    import logging
+    import signal as signals
+    import threading
+
+    monkeypatch.setenv("DDPTRAIN_REPORT_WARN_INTERVAL_S", "1")
+    agent_file, done = tmp_path / "agent", tmp_path / "done"
+    outcome: dict = {}
+
+    def fit() -> None:
+        try:
+            outcome["result"] = TorchTrainer(
+                chatty_loop,
+                train_loop_config={"agent": str(agent_file), "done": str(done)},
+                scaling_config=train.ScalingConfig(num_workers=2),
+                run_config=train.RunConfig(name="stopped-agent", storage_path=storage),
+            ).fit()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            outcome["error"] = exc
+
+    agent = 0
+    with caplog.at_level(logging.WARNING, logger="ddptrain"):
+        thread = threading.Thread(target=fit, daemon=True)
+        thread.start()
+        try:
+            deadline = time.monotonic() + 45
+            while not agent_file.exists() or not agent_file.read_text():
+                assert time.monotonic() < deadline and thread.is_alive(), outcome
+                time.sleep(0.1)
+            agent = int(agent_file.read_text())
+            os.kill(agent, signals.SIGSTOP)
+            stopped_at = time.monotonic()
+            while not any(
+                "agent" in r.getMessage() and "stopped by a signal" in r.getMessage() for r in caplog.records
+            ):
+                assert time.monotonic() < stopped_at + 15, "nothing said the agent was stopped"
+                time.sleep(0.2)
+        finally:
+            if agent:
+                os.kill(agent, signals.SIGCONT)
+            done.touch()
+        thread.join(45)
+    assert not thread.is_alive()
+    warning = next(r.getMessage() for r in caplog.records if "stopped by a signal" in r.getMessage())
+    assert f"the ddptrain agent on this machine (pid {agent})" in warning and f"kill -CONT {agent}" in warning
+    assert "error" not in outcome, outcome["error"]
+    assert outcome["result"].return_value > 0

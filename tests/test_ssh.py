@@ -489,6 +489,55 @@ def test_remote_workers_stop_when_heartbeats_stop(ssh, storage: str, tmp_path: P
         proc.stdout.close()
 
 
+PAUSED_DRIVER = """
+import sys, time
+import ddptrain as train
+
+def steps():
+    for step in range(1000):
+        train.report({"step": step})
+        print("step", step, flush=True)
+        time.sleep(0.1)
+
+if __name__ == "__main__":
+    train.DataParallelTrainer(
+        steps,
+        scaling_config=train.ScalingConfig(num_workers=2, hosts=["h0 slots=1", "h1 slots=1"]),
+        run_config=train.RunConfig(storage_path=sys.argv[1]),
+    ).fit()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_driver_that_was_stopped_does_not_blame_its_hosts(ssh, storage: str, tmp_path: Path, monkeypatch) -> None:
+    # Ctrl-Z (or SIGSTOP) on the driver, then `fg`: its hosts' agents stopped their workers when
+    # its heartbeats stopped. The error said both hosts "stopped answering ... Its network or the
+    # machine went away": its own silence read as theirs.
+    import signal
+    import time
+
+    monkeypatch.setenv("DDPTRAIN_SSH_HEARTBEAT_TIMEOUT_S", "2")
+    script = tmp_path / "paused.py"
+    script.write_text(PAUSED_DRIVER)
+    proc = ForkedDriver(script, [storage], stderr="stdout")
+    seen = ""
+    for line in proc.stdout:
+        seen += line
+        if "step 3" in line:
+            break
+    proc.send_signal(signal.SIGSTOP)
+    time.sleep(4)  # the agents give up after 2 s without a heartbeat
+    proc.send_signal(signal.SIGCONT)
+    try:
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert f"this driver process (pid {proc.pid}) did not run for" in out, seen + out
+    assert "stopped answering" not in out and "HostLostError" not in out, out
+    # The error says why the agents stopped (it said "died (exit code 0)" and no more).
+    assert "it said: ddptrain agent: no heartbeat from the driver for 2 s; stopping); its workers died" in out, out
+
+
 def test_ddptrain_check_reports_every_host(ssh, tmp_path: Path) -> None:
     import subprocess
     import sys

@@ -377,3 +377,78 @@ def test_a_validation_host_must_be_one_of_the_runs_hosts(storage: str) -> None:
     # This machine's name in the host list: validated here, without SSH (the driver started it).
     result = fit("localhost", ["localhost", "h0"])
     assert result.metrics["parent"] == os.getpid()
+
+
+_WAITING_DRIVER = """
+import os, subprocess, sys, tempfile, time
+import ddptrain as train
+
+def loop():
+    for step in range(2):
+        folder = tempfile.mkdtemp()
+        open(os.path.join(folder, "step"), "w").write(str(step))
+        train.report({"step": step}, checkpoint=train.Checkpoint(folder), validation=True)
+
+def hangs(checkpoint, pids):
+    child = subprocess.Popen(["sleep", "60"])
+    with open(pids, "a") as f:
+        f.write(f"{os.getpid()} {child.pid}\\n")
+    time.sleep(60)
+    return {"acc": 1.0}
+
+if __name__ == "__main__":
+    result = train.DataParallelTrainer(
+        loop,
+        scaling_config=train.ScalingConfig(num_workers=1),
+        validation_config=train.ValidationConfig(hangs, task_config=train.ValidationTaskConfig({"pids": sys.argv[2]})),
+        run_config=train.RunConfig(name="run", storage_path=sys.argv[1]),
+    ).fit()
+    print("returned", result.checkpoint.path, flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("notices", [1, 2])
+def test_a_preemption_notice_ends_the_wait_for_validations_after_training(
+    notices: int, storage: str, tmp_path: Path, monkeypatch
+) -> None:
+    # Training is over and fit() waits for the validations left (DDPTRAIN_VALIDATION_WAIT_S,
+    # 600 s): a SIGTERM was ignored there (even a second one, "stop now"), so fit() went on
+    # waiting for them whatever the notice's deadline.
+    import signal
+
+    from forked_driver import ForkedDriver
+
+    monkeypatch.setenv("DDPTRAIN_PREEMPTION_WINDOW_S", "2" if notices == 1 else "60")
+    script, pids = tmp_path / "waiting.py", tmp_path / "pids"
+    script.write_text(_WAITING_DRIVER)
+    driver = ForkedDriver(script, [storage, str(pids)], stderr="stdout")
+    try:
+        seen = ""
+        for line in driver.stdout:
+            seen += line
+            if "waiting up to 600 s for the validation of checkpoint(s)" in line:
+                break
+        deadline = time.monotonic() + 30
+        while not (pids.exists() and pids.read_text().endswith("\n")):  # the first validation runs
+            assert time.monotonic() < deadline, seen
+            time.sleep(0.05)
+        for _ in range(notices):
+            driver.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+        started = time.monotonic()
+        out, _ = driver.communicate(timeout=20)
+    finally:
+        driver.kill()
+    assert driver.returncode == 0, seen + out
+    assert time.monotonic() - started < 15  # the notice's deadline (2 s) or at once, then the teardown
+    pid = driver.pid
+    assert f"preemption notice (SIGTERM to the driver (pid {pid})): validations not done in" in out
+    assert "returned" in out  # training finished: fit() returns its result
+    why = f"the run was preempted (SIGTERM to the driver (pid {pid})) before it ended."
+    assert [line["error"] for line in _validation_lines(storage)] == [
+        f"Validation killed: {why}",
+        f"Validation not run: {why}",
+    ]
+    started_pids = [int(p) for p in pids.read_text().split()]
+    assert not any(map(_alive, started_pids))

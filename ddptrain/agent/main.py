@@ -38,7 +38,13 @@ from typing import IO, TYPE_CHECKING
 
 from ddptrain import ray_compat
 from ddptrain.agent import forkserver
-from ddptrain.agent.process import kill_group_strays, other_threads, set_pdeathsig, why_fork_unsafe
+from ddptrain.agent.process import (
+    kill_group_strays,
+    other_threads,
+    resume_when_orphaned,
+    set_pdeathsig,
+    why_fork_unsafe,
+)
 from ddptrain.agent.relay import Child, kill_all, relay, wait_for_bootstrap
 from ddptrain.wire.agent_events import AgentFailed, WorkerStarted, encode_event
 from ddptrain.wire.boot import FORKSERVER_FD_VAR, check_versions, load_user, worker_sys_path, write_all
@@ -242,6 +248,7 @@ def entry(openblas_threads: str | None = None) -> None:
     control_fd = os.environ.pop(FORKSERVER_FD_VAR, None)
     if control_fd is not None:  # a fork server: returns in each agent it forks
         forkserver.serve(int(control_fd))
+    resume_when_orphaned()
     exit_code = main()
     kill_group_strays()
     sys.stderr.flush()

@@ -16,6 +16,7 @@ __all__ = [
     "kill_group_strays",
     "other_threads",
     "process_state",
+    "resume_when_orphaned",
     "set_pdeathsig",
     "why_fork_unsafe",
 ]
@@ -32,6 +33,19 @@ def set_pdeathsig(agent_pid: int) -> None:
         pass
     if os.getppid() != agent_pid:  # the agent died before the request took effect
         os._exit(1)
+
+
+def resume_when_orphaned() -> None:
+    """Make the kernel send this agent SIGCONT when its parent (the driver, its fork server, or
+    the SSH session) dies. An agent stopped by a signal (SIGSTOP, a debugger that let go) would
+    otherwise never see its stdin end and stay stopped forever, with its workers; resumed, it
+    stops them as for any driver that went away. A SIGCONT to a running agent does nothing."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGCONT)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
 
 
 def other_threads() -> list[str]:

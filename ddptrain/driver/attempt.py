@@ -206,7 +206,7 @@ class Attempt:
         # get_all_reported_checkpoints() calls waiting for earlier reports (and validations, if
         # `validated`): (rank, index, deadline, validated)
         self.checkpoint_waiters: list[tuple[int, int, float | None, bool]] = []
-        self.watch = Watch(context.run_dir, group.ask, group.where)
+        self.watch = Watch(context.run_dir, group.ask, group.where, group.stopped_agents)
         self.notice: preemption.Notice | None = None  # the preemption notice the workers were given
         self.after_notice: Checkpoint | None = None  # a checkpoint committed since
         self.watch_hosts = watch

@@ -334,10 +334,10 @@ class GroupEvents:
             lost = HostLostError(self.plan.host_of(missing[0]), event.silent_s, event.timeout_s, missing)
             return self.failure(missing[0], None, lost)
         if missing and not self.exit_expected:
-            code = event.exitcode
+            code, said = event.exitcode, f"; it said: {event.last_words}" if event.last_words else ""
             error = LaunchError(
                 f"The ddptrain agent that runs rank(s) {missing} on {self.plan.host_of(missing[0])} "
-                f"died ({agent_death(code)}); its workers died with it."
+                f"died ({agent_death(code)}{said}); its workers died with it."
             )
             return self.failure(missing[0], None, error)
         return None

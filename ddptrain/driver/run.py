@@ -25,6 +25,7 @@ from ddptrain import _env
 from ddptrain.callbacks import TrainRunContext
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.config import CheckpointConfig
+from ddptrain.driver import preemption
 from ddptrain.driver.attempt import AttemptContext
 from ddptrain.driver.plan import Plan
 from ddptrain.driver.progress import Progress
@@ -254,8 +255,9 @@ class Run:
         return bool(done)
 
     def finish_validations(self) -> None:
-        """Training is done: wait for the validations left (``DDPTRAIN_VALIDATION_WAIT_S``)."""
-        for finished in self.validations.finish(_env.validation_wait_s(), self.progress.say):
+        """Training is done: wait for the validations left (``DDPTRAIN_VALIDATION_WAIT_S``), or
+        until the deadline of a preemption notice (at once after a second one)."""
+        for finished in self.validations.finish(_env.validation_wait_s(), self.progress.say, _notice_deadline):
             self._validated(finished)
 
     def _stop_validations(self) -> None:
@@ -506,3 +508,9 @@ class Run:
                 callback.after_exception(self.context, exceptions)  # type: ignore[arg-type]
             except Exception as exc:
                 _logger.warning("ddptrain: callback %r failed in after_exception: %r", callback, exc)
+
+
+def _notice_deadline() -> tuple[float, str] | None:
+    """The pending preemption notice's deadline (``time.monotonic``) and reason, if any."""
+    notice = preemption.pending()
+    return None if notice is None else (notice.deadline, notice.reason)

@@ -159,9 +159,18 @@ class Validations:
             self._start(self.queue.popleft())
         return done
 
-    def finish(self, timeout_s: float, say: Callable[[str], None]) -> list[Finished]:
+    def finish(
+        self,
+        timeout_s: float,
+        say: Callable[[str], None],
+        notice: Callable[[], tuple[float, str] | None] = lambda: None,
+    ) -> list[Finished]:
         """Wait up to ``timeout_s`` for the queued and running validations (the console says
-        what it waits for); those left then are killed or dropped, reported as failed."""
+        what it waits for); those left then are killed or dropped, reported as failed.
+
+        ``notice()``: a preemption notice's ``(deadline on clock, reason)``, or ``None``. The
+        wait ends by that deadline (at once after a second notice), as training would have.
+        """
         done = self.poll()
         if not self.pending:
             return done
@@ -170,10 +179,16 @@ class Validations:
             f"{', '.join(self.pending)} (DDPTRAIN_VALIDATION_WAIT_S)"
         )
         deadline = self.clock() + timeout_s
+        why = f"not done {timeout_s:g} s after training ended (DDPTRAIN_VALIDATION_WAIT_S)"
         while self.pending and self.clock() < deadline:
+            preempted = notice()
+            if preempted is not None and preempted[0] < deadline:  # a notice, or a second one (now)
+                deadline, reason = preempted
+                why = f"the run was preempted ({reason}) before it ended"
+                left_s = max(0.0, deadline - self.clock())
+                say(f"ddptrain: preemption notice ({reason}): validations not done in {left_s:.0f} s are stopped")
             time.sleep(min(0.05, max(0.0, deadline - self.clock())))
             done += self.poll()
-        why = f"not done {timeout_s:g} s after training ended (DDPTRAIN_VALIDATION_WAIT_S)"
         return done + self.close(why)
 
     def close(self, why: str = "the run stopped") -> list[Finished]:

@@ -235,6 +235,10 @@ class WorkerGroup(GroupEvents):
         if self.launcher is not None:
             self.launcher.ask(command)
 
+    def stopped_agents(self) -> list[tuple[str, int]]:
+        """``(where, pid)`` of each agent on this machine that is stopped by a signal."""
+        return self.launcher.stopped_agents() if self.launcher is not None and not self._closed else []
+
     def send(self, rank: int, message: Any) -> None:
         assert self.channel is not None
         self.channel.send(rank, message)

@@ -19,6 +19,7 @@ noticed within the same bound as mid-run.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import time
@@ -216,7 +217,14 @@ class AgentSession:
         if not seen and not self._stop.is_set():  # the agent never ran: wrong python, missing ddptrain, ...
             detail = self.exit_detail()
             on_event(AgentFailed(AGENT_RANK, f"{self.connection.where} the agent did not start ({detail})"))
-        on_event(AgentGone(AGENT_RANK, self.connection.exit_code()))
+        on_event(AgentGone(AGENT_RANK, self.connection.exit_code(), self._last_words()))
+
+    def _last_words(self) -> str:
+        """The agent's last stderr line, if it is the agent's own (why it stopped)."""
+        if self._stderr_thread is not None:
+            self._stderr_thread.join(1.0)  # let it take the last lines
+        last = self._stderr_tail[-1] if self._stderr_tail else ""
+        return last if last.startswith("ddptrain agent: ") else ""
 
     def reset(self, timeout_s: float) -> bool:
         """Make the agent ready for the next attempt's :meth:`start`: it kills every worker (and
@@ -252,8 +260,22 @@ class AgentSession:
         """Declare the host lost once nothing came from it for ``timeout_s``: from its agent once
         it spoke, before that in answer to a probe. Then drop the connection, which ends every
         wait on it (starting the agent, checking the storage, a copy of checkpoint files). The
-        agent's own heartbeat check stops its workers on the host."""
+        agent's own heartbeat check stops its workers on the host.
+
+        A silence that this process made (it was stopped, by SIGSTOP or Ctrl-Z, or got no CPU)
+        is not the host's: the watch itself did not run, and what the host sent meanwhile
+        waits in the pipe. Then the host gets a new ``timeout_s`` from now, and a warning
+        says why its agent may have stopped its workers (our heartbeats stopped too)."""
+        ticked = time.monotonic()
         while not self._stop.wait(ALIVE_S / 2):
+            now = time.monotonic()
+            paused_s, ticked = now - ticked - ALIVE_S / 2, now
+            if paused_s > timeout_s / 2:
+                _say_driver_paused(paused_s, timeout_s)
+                self._answered_at = now
+                if self._heard_at is not None:
+                    self._heard_at = now
+                continue
             if self._busy:
                 continue
             heard = self._heard_at if self._heard_at is not None else self._answered_at
@@ -298,3 +320,25 @@ class AgentSession:
         self.connection.close(grace_s)
         for thread in self._threads:
             thread.join(2.0)
+
+
+_paused_lock = threading.Lock()
+_paused_said_at = -1e9  # when the last pause of this process was said (one line for every host)
+
+
+def _say_driver_paused(paused_s: float, timeout_s: float) -> None:
+    """Warn, once for all the hosts' watches, that this process did not run for ``paused_s``."""
+    global _paused_said_at
+    with _paused_lock:
+        now = time.monotonic()
+        if now - _paused_said_at < timeout_s:
+            return
+        _paused_said_at = now
+    _logger.warning(
+        "ddptrain: this driver process (pid %d) did not run for %.1f s (stopped by a signal or Ctrl-Z, "
+        "or starved of CPU); the agents on other hosts stop their workers once the driver's heartbeats "
+        "are missing for %g s (DDPTRAIN_SSH_HEARTBEAT_TIMEOUT_S), and their hosts are not to blame",
+        os.getpid(),
+        paused_s,
+        timeout_s,
+    )

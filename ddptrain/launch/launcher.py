@@ -22,7 +22,7 @@ from ddptrain.errors import HostLostError
 from ddptrain.launch import forkserver
 from ddptrain.launch.agent_session import AgentSession, OutputSink
 from ddptrain.launch.fanout import each_host
-from ddptrain.launch.reaping import exit_status, exited, wait_exited
+from ddptrain.launch.reaping import exit_status, exited, stopped_by_signal, wait_exited
 from ddptrain.wire.agent_events import AgentEvent
 from ddptrain.wire.boot import agent_command, import_pins
 from ddptrain.wire.protocol import AGENT_RANK, Bootstrap
@@ -55,6 +55,10 @@ class Launcher(Protocol):
     def ask(self, command: bytes) -> None:
         """Send the agents a :class:`~ddptrain.protocol.Request` (worker states, stacks)."""
 
+    def stopped_agents(self) -> list[tuple[str, int]]:
+        """``(where, pid)`` of each agent of this machine that is stopped by a signal (see
+        :meth:`HostLauncher.stopped_agents`)."""
+
     def fetch_dir(self, rank: int, remote: str, local: str) -> None:
         """Copy a folder from the host of ``rank`` (one of ``unshared_ranks``) to this machine,
         and delete it there."""
@@ -74,6 +78,12 @@ class HostLauncher(Protocol):
 
     def ask(self, command: bytes) -> None:
         """Send the agent a :class:`~ddptrain.protocol.Request`."""
+
+    def stopped_agents(self) -> list[tuple[str, int]]:
+        """``[(where, pid)]`` while this host's agent runs on this machine and is stopped by a
+        signal (SIGSTOP, a debugger): it then answers nothing, and its workers' output, exits
+        and states wait for it. Else ``[]``; an agent on another host that stops goes silent,
+        and its host is declared lost (``DDPTRAIN_SSH_HEARTBEAT_TIMEOUT_S``)."""
 
     def fetch_dir(self, rank: int, remote: str, local: str) -> None:
         """Copy a folder of this host (where ``rank`` runs) to this machine, and delete it there."""
@@ -164,6 +174,13 @@ class LocalConnection:
     def abort(self) -> None:
         self._kill_session()
 
+    def stopped_pid(self) -> int | None:
+        """The agent's pid while it is stopped by a signal; ``None`` otherwise (or once reaped)."""
+        pid = self._proc.pid  # None: a fork server ended before it forked this agent
+        if pid is None or self._reaped or self._ended():
+            return None
+        return pid if stopped_by_signal(pid) else None
+
     def _kill_session(self) -> None:
         pid = self._proc.pid  # None: a fork server ended before it forked this agent
         if pid is None or self._reaped:
@@ -209,7 +226,8 @@ class LocalLauncher:
     unshared_ranks: Collection[int] = frozenset()  # this machine sees every run directory
 
     def __init__(self, env: dict[str, str]) -> None:
-        self._session = AgentSession(LocalConnection(env), heartbeat_s=None, label="ddptrain agent")
+        self._connection = LocalConnection(env)
+        self._session = AgentSession(self._connection, heartbeat_s=None, label="ddptrain agent")
         self._session.open()
 
     def bind_address(self) -> str:
@@ -217,6 +235,10 @@ class LocalLauncher:
 
     def ask(self, command: bytes) -> None:
         self._session.ask(command)
+
+    def stopped_agents(self) -> list[tuple[str, int]]:
+        pid = self._connection.stopped_pid()
+        return [] if pid is None else [(self._connection.where, pid)]
 
     def start(self, bootstrap: Bootstrap, sink: OutputSink, on_event: Callable[[AgentEvent], None]) -> None:
         self._session.start(bootstrap, sink, on_event)
@@ -280,6 +302,9 @@ class GroupLauncher:
     def ask(self, command: bytes) -> None:
         for launcher, _ in self._launchers:
             launcher.ask(command)
+
+    def stopped_agents(self) -> list[tuple[str, int]]:
+        return [stopped for launcher, _ in self._launchers for stopped in launcher.stopped_agents()]
 
     def fetch_dir(self, rank: int, remote: str, local: str) -> None:
         self._by_rank[rank].fetch_dir(rank, remote, local)

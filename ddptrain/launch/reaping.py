@@ -13,7 +13,7 @@ import os
 import subprocess
 import time
 
-__all__ = ["exit_status", "exited", "wait_exited"]
+__all__ = ["exit_status", "exited", "stopped_by_signal", "wait_exited"]
 
 
 def exited(process: subprocess.Popen[bytes]) -> bool:
@@ -50,3 +50,13 @@ def exit_status(process: subprocess.Popen[bytes], timeout_s: float) -> int | Non
     if info is None:
         return None
     return -info.si_status if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED) else info.si_status
+
+
+def stopped_by_signal(pid: int) -> bool:
+    """Whether process ``pid`` of this machine is stopped (SIGSTOP, Ctrl-Z, a debugger: state
+    ``T`` or ``t`` in ``/proc/PID/stat``); ``False`` when it cannot be read (it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
+    except (OSError, IndexError):
+        return False

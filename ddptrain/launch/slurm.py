@@ -339,6 +339,9 @@ class SlurmLauncher:
     def ask(self, command: bytes) -> None:
         self._session.ask(command)
 
+    def stopped_agents(self) -> list[tuple[str, int]]:
+        return []  # a stopped agent there goes silent: its host is declared lost
+
     def bind_address(self) -> str:
         return self.local_address
 

@@ -265,6 +265,9 @@ class SSHLauncher:
         """Send the agent a one-byte request (see ``Launcher.ask``)."""
         self._session.ask(command)
 
+    def stopped_agents(self) -> list[tuple[str, int]]:
+        return []  # a stopped agent there goes silent: its host is declared lost
+
     def bind_address(self) -> str:
         return self.local_address
 

@@ -87,10 +87,13 @@ class AgentIdle:
 
 @dataclass(frozen=True)
 class AgentGone:
-    """The agent's pipe ended (added by the driver): ``exitcode`` ``None`` if unknown."""
+    """The agent's pipe ended (added by the driver): ``exitcode`` ``None`` if unknown;
+    ``last_words``: the agent's last line on its stderr when it said why it stopped
+    (``"ddptrain agent: no heartbeat from the driver for 5 s; stopping"``), else empty."""
 
     rank: int
     exitcode: int | None
+    last_words: str = ""
 
 
 @dataclass(frozen=True)
