@@ -622,6 +622,26 @@ def test_a_key_the_host_does_not_accept_is_a_clear_error(ssh, storage: str, tmp_
         ).fit()
 
 
+def test_a_key_that_needs_a_passphrase_says_to_load_it_into_the_agent(
+    ssh, storage: str, tmp_path: Path, monkeypatch
+) -> None:
+    """ddptrain never asks for a passphrase: a key protected by one (and not in ssh-agent) was
+    reported as 'authentication failed (private key file is encrypted)', with the advice to add
+    the key to the host's authorized_keys, which cannot help."""
+    key = tmp_path / "locked_key"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "a passphrase", "-f", str(key)], check=True)
+    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
+    with pytest.raises(train.LaunchError) as caught:
+        TorchTrainer(
+            allreduce_on_hosts,
+            scaling_config=train.ScalingConfig(num_workers=1, hosts=[f"h0 key={key}"]),
+            run_config=train.RunConfig(storage_path=storage),
+        ).fit()
+    message = str(caught.value)
+    assert "host 'h0' " in message and f"the key {key} needs a passphrase" in message, message
+    assert f"ssh-add {key}" in message and "authorized_keys" not in message, message
+
+
 def test_a_host_that_stops_answering_while_logging_in_is_not_called_a_key_problem(
     ssh, storage: str, tmp_path: Path, monkeypatch
 ) -> None:

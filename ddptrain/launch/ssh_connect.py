@@ -124,6 +124,13 @@ def connect(host: HostSpec, timeout_s: float) -> Any:
                 f"DDPTRAIN_SSH_CONNECT_TIMEOUT_S={timeout_s:g} s: {exc}). Its network or the machine went away, "
                 "or its SSH server is overloaded."
             ) from None
+        if isinstance(exc, paramiko.PasswordRequiredException):
+            which = f"the key {host.key}" if host.key else "a key of ~/.ssh (id_*)"
+            raise LaunchError(
+                f"{where}: {which} needs a passphrase, and ddptrain never asks for one. Load it into ssh-agent "
+                f"in the shell that starts the run (`ssh-add {host.key or '~/.ssh/id_ed25519'}`), or use a key "
+                "without a passphrase (`key=` in the host list)."
+            ) from None
         if isinstance(exc, paramiko.AuthenticationException):
             raise LaunchError(
                 f"{where}: authentication failed ({exc}). ddptrain logs in with keys only (never a "
