@@ -433,6 +433,15 @@ class RunConfig:
                     f"`name` must be a plain folder name without '/', got {self.name!r}. "
                     "Put the parent folders in `storage_path`."
                 )
+            if any(ord(c) < 32 or ord(c) == 127 for c in self.name):
+                raise ConfigError(
+                    f"`name` must not hold control characters (a newline, a tab, NUL), got {self.name!r}."
+                )
+            if len(os.fsencode(self.name)) > 255:
+                raise ConfigError(
+                    f"`name` is {len(os.fsencode(self.name))} bytes long, but a folder name holds at most 255: "
+                    f"shorten {self.name[:40]!r}..."
+                )
         if self.storage_path is not None and not isinstance(self.storage_path, (str, os.PathLike)):
             raise ConfigError(f"`storage_path` must be a path or a URI, got {self.storage_path!r}.")
         if self.storage_filesystem is not None:

@@ -59,6 +59,9 @@ def test_scaling_config_resources() -> None:
     [
         ({"name": ""}, "`name` must be a non-empty string"),
         ({"name": "a/b"}, "plain folder name"),
+        ({"name": "a\0b"}, "must not hold control characters"),  # it was "embedded null byte" at fit()
+        ({"name": "epoch\n3"}, "must not hold control characters"),  # it made a folder 'epoch\n3'
+        ({"name": "x" * 256}, "`name` is 256 bytes long, but a folder name holds at most 255"),  # ENAMETOOLONG
         ({"storage_filesystem": object()}, "must be an fsspec or a pyarrow.fs file system"),
         ({"storage_path": 3}, "`storage_path` must be a path"),
         ({"failure_config": {"max_failures": 1}}, "must be a ddptrain.FailureConfig"),
