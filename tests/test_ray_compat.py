@@ -163,6 +163,24 @@ def test_script_arguments_exit_codes_and_bad_input(storage: str, tmp_path: Path)
     assert version.returncode == 0 and version.stdout.startswith("ddptrain ")
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["python", "train.py", "--lr", "1"], "without 'python': `ddptrain run train.py --lr 1`"),
+        (["."], ". is a folder, not a script: give the Python file to run"),
+    ],
+    ids=["python-first", "a-folder"],
+)
+def test_ddptrain_run_on_what_is_not_a_script_says_what_to_type(args: list[str], message: str) -> None:
+    """``ddptrain run python train.py`` (as one types ``torchrun``'s) and a folder both said
+    "no such script", though the file or folder is there."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddptrain", "run", *args], capture_output=True, text=True, env=python_env(), cwd=ROOT
+    )
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("ddptrain run: ") and message in proc.stderr, proc.stderr
+
+
 def test_the_mapping_aliases_modules_without_renaming_them() -> None:
     code = (
         "from ddptrain import ray_compat; ray_compat.install()\n"

@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import runpy
+import shlex
 import socket
 import subprocess
 import sys
@@ -194,14 +195,27 @@ def _print_table(rows: list[list[str]]) -> None:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
 
 
+def _script_problem(script: str, args: list[str]) -> str | None:
+    """Why ``script`` cannot be run (``None``: it can), with what to type instead."""
+    if os.path.isfile(script):
+        return None
+    if os.path.basename(script).startswith("python") and args:
+        rest = " ".join(shlex.quote(a) for a in args)
+        return f"give the script itself, without {script!r}: `ddptrain run {rest}`."
+    if os.path.isdir(script):
+        return f"{script} is a folder, not a script: give the Python file to run (`ddptrain run {script}/train.py`)."
+    return f"no such script: {script}"
+
+
 def run_script(script: str, args: list[str], hostfile: str | None = None) -> int:
     """Run ``script`` as ``__main__`` with ``import ray...`` resolving to ddptrain.
 
     Its exit status is the script's: 0 when it returns, the code of a ``SystemExit``, and
     1 (with the traceback printed) when it raises.
     """
-    if not os.path.isfile(script):
-        print(f"ddptrain run: no such script: {script}", file=sys.stderr)
+    problem = _script_problem(script, args)
+    if problem:
+        print(f"ddptrain run: {problem}", file=sys.stderr)
         return 2
     if hostfile == SLURM:  # the allocation's nodes (read at fit())
         _env.set_script_hostfile(SLURM)
