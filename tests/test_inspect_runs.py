@@ -127,6 +127,35 @@ def test_a_storage_path_given_for_a_run_or_missing_says_what_to_type(runs: str, 
     assert code == 1 and f"ddptrain runs: {missing}: not a folder" in err
 
 
+def reports_time_and_report(config: dict) -> None:
+    for step in range(2):
+        train.report({"time": 10.0 + step, "report": f"epoch {step}", "attempt": "mine", "loss": 1.0 - step / 2})
+
+
+def test_metrics_named_like_the_export_columns_lose_nothing(capfd, tmp_path: Path) -> None:
+    """A metric ``time`` (or ``report``, ``attempt``) replaced ddptrain's column in export, plot
+    and the dashboard: the report numbers and times were gone, and ``--x time`` plotted the
+    metric. Now both are there, the metric as ``metrics/time``."""
+    storage = str(tmp_path / "runs")
+    TorchTrainer(
+        reports_time_and_report,
+        scaling_config=train.ScalingConfig(num_workers=1),
+        run_config=train.RunConfig(storage_path=storage, name="timed"),
+    ).fit()
+    run = os.path.join(storage, "timed")
+    code, out, _ = cli(capfd, "export", run)
+    rows = list(csv.DictReader(io.StringIO(out)))
+    assert code == 0 and [(r["report"], r["attempt"]) for r in rows] == [("1", "0"), ("2", "0")]
+    assert float(rows[0]["time"]) > 1e9  # ddptrain's time stamp, not the metric
+    assert [(r["metrics/time"], r["metrics/report"], r["metrics/attempt"]) for r in rows] == [
+        ("10.0", "epoch 0", "mine"),
+        ("11.0", "epoch 1", "mine"),
+    ]
+    pytest.importorskip("matplotlib")
+    code, _, err = cli(capfd, "plot", run, "metrics/time", "--x", "time", "-o", str(tmp_path / "p.png"))
+    assert code == 0, err
+
+
 def test_plot_draws_one_panel_per_metric_for_several_runs(runs: str, capfd, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     for suffix, magic in ((".png", b"\x89PNG"), (".svg", b"<?xml")):

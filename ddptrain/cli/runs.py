@@ -235,11 +235,18 @@ def main_logs(run: str, rank: int, attempt: int | None, follow: bool) -> int:
     return 0
 
 
+_ROW_COLUMNS = ("report", "time", "attempt")  # ddptrain's own, before the metrics
+
+
 def report_row(index: int, line: dict[str, Any]) -> dict[str, Any]:
-    """Report number ``index`` as a row: index, time, attempt, then every metric (nested ones as JSON)."""
+    """Report number ``index`` as a row: index, time, attempt, then every metric (nested ones as
+    JSON). A metric named like one of the first three (``time``, say) is ``metrics/<name>``: it
+    replaced ddptrain's column, so the report numbers and times were lost (and plots drawn
+    against them wrong)."""
     row: dict[str, Any] = {"report": index, "time": line["time"], "attempt": line["attempt"]}
     for key, value in line["metrics"].items():
-        row[key] = json.dumps(value) if isinstance(value, (dict, list)) else value
+        column = f"metrics/{key}" if key in _ROW_COLUMNS else key
+        row[column] = json.dumps(value) if isinstance(value, (dict, list)) else value
     return row
 
 
@@ -290,7 +297,7 @@ def main_plot(runs: list[str], metrics: list[str], output: str, x_axis: str) -> 
         series[view.name] = export_rows(view)
     if not series:
         raise not_runs[0][1]
-    known = {k for rows in series.values() for row in rows for k in row if k not in ("report", "time", "attempt")}
+    known = {k for rows in series.values() for row in rows for k in row if k not in _ROW_COLUMNS}
     for word, why in not_runs:
         if word not in known:
             raise RunNotFound(
@@ -303,7 +310,7 @@ def main_plot(runs: list[str], metrics: list[str], output: str, x_axis: str) -> 
             for rows in series.values()
             for row in rows
             for k, v in row.items()
-            if k not in ("report", "time", "attempt") and isinstance(v, (int, float))
+            if k not in _ROW_COLUMNS and isinstance(v, (int, float))
         }
     )
     if not names:
