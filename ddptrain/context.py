@@ -260,6 +260,7 @@ def report(
     Raises:
         ValueError: ``metrics`` holds tensors, the folder name is not a plain name, or a
             checkpoint put in place is not the run's checkpoint folder.
+        TypeError: A metric cannot be pickled to the driver (a lock, a client).
         StorageError: An earlier ``ASYNC`` upload of this worker failed.
         DiskFullError: This report's staging, or an earlier ``ASYNC`` upload, found its disk full.
         RuntimeError: Called outside a training function.
@@ -286,6 +287,8 @@ def report(
         checkpoint_upload_fn,
         session.run_dir,
     )
+    if session.channel is not None:  # a worker: the metrics travel to the driver
+        report_config.check_sendable(metrics)
     if session.uploads is not None:
         session.uploads.check()  # an earlier ASYNC upload failed
     session.report_index += 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import os
+import pickle
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -124,6 +125,36 @@ def check_metrics(metrics: Any) -> dict[str, Any]:
             "`.item()` or `.tolist()`, or save tensors in the checkpoint instead."
         )
     return dict(metrics)
+
+
+def check_sendable(metrics: dict[str, Any]) -> None:
+    """Raise, naming the metric, when ``metrics`` cannot be pickled to the driver: otherwise the
+    error is the pickler's own ("cannot pickle '_thread.lock' object") from deep in the channel,
+    after the checkpoint was staged (or, with ``ASYNC``, from the upload thread)."""
+    try:
+        pickle.dumps(metrics, protocol=pickle.HIGHEST_PROTOCOL)
+        return  # the common case: plain numbers and strings
+    except Exception:
+        pass
+    try:
+        cloudpickle.dumps(metrics)
+        return
+    except Exception as exc:
+        error = exc
+    key = next((k for k, v in metrics.items() if not _picklable(v)), None)
+    where = f"metrics[{key!r}]" if key is not None else "`metrics`"
+    raise TypeError(
+        f"{where} cannot be sent to the driver: {error}. Report numbers, strings, lists and dicts of them; "
+        "keep other objects (models, locks, clients) out of the metrics."
+    ) from None
+
+
+def _picklable(value: Any) -> bool:
+    try:
+        cloudpickle.dumps(value)
+    except Exception:
+        return False
+    return True
 
 
 def check_dir_name(name: str | None) -> None:

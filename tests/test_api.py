@@ -304,6 +304,25 @@ def test_tensor_metrics_fail_at_the_report_call(storage: str) -> None:
     assert 'train.report({"loss": torch.tensor(0.5)})' in str(info.value)
 
 
+def reports_a_lock() -> None:
+    train.report({"loss": 0.5, "guard": threading.Lock()})
+
+
+def test_an_unpicklable_metric_is_named_at_the_report_call(storage: str) -> None:
+    """It failed with the pickler's "cannot pickle '_thread.lock' object", from deep in the
+    channel, naming no metric."""
+    with pytest.raises(train.TrainingFailedError) as info:
+        DataParallelTrainer(
+            reports_a_lock,
+            scaling_config=train.ScalingConfig(num_workers=1),
+            run_config=train.RunConfig(storage_path=storage),
+        ).fit()
+    assert isinstance(info.value.__cause__, TypeError)
+    message = str(info.value)
+    assert "metrics['guard'] cannot be sent to the driver: cannot pickle '_thread.lock' object" in message
+    assert "in reports_a_lock" in message and "cloudpickle" not in message
+
+
 def test_fit_at_import_time_asks_for_a_main_guard(tmp_path: Path, storage: str) -> None:
     (tmp_path / "noguard.py").write_text(
         textwrap.dedent(
