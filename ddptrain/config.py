@@ -212,6 +212,7 @@ class CheckpointConfig:
             may be on disk, and ``Result.best_checkpoints`` lists only the best
             ``num_to_keep``. ``None`` keeps all.
         checkpoint_score_attribute: Metric used to rank checkpoints; ``None`` ranks by age.
+            A nested metric is named by its path, as in Ray: ``"val/loss"``.
         checkpoint_score_order: ``"max"`` or ``"min"``: which end of the score is best.
     """
 
@@ -226,7 +227,8 @@ class CheckpointConfig:
             _check_int("num_to_keep", self.num_to_keep, 1)
         if self.checkpoint_score_order not in ("max", "min"):
             raise ConfigError(f"`checkpoint_score_order` must be 'max' or 'min', got {self.checkpoint_score_order!r}.")
-        if self.checkpoint_score_attribute is not None and not isinstance(self.checkpoint_score_attribute, str):
+        attribute = self.checkpoint_score_attribute
+        if attribute is not None and (not isinstance(attribute, str) or not attribute.strip()):
             raise ConfigError(
                 f"`checkpoint_score_attribute` must be a metric name (str), got {self.checkpoint_score_attribute!r}."
             )

@@ -94,6 +94,7 @@ def test_run_config_storage_path_expands_home_and_accepts_path(monkeypatch, tmp_
     [
         (train.CheckpointConfig, {"num_to_keep": 0}, "`num_to_keep` must be >= 1"),
         (train.CheckpointConfig, {"checkpoint_score_order": "best"}, "'max' or 'min'"),
+        (train.CheckpointConfig, {"checkpoint_score_attribute": ""}, "must be a metric name \\(str\\), got ''"),
         (train.FailureConfig, {"max_failures": -2}, "`max_failures` must be >= -1"),
         (train.LoggingConfig, {"log_level": "LOUD"}, "logging level name"),
         (TorchConfig, {"init_method": "file"}, "'env' or 'tcp'"),
