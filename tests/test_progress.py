@@ -7,6 +7,8 @@ import os
 import pty
 import re
 import select
+import subprocess
+import sys
 import tempfile
 import textwrap
 from pathlib import Path
@@ -66,9 +68,44 @@ def test_restarts_and_failures_are_announced(storage: str, capfd, monkeypatch, t
     with pytest.raises(train.TrainingFailedError):
         fit(storage, crash_once, failure_config=train.FailureConfig(max_failures=1))
     err = capfd.readouterr().err
-    assert "ddptrain: attempt 0 failed (rank " in err and "attempt 1 starts from scratch" in err
+    assert "ddptrain: attempt 0 failed (rank " in err
+    assert "attempt 1 starts from scratch (failure 1 of 1 allowed)" in err
     assert "ValueError: first attempt fails" in err
     assert re.search(r"run 'shown' failed after 0:00:\d\d \(0 reports, attempt 1\): rank \d .*KeyError", err)
+
+
+CRASHES_ONCE = textwrap.dedent(
+    """
+    import os
+    import ddptrain as train
+    from ddptrain.torch import TorchTrainer
+
+    def crash_once():
+        if train.get_context().get_world_rank() == 0 and not os.path.exists(MARKER):
+            open(MARKER, "w").close()
+            raise ValueError("first attempt fails")
+
+    if __name__ == "__main__":
+        TorchTrainer(crash_once, scaling_config=train.ScalingConfig(num_workers=2),
+                     run_config=train.RunConfig(storage_path=STORAGE, name="again",
+                                                failure_config=train.FailureConfig(max_failures=-1))).fit()
+    """
+)
+
+
+def test_a_restart_is_one_line_on_a_console_without_logging_set_up(tmp_path: Path) -> None:
+    """A script that sets up no logging got each restart twice: the progress line and the
+    controller's warning (printed by Python's last-resort handler)."""
+    script = tmp_path / "again.py"
+    script.write_text(
+        CRASHES_ONCE.replace("MARKER", repr(str(tmp_path / "crashed"))).replace("STORAGE", repr(str(tmp_path / "r")))
+    )
+    env = {**os.environ, "PYTHONPATH": ROOT, "DDPTRAIN_PROGRESS": "lines"}
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    restarts = [line for line in proc.stderr.splitlines() if "attempt 0 failed (" in line]
+    assert len(restarts) == 1, proc.stderr
+    assert "attempt 1 starts from scratch (failure 1 of unlimited allowed)" in restarts[0]
 
 
 def test_off_mode_prints_nothing_of_ddptrains_own(storage: str, capfd) -> None:

@@ -411,16 +411,17 @@ class Controller:
         if self.group is None:
             run.ended(error=failures[0].headline())
             raise self._final_error(failures, index) from failures[0].exception
-        _logger.warning(
-            "ddptrain: attempt %d failed (%s); restarting from %s (failure %d of %s allowed)",
+        budget = f"failure {len(self.root_causes)} of {'unlimited' if self.max_failures == -1 else self.max_failures}"
+        # The console line is the progress's (a warning here printed it a second time).
+        _logger.info(
+            "ddptrain: attempt %d failed (%s); restarting from %s (%s allowed)",
             index,
             failures[0].headline(),
             run.latest_path or "scratch",
-            len(self.root_causes),
-            "unlimited" if self.max_failures == -1 else self.max_failures,
+            budget,
         )
         index += 1
-        run.progress.restarting(index, failures[0].headline(), run.latest_path)
+        run.progress.restarting(index, failures[0].headline(), run.latest_path, f"{budget} allowed")
         run.save_status("RESTARTING", attempt=index)
         return index
 

@@ -177,10 +177,13 @@ class Progress:
         where = f" (output: {log})" if log else ""
         self._say(f"ddptrain: the validation of {name} failed{where}; {score}:\n    {shown}")
 
-    def restarting(self, attempt: int, reason: str, resume_from: str | None) -> None:
+    def restarting(self, attempt: int, reason: str, resume_from: str | None, budget: str = "") -> None:
+        """Attempt ``attempt - 1`` failed for ``reason``; ``attempt`` starts from ``resume_from``
+        (``budget``: the failures allowed so far, e.g. "failure 1 of 3 allowed")."""
         self._attempt = attempt
         start = resume_from or "scratch"
-        self._say(f"ddptrain: attempt {attempt - 1} failed ({reason}); attempt {attempt} starts from {start}")
+        budget = f" ({budget})" if budget else ""
+        self._say(f"ddptrain: attempt {attempt - 1} failed ({reason}); attempt {attempt} starts from {start}{budget}")
 
     def say(self, line: str, attempt: int | None = None) -> None:
         """A line of the driver's own on the console (a preemption notice, a resize; ``attempt``:
