@@ -8,20 +8,10 @@ from typing import Any
 
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.storage import remote
+from ddptrain.storage.checkpoint_manager import lookup_metric
 from ddptrain.storage.read import open_result_run, read_metric_lines, read_metrics
 
 __all__ = ["Result", "read_metrics", "read_metric_lines"]  # the readers: ddptrain.storage.read
-
-
-def _lookup(metrics: dict[str, Any], metric: str) -> Any:
-    if metric in metrics:
-        return metrics[metric]
-    value: Any = metrics
-    for part in metric.split("/"):
-        if not isinstance(value, dict) or part not in value:
-            raise KeyError(metric)
-        value = value[part]
-    return value
 
 
 @dataclass
@@ -97,7 +87,7 @@ class Result:
         scored = []
         for checkpoint, metrics in self.best_checkpoints:
             try:
-                scored.append((_lookup(metrics, metric), checkpoint))
+                scored.append((lookup_metric(metrics, metric), checkpoint))
             except KeyError:
                 continue
         if not scored:

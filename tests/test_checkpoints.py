@@ -182,6 +182,46 @@ def test_a_score_attribute_no_checkpoint_has_is_said_once(storage: str, workers:
     assert result.checkpoint is not None and result.checkpoint.path.endswith("checkpoint_000003")
 
 
+def nested_val_loss(config: dict) -> None:
+    """Reports ``{"epoch": e, "val": {"loss": ...}}`` with a checkpoint, the best first."""
+    for epoch, loss in enumerate([0.1, 0.5, 0.9]):
+        with tempfile.TemporaryDirectory() as d:
+            write_checkpoint(d, epoch=str(epoch))
+            train.report({"epoch": epoch, "val": {"loss": loss}}, checkpoint=train.Checkpoint.from_directory(d))
+
+
+@pytest.mark.parametrize(
+    ("attribute", "kept", "warned"),
+    [
+        ("val/loss", ["checkpoint_000001", "checkpoint_000003"], False),  # Ray's name of a nested metric
+        ("val_loss", ["checkpoint_000003"], True),  # a typo: nothing to rank by, the newest is kept
+    ],
+)
+def test_the_score_attribute_reaches_nested_metrics(
+    storage: str, capfd, attribute: str, kept: list[str], warned: bool
+) -> None:
+    """As in Ray (which flattens metrics), 'val/loss' ranks by ``metrics["val"]["loss"]``: the
+    best checkpoint was deleted as unscored, and the console called the name a typo."""
+    result = train.DataParallelTrainer(
+        nested_val_loss,
+        scaling_config=train.ScalingConfig(num_workers=1),
+        run_config=train.RunConfig(
+            name="scored",
+            storage_path=storage,
+            checkpoint_config=train.CheckpointConfig(
+                num_to_keep=1, checkpoint_score_attribute=attribute, checkpoint_score_order="min"
+            ),
+        ),
+    ).fit()
+    assert sorted(p.name for p in Path(storage, "scored").glob("checkpoint_*")) == kept
+    assert result.best_checkpoints[0][0].path.endswith(kept[0])
+    err = capfd.readouterr().err
+    if warned:
+        assert "'val_loss' is not among the metrics of checkpoint_000001 (they are: epoch, val/loss)" in err
+    else:
+        assert "is not among the metrics" not in err, err
+
+
 def test_checkpoint_metadata_and_local_helpers(tmp_path: Path) -> None:
     source = tmp_path / "ckpt"
     source.mkdir()

@@ -433,6 +433,7 @@ def test_a_host_cut_off_while_its_workers_start_is_named_and_used_again_once_bac
         wrapper.chmod(0o755)
         n1 += f" python={wrapper}"
     named: list[float] = []
+    caplog.set_level(logging.INFO, logger="ddptrain")  # the restart's record is INFO (the console has it)
 
     class CableBackOnceNamed(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from typing import Any, TextIO
 
 from ddptrain.errors import ConfigError
+from ddptrain.storage.checkpoint_manager import flat_metric_names
 
 __all__ = ["Progress", "progress_mode", "quiet", "set_progress"]
 
@@ -155,11 +156,12 @@ class Progress:
         if self._unscored_said:
             return
         self._unscored_said = True
-        keys = ", ".join(sorted(metrics)) or "none"
+        keys = ", ".join(sorted(flat_metric_names(metrics))) or "none"
         self._say(
             f"ddptrain: checkpoint_score_attribute {attribute!r} is not among the metrics of {name} (they are: "
             f"{keys}); checkpoints without it rank as the worst and retention keeps the newest of them. Report "
-            f"{attribute!r} with each checkpoint (or from its validation), or correct the name."
+            f"{attribute!r} with each checkpoint (or from its validation), or correct the name (a nested metric "
+            "is named 'outer/inner')."
         )
 
     def validated(self, name: str, metrics: dict[str, Any], seconds: float) -> None:

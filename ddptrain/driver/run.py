@@ -35,7 +35,7 @@ from ddptrain.errors import ControllerError, StorageError, WorkerFailure, disk_f
 from ddptrain.result import Result
 from ddptrain.storage import layout as storage
 from ddptrain.storage.base import RunStorage
-from ddptrain.storage.checkpoint_manager import COMMITTED, VALIDATED, CheckpointManager
+from ddptrain.storage.checkpoint_manager import COMMITTED, VALIDATED, CheckpointManager, lookup_metric
 from ddptrain.storage.location import RunLocation
 from ddptrain.storage.open import run_storage
 from ddptrain.wire import protocol
@@ -235,7 +235,11 @@ class Run:
 
     def _check_scored(self, name: str, metrics: dict[str, Any]) -> None:
         attribute = self.checkpoints.config.checkpoint_score_attribute
-        if attribute is not None and attribute not in metrics:
+        if attribute is None:
+            return
+        try:
+            lookup_metric(metrics, attribute)
+        except KeyError:
             self.progress.unscored(name, attribute, metrics)
 
     def reported_checkpoints(self) -> list[tuple[str, dict[str, Any], str]]:

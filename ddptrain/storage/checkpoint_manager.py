@@ -31,11 +31,40 @@ from ddptrain.errors import DdpTrainError
 from ddptrain.storage import layout as storage
 from ddptrain.storage import run_files
 
-__all__ = ["CheckpointManager", "RunDirectoryError"]
+__all__ = ["CheckpointManager", "RunDirectoryError", "flat_metric_names", "lookup_metric"]
 
 _logger = logging.getLogger(__name__)
 
 _VERSION = 1
+
+
+def lookup_metric(metrics: dict[str, Any], name: str) -> Any:
+    """``metrics[name]``, or, as Ray flattens nested metrics, the value at the path
+    ``outer/inner`` of nested dicts (what ``checkpoint_score_attribute`` and
+    ``Result.get_best_checkpoint`` name).
+
+    Raises:
+        KeyError: There is no such metric.
+    """
+    if name in metrics:
+        return metrics[name]
+    value: Any = metrics
+    for part in name.split("/"):
+        if not isinstance(value, dict) or part not in value:
+            raise KeyError(name)
+        value = value[part]
+    return value
+
+
+def flat_metric_names(metrics: dict[str, Any], prefix: str = "") -> list[str]:
+    """The names of ``metrics``, nested ones as ``outer/inner`` (what a score attribute may name)."""
+    names: list[str] = []
+    for key, value in metrics.items():
+        if isinstance(value, dict) and value:
+            names.extend(flat_metric_names(value, f"{prefix}{key}/"))
+        else:
+            names.append(f"{prefix}{key}")
+    return names
 
 
 class RunDirectoryError(DdpTrainError, RuntimeError):
@@ -97,7 +126,10 @@ class CheckpointManager:
         attribute = self.config.checkpoint_score_attribute
         if attribute is None:
             return (0.0, entry.report_index)
-        value = entry.metrics.get(attribute)
+        try:
+            value = lookup_metric(entry.metrics, attribute)
+        except KeyError:
+            return (-math.inf, entry.report_index)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
             return (-math.inf, entry.report_index)
         return (value if self.config.checkpoint_score_order == "max" else -value, entry.report_index)
