@@ -451,6 +451,7 @@ class RunConfig:
         self.failure_config = self.failure_config or FailureConfig()
         self.checkpoint_config = self.checkpoint_config or CheckpointConfig()
         self.logging_config = self.logging_config or LoggingConfig()
+        _check_containers(self)
         self.callbacks = list(self.callbacks or [])
         self.worker_runtime_env = dict(self.worker_runtime_env or {})
         _check_types(self)
@@ -497,6 +498,21 @@ class RunConfig:
     def _env_vars(self) -> dict[str, str]:
         env = (self.worker_runtime_env or {}).get("env_vars") or {}
         return {str(k): str(v) for k, v in env.items()}
+
+
+def _check_containers(run_config: RunConfig) -> None:
+    """``callbacks`` must be a list and ``worker_runtime_env`` a dict: a single callback, or a
+    list of env vars, failed with Python's "object is not iterable" or "dictionary update
+    sequence" errors."""
+    callbacks = run_config.callbacks
+    if callbacks is not None and not isinstance(callbacks, (list, tuple)):
+        hint = " Pass a list: `callbacks=[callback]`." if isinstance(callbacks, UserCallback) else ""
+        raise ConfigError(f"`callbacks` must be a list of ddptrain.UserCallback objects, got {callbacks!r}.{hint}")
+    runtime_env = run_config.worker_runtime_env
+    if runtime_env is not None and not isinstance(runtime_env, dict):
+        raise ConfigError(
+            f"`worker_runtime_env` must be a dict such as `{{'env_vars': {{'NAME': 'value'}}}}`, got {runtime_env!r}."
+        )
 
 
 def _check_types(run_config: RunConfig) -> None:

@@ -67,6 +67,8 @@ def test_scaling_config_resources() -> None:
         ({"failure_config": {"max_failures": 1}}, "must be a ddptrain.FailureConfig"),
         ({"callbacks": [object()]}, "UserCallback"),
         ({"worker_runtime_env": {"pip": ["x"]}}, "supports only 'env_vars'"),
+        ({"worker_runtime_env": ["A=1"]}, "`worker_runtime_env` must be a dict such as"),
+        ({"callbacks": train.UserCallback()}, "`callbacks` must be a list.*Pass a list: `callbacks=\\[callback\\]`"),
     ],
 )
 def test_run_config_rejects_bad_input(kwargs: dict, message: str) -> None:
