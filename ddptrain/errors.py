@@ -17,6 +17,7 @@ __all__ = [
     "ConfigTypeError",
     "LaunchError",
     "HostLostError",
+    "AgentGoneError",
     "TrainingFailedError",
     "RunPreemptedError",
     "ControllerError",
@@ -87,6 +88,28 @@ class HostLostError(LaunchError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (HostLostError, (self.host, self.silent_s, self.timeout_s, self.ranks))
+
+
+class AgentGoneError(LaunchError):
+    """A host's agent (or a helper it runs, such as the storage check) had started, but was
+    killed or ended before the attempt's workers started. A failure of that attempt, which
+    ``FailureConfig`` may retry with a new agent, as when an agent dies mid-run; an agent that
+    never started (a wrong ``python=``, a login that refuses) stays a plain
+    :class:`LaunchError`, which ends the run.
+
+    Attributes:
+        what: What was gone, and how.
+        ranks: The ranks that were to run there.
+    """
+
+    def __init__(self, what: str, ranks: list[int] | None = None) -> None:
+        on_it = f"; rank(s) {ranks} were to run there" if ranks else ""
+        super().__init__(f"{what}{on_it}.")
+        self.what = what
+        self.ranks = list(ranks or [])
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (AgentGoneError, (self.what, self.ranks))
 
 
 class TrainingFailedError(DdpTrainError, RuntimeError):

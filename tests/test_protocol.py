@@ -83,6 +83,7 @@ class ReplayConnection:
 
     where = "on the replay host"
     stray_output = ""
+    agent_pid = None
 
     def __init__(self, frames: bytes, exit_code: int | None) -> None:
         self.stdout = io.BytesIO(frames)

@@ -1225,3 +1225,27 @@ def test_a_multi_host_store_listens_only_where_the_hosts_reach_it(netns, storage
         run_config=train.RunConfig(storage_path=storage, callbacks=[listeners]),
     ).fit()
     assert listeners.seen == [[netns.driver_address]]  # not every interface, not loopback
+
+
+def test_a_storage_check_killed_on_a_host_is_a_failure_that_is_retried(ssh, storage: str, tmp_path: Path) -> None:
+    """The check whether a host sees the run directory was SIGKILLed there (by an OOM killer,
+    say): the run ended at once with "cannot prepare its storage: ''". It is now a failure of
+    the attempt, named as a kill, and the next attempt runs."""
+    killed = tmp_path / "killed"
+    wrapper = tmp_path / "python"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        f'case "$*" in *.ddptrain-owner*) [ -e {killed} ] || {{ touch {killed}; kill -9 $$; }};; esac\n'
+        f'exec {sys.executable} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    result = train.DataParallelTrainer(
+        returns_host,
+        scaling_config=train.ScalingConfig(num_workers=1, hosts=[f"h0 python={wrapper}"]),
+        run_config=train.RunConfig(
+            name="check", storage_path=storage, failure_config=train.FailureConfig(max_failures=1)
+        ),
+    ).fit()
+    assert killed.exists() and result.return_values == [socket.gethostname()]
+    errors = json.loads((Path(storage) / "check" / "run.json").read_text())["attempt_errors"]
+    assert len(errors) == 1 and "its storage check was killed before it answered" in str(errors[0]), errors

@@ -117,3 +117,57 @@ def test_a_restart_after_every_worker_died_forks_them_from_the_same_agent(
     run = json.loads((Path(storage) / "all" / "run.json").read_text())
     assert len(run["attempt_errors"]) == 1, run
     assert [v["agent"] for v in result.return_values] == [int(marker.read_text())] * 2
+
+
+def fails_once_naming_its_agent(config: dict[str, str]) -> dict[str, Any]:
+    """Attempt 0: rank 0 writes its agent's pid and fails. Later attempts return their agent."""
+    marker = Path(config["agent"])
+    if train.get_context().get_world_rank() == 0 and not marker.exists():
+        marker.write_text(str(os.getppid()))
+        raise ValueError("the first attempt fails")
+    return {"agent": os.getppid()}
+
+
+class KillsTheKeptAgent(train.UserCallback):
+    """Once attempt 0 failed, and its agent was kept for the next attempt: SIGKILL that agent,
+    before the next attempt's work reaches it (the driver calls this in between)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
+        marker = Path(self.marker)
+        if marker.exists() and not Path(f"{self.marker}.killed").exists():
+            Path(f"{self.marker}.killed").write_text("")
+            os.kill(int(marker.read_text()), 9)
+
+
+@pytest.mark.parametrize("where", ["local", "ssh host"])
+def test_a_kept_agent_killed_before_the_next_attempt_is_a_failure_that_is_retried(
+    request: pytest.FixtureRequest, storage: str, tmp_path: Path, where: str
+) -> None:
+    """The next attempt's work could not be written to the dead agent: that ended the run with
+    "the agent did not start", even with failures left (found by SIGKILLing random processes
+    of a run). It is now a failure of the attempt, and the next one starts a new agent."""
+    hosts = {}
+    if where == "ssh host":
+        request.getfixturevalue("ssh")
+        hosts = {"hosts": ["h0 slots=2"]}
+    marker = tmp_path / "agent"
+    result = TorchTrainer(
+        fails_once_naming_its_agent,
+        train_loop_config={"agent": str(marker)},
+        scaling_config=train.ScalingConfig(num_workers=2, **hosts),
+        run_config=train.RunConfig(
+            name="gone",
+            storage_path=storage,
+            failure_config=train.FailureConfig(max_failures=2),
+            callbacks=[KillsTheKeptAgent(str(marker))],
+        ),
+    ).fit()
+    run = json.loads((Path(storage) / "gone" / "run.json").read_text())
+    errors = run["attempt_errors"]
+    assert len(errors) == 2 and "the first attempt fails" in str(errors[0]), run
+    assert "AgentGoneError" in str(errors[1]) and "was gone before it got its work" in str(errors[1]), errors[1]
+    killed = int(marker.read_text())
+    assert all(v["agent"] != killed for v in result.return_values)

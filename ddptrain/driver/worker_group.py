@@ -31,7 +31,7 @@ from ddptrain import _env
 from ddptrain.driver.group_events import GroupEvents, GroupFailed, failure_from_record
 from ddptrain.driver.logs import LogSink
 from ddptrain.driver.plan import Plan
-from ddptrain.errors import HostLostError, LaunchError, WorkerGroupError
+from ddptrain.errors import AgentGoneError, HostLostError, LaunchError, WorkerGroupError
 from ddptrain.torch.config import TorchConfig
 from ddptrain.wire import protocol
 from ddptrain.wire.channel import Keys, open_store
@@ -155,7 +155,8 @@ class WorkerGroup(GroupEvents):
             console: Writes worker lines to the console (``Progress.console_write``).
 
         Raises:
-            GroupFailed: A worker failed, or a host stopped answering, while they started.
+            GroupFailed: A worker failed, a host stopped answering, or an agent that had started
+                was gone, while they started.
             LaunchError: A host's agent could not start them, or they did not join in time.
         """
         if self.launcher is None:
@@ -179,7 +180,7 @@ class WorkerGroup(GroupEvents):
         bootstrap = self.plan.bootstrap(payload, run, store, datasets)
         try:
             self.launcher.start(bootstrap, self.sink, lambda event: self.events.put(("agent", event)))
-        except HostLostError as exc:  # as if it went away a moment later: FailureConfig decides
+        except (HostLostError, AgentGoneError) as exc:  # as if it went away a moment later: FailureConfig decides
             raise self.fail([self.failure(min(exc.ranks, default=0), None, exc)]) from None
         try:
             self.pump_until(

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import IO, Protocol
 
-from ddptrain.errors import LaunchError
+from ddptrain.errors import AgentGoneError, LaunchError
 from ddptrain.wire.agent_events import AgentEvent, AgentFailed, AgentGone, AgentIdle, AgentLost, decode_agent_event
 from ddptrain.wire.boot import versions
 from ddptrain.wire.protocol import AGENT_RANK, ALIVE_S, Bootstrap, Kind, Request, encode_bootstrap, read_frame
@@ -50,6 +50,10 @@ class HostConnection(Protocol):
     stdout: IO[bytes]  # framed output (see ``ddptrain.wire.protocol``)
     stderr: IO[bytes]  # the agent's own messages, line by line
     stray_output: str  # what a remote program's stdout said instead of the agent's pid (its shell's words)
+
+    @property
+    def agent_pid(self) -> int | None:
+        """The agent's pid once it runs (a remote one has printed its pid line); else ``None``."""
 
     def open(self) -> None:
         """Start the agent; from now on ``stdout`` and ``stderr`` can be read."""
@@ -156,8 +160,9 @@ class AgentSession:
         After a :meth:`reset`, the same agent gets the next attempt's bootstrap.
 
         Raises:
-            LaunchError: The agent is gone before it got its work, or the host stopped answering
-                (:attr:`lost` says so).
+            AgentGoneError: The agent had run (or ran the last attempt) and is gone.
+            LaunchError: The agent never started, or the host stopped answering (:attr:`lost`
+                says so).
         """
         with self._lock:
             warm = self._reading  # a reset agent: its frames are read already
@@ -168,6 +173,9 @@ class AgentSession:
         except OSError:
             if self.lost is not None:
                 raise LaunchError(f"{self.connection.where} the host stopped answering") from None
+            if warm or self.connection.agent_pid is not None:  # it ran, then went: FailureConfig decides
+                gone = f"The ddptrain agent {self.connection.where} was gone before it got its work"
+                raise AgentGoneError(f"{gone} ({self.exit_detail()})") from None
             raise LaunchError(f"{self.connection.where} the agent did not start ({self.exit_detail()})") from None
         with self._lock:
             if self.lost is not None:  # while the bootstrap went out

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable, Collection
 from typing import IO, Any, Protocol
 
-from ddptrain.errors import HostLostError
+from ddptrain.errors import AgentGoneError, HostLostError
 from ddptrain.launch import forkserver
 from ddptrain.launch.agent_session import AgentSession, OutputSink
 from ddptrain.launch.fanout import each_host
@@ -141,6 +141,12 @@ class LocalConnection:
         )
         assert self._proc.stdout is not None and self._proc.stderr is not None
         self.stdin, self.stdout, self.stderr = self._proc.stdin, self._proc.stdout, self._proc.stderr
+
+    @property
+    def agent_pid(self) -> int | None:
+        """The agent's pid once started (``None`` before, or when a fork server ended first)."""
+        proc = getattr(self, "_proc", None)
+        return None if proc is None else proc.pid
 
     def _ended(self) -> bool:
         proc = self._proc  # a plain process is not reaped before its group was killed (`reaping`)
@@ -332,6 +338,7 @@ class GroupLauncher:
 
         Raises:
             HostLostError: A host stopped answering before its agent got its work (its ranks named).
+            AgentGoneError: A host's agent, which had started, was gone (its ranks named).
             LaunchError: A host's agent or storage could not be started.
         """
         self._by_rank.clear()
@@ -357,6 +364,8 @@ class GroupLauncher:
                 launcher.start(self._host_share(launcher, share), sink, tagged)
             except HostLostError as exc:  # with the ranks it was to run
                 raise HostLostError(exc.host, exc.silent_s, exc.timeout_s, [spec.rank for spec in workers]) from None
+            except AgentGoneError as exc:
+                raise AgentGoneError(exc.what, [spec.rank for spec in workers]) from None
 
     def shutdown(self, grace_s: float) -> None:
         each_host(

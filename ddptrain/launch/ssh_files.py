@@ -19,7 +19,7 @@ import stat
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ddptrain.errors import HostLostError, LaunchError, is_disk_full
+from ddptrain.errors import AgentGoneError, HostLostError, LaunchError, is_disk_full
 from ddptrain.launch.host_scripts import STAGING_PREFIX, STORAGE_PREP, one_line
 
 __all__ = ["HostFiles"]
@@ -104,6 +104,8 @@ class HostFiles:
         try:
             _, stdout, stderr = self._client.exec_command(command, timeout=60)
             out, err = stdout.read().decode(errors="replace"), stderr.read().decode(errors="replace")
+            stdout.channel.status_event.wait(5.0)  # the exit status follows the output
+            status = stdout.channel.exit_status  # -1: none came (the check was killed by a signal)
         except Exception as exc:  # paramiko's, OSError (a timeout), EOFError: the connection failed
             raise self._failed("checking whether it sees the run directory", exc) from exc
         try:
@@ -112,7 +114,15 @@ class HostFiles:
             lost = self._lost()  # the connection was dropped while it ran: no answer
             if lost is not None:
                 raise lost from None
-            raise LaunchError(f"host {self._host!r}: cannot prepare its storage: {err.strip() or out!r}") from None
+            if not (out.strip() or err.strip()) and (status == -1 or status > 128):
+                raise AgentGoneError(
+                    f"host {self._host!r}: its storage check was killed before it answered "
+                    f"({'no exit status' if status == -1 else f'exit status {status}'})"
+                ) from None
+            said = err.strip() or out.strip() or "it said nothing"
+            raise LaunchError(
+                f"host {self._host!r}: cannot prepare its storage (the check's exit status {status}): {said}"
+            ) from None
         if answer.get("error"):
             raise LaunchError(f"host {self._host!r}: {answer['error']}")
         if answer["shared"]:
