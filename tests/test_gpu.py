@@ -386,21 +386,17 @@ def test_cuda_tensors_in_return_values_arrive_on_the_cpu(storage: str) -> None:
 
 
 # ----------------------------------------------------------------- a host list's `gpus=`
-def _host_gpu_ids() -> list[int]:
-    """This machine's GPU ids as a host list names them (``CUDA_VISIBLE_DEVICES`` if set).
-
-    Skips the test where ``CUDA_VISIBLE_DEVICES`` names GPUs by UUID (``GPU-...``, ``MIG-...``):
-    a host list's ``gpus=`` takes indices.
-    """
+def _host_gpu_ids() -> list[int | str]:
+    """This machine's GPU ids as a host list names them: those of ``CUDA_VISIBLE_DEVICES`` if
+    set (indices, or ``GPU-...``/``MIG-...`` UUIDs, which a host list's ``gpus=`` takes too)."""
     import os
+
+    from ddptrain.launch.hosts import visible_gpu_ids
 
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if not visible:
         return list(range(_gpus()))
-    entries = [i.strip() for i in visible.split(",")]
-    if not all(i.isdigit() for i in entries):
-        pytest.skip(f"CUDA_VISIBLE_DEVICES={visible!r} names GPUs by UUID; a host list's `gpus=` takes indices")
-    return [int(i) for i in entries][: _gpus()]
+    return visible_gpu_ids(visible)[: _gpus()]
 
 
 def gpus_seen() -> dict:
