@@ -443,6 +443,39 @@ def test_gpu_trials_on_one_host_get_their_own_gpus(storage: str) -> None:
     assert all(s["count"] == 1 and s["device"] == "cuda:0" for s in seen)
 
 
+def _gpu_uuids() -> list[str]:
+    """This machine's GPU UUIDs, as nvidia-smi prints them (skips without nvidia-smi, or where
+    ``CUDA_VISIBLE_DEVICES`` already picks GPUs: their UUIDs would not say which)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None or os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
+        pytest.skip("needs nvidia-smi and CUDA_VISIBLE_DEVICES unset")
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"], capture_output=True, text=True, check=True
+    ).stdout
+    return [line.strip() for line in out.splitlines() if line.strip().startswith("GPU-")]
+
+
+@needs_one_gpu
+def test_a_sweep_whose_gpus_are_named_by_uuid_runs_its_trials_on_them(
+    storage: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ddptrain import tune
+
+    uuid = _gpu_uuids()[-1]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", uuid)  # as a scheduler may hand the sweep its GPU
+    trainer = TorchTrainer(gpus_seen, scaling_config=train.ScalingConfig(num_workers=1, use_gpu=True))
+    results = tune.Tuner(
+        trainer,
+        param_space={"train_loop_config": {"trial": tune.grid_search([0, 1])}},
+        tune_config=tune.TuneConfig(total_cpus=1),
+        run_config=train.RunConfig(name="uuids", storage_path=storage),
+    ).fit()
+    assert results.num_errors == 0, results.errors
+    assert [r.return_value for r in results] == [{"visible": uuid, "count": 1, "device": "cuda:0"}] * 2
+
+
 def jax_on_gpu() -> dict:
     import jax
     import jax.numpy as jnp
