@@ -549,6 +549,49 @@ def test_the_driver_of_a_gpu_run_never_starts_cuda(storage: str, tmp_path) -> No
     assert "RESULT True cpu False False" in proc.stdout, proc.stdout + proc.stderr
 
 
+RAYSGD_DRIVER_SCRIPT = """
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from ddptrain.agent.process import children_cannot_use_cuda
+from ddptrain.util.sgd import TorchTrainer, TrainingOperator
+
+
+class Operator(TrainingOperator):
+    def setup(self, config):
+        model = nn.Linear(1, 1)
+        self.model, self.optimizer, self.criterion = self.register(
+            models=model, optimizers=torch.optim.SGD(model.parameters(), lr=0.1), criterion=nn.MSELoss()
+        )
+        data = TensorDataset(torch.ones(4, 1), torch.ones(4, 1))
+        self.register_data(train_loader=DataLoader(data, batch_size=2), validation_loader=DataLoader(data))
+
+
+if __name__ == "__main__":
+    trainer = TorchTrainer(training_operator_cls=Operator, num_workers=1)  # use_gpu="auto"
+    try:
+        trainer.train()
+    finally:
+        trainer.shutdown()
+    print("RESULT", trainer.use_gpu, torch.cuda.is_initialized(), children_cannot_use_cuda(torch))
+"""
+
+
+@needs_one_gpu
+def test_raysgd_use_gpu_auto_finds_the_gpus_without_starting_cuda_in_the_driver(tmp_path) -> None:
+    # RaySGD's default use_gpu="auto" counts the GPUs (NVML), and the driver never calls into
+    # CUDA (no context, no cuInit that would keep the processes it forks off CUDA).
+    import subprocess
+    import sys
+
+    script = tmp_path / "raysgd_driver.py"
+    script.write_text(RAYSGD_DRIVER_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "RESULT True False False" in proc.stdout, proc.stdout + proc.stderr
+
+
 def warm_func() -> dict:
     import torch.distributed as dist
 
