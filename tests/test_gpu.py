@@ -637,9 +637,12 @@ def test_a_cuda_tensor_in_metrics_is_refused_naming_it(storage: str) -> None:
 
 
 def jax_sharing() -> dict:
+    import jax
     import jax.numpy as jnp
 
-    return {"total": float((jnp.arange(8.0) * 2).sum()), "visible": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    total = float((jnp.arange(8.0) * 2).sum())
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return {"total": total, "visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "limit": stats.get("bytes_limit")}
 
 
 @needs_one_gpu
@@ -656,6 +659,11 @@ def test_two_jax_workers_share_one_gpu(storage: str) -> None:
     ).fit()
     assert [v["total"] for v in result.return_values] == [56.0, 56.0]
     assert len({v["visible"] for v in result.return_values}) == 1  # the same GPU
+    # Each took its share of JAX's default 75% (XLA_PYTHON_CLIENT_MEM_FRACTION=0.375), not 75%.
+    gpu_bytes = torch.cuda.get_device_properties(0).total_memory
+    for value in result.return_values:
+        if value["limit"] is not None:
+            assert value["limit"] <= 0.4 * gpu_bytes, (value["limit"], gpu_bytes)
 
 
 def hold_most_of_the_gpu(config: dict) -> dict:

@@ -119,6 +119,56 @@ def test_a_gpu_run_starts_no_cuda_in_the_driver(cuda_must_not_start: None, stora
     assert trainer.fit().return_values == ["0", "1"]
 
 
+_GPU_ENV = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "XLA_PYTHON_CLIENT_MEM_FRACTION", "TF_FORCE_GPU_ALLOW_GROWTH")
+
+
+def _gpu_env() -> dict[str, str | None]:
+    import os
+
+    return {name: os.environ.get(name) for name in _GPU_ENV}
+
+
+def _fit_gpu_env(storage: str, gpus: float, env_vars: dict[str, str] | None = None) -> list[dict[str, str | None]]:
+    trainer = train.DataParallelTrainer(
+        _gpu_env,
+        scaling_config=_gpu_scaling(2, gpus),
+        run_config=train.RunConfig(storage_path=storage, worker_runtime_env={"env_vars": env_vars or {}}),
+    )
+    return trainer.fit().return_values
+
+
+def test_gpu_workers_number_gpus_as_nvidia_smi_does(
+    cuda_must_not_start: None, storage: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `gpus=` ids, a sweep's ids and nvidia-smi count in PCI bus order; CUDA counts fastest first
+    # unless told: on a machine with two kinds of GPUs, id 1 would be another GPU in the worker.
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+    whole = _fit_gpu_env(storage, 1)
+    assert [(v["CUDA_VISIBLE_DEVICES"], v["CUDA_DEVICE_ORDER"]) for v in whole] == [
+        ("0", "PCI_BUS_ID"),
+        ("1", "PCI_BUS_ID"),
+    ]
+    assert all(v["XLA_PYTHON_CLIENT_MEM_FRACTION"] is None and v["TF_FORCE_GPU_ALLOW_GROWTH"] is None for v in whole)
+    mine = _fit_gpu_env(storage, 1, {"CUDA_DEVICE_ORDER": "FASTEST_FIRST"})
+    assert [v["CUDA_DEVICE_ORDER"] for v in mine] == ["FASTEST_FIRST"] * 2  # the user's own value wins
+
+
+def test_workers_sharing_a_gpu_keep_jax_and_tensorflow_to_their_share_of_its_memory(
+    cuda_must_not_start: None, storage: str
+) -> None:
+    # JAX takes 75% of a GPU at its first use and TensorFlow nearly all: the second worker on
+    # the GPU would fail out of memory. Each gets its share of JAX's default, and TF grows.
+    halves = _fit_gpu_env(storage, 0.5)
+    assert [v["CUDA_VISIBLE_DEVICES"] for v in halves] == ["0", "0"]  # one GPU, shared
+    assert [(v["XLA_PYTHON_CLIENT_MEM_FRACTION"], v["TF_FORCE_GPU_ALLOW_GROWTH"]) for v in halves] == [
+        ("0.375", "true")
+    ] * 2
+    mine = _fit_gpu_env(storage, 0.5, {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.2", "TF_FORCE_GPU_ALLOW_GROWTH": "false"})
+    assert [(v["XLA_PYTHON_CLIENT_MEM_FRACTION"], v["TF_FORCE_GPU_ALLOW_GROWTH"]) for v in mine] == [
+        ("0.2", "false")
+    ] * 2
+
+
 def test_a_torch_gpu_run_on_a_host_without_cuda_fails_naming_it(cuda_must_not_start: None, storage: str) -> None:
     # TorchTrainer's driver side (nccl chosen, failure explained) without CUDA here either;
     # the worker, whose torch cannot use CUDA, says so before the function runs.

@@ -15,6 +15,7 @@ from typing import Any
 
 from ddptrain import _env, ray_compat
 from ddptrain.config import ScalingConfig
+from ddptrain.driver.gpu_env import set_gpu_defaults
 from ddptrain.errors import ConfigError, LaunchError
 from ddptrain.launch.fanout import each_host
 from ddptrain.launch.hosts import (
@@ -195,6 +196,9 @@ class Plan:
         devices (indices by local rank) then number them from 0. This overrides a
         ``CUDA_VISIBLE_DEVICES`` of the run's env vars on that host, since the host list is what
         says which GPUs of that host the run may use (a sweep hands each trial its own ones).
+        GPU workers number GPUs in PCI bus order, as those ids do, and workers sharing a GPU
+        keep JAX and TensorFlow to their share of its memory (``gpu_env``), unless the run's
+        env vars (or, for a local agent, the driver's environment) say otherwise.
         """
         env = _env.forwarded_env() if remote else dict(os.environ)
         env.update(self.env_vars)
@@ -206,6 +210,7 @@ class Plan:
         env[_env.WORKER_MARKER] = "1"
         if self.scaling_config.use_gpu:
             env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+            set_gpu_defaults(env, self.scaling_config.num_gpus_per_worker)
             if host is not None and host.gpus is not None:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu) for gpu in host.gpus)
         return env
