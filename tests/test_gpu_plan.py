@@ -57,6 +57,30 @@ def test_more_fractional_workers_than_this_machine_holds_is_a_clear_error(two_gp
         Plan(_gpu_scaling(5, 0.4)).check_gpus()
 
 
+def test_the_gpus_of_the_runs_cuda_visible_devices_are_counted_not_the_machines(two_gpus_here: None) -> None:
+    # CUDA_VISIBLE_DEVICES in the run's env vars is what the workers see: 1 GPU of this machine's 2.
+    one = {"CUDA_VISIBLE_DEVICES": "1"}
+    with pytest.raises(
+        ConfigError, match=r"asks for 2 GPU\(s\) .*but CUDA_VISIBLE_DEVICES='1' of the run's env vars lists 1"
+    ):
+        Plan(_gpu_scaling(2, 1), env_vars=one).check_gpus()
+    assert Plan(_gpu_scaling((1, 4), 1), env_vars=one).world_size == 1  # elastic: 1 GPU, 1 worker
+    local = Plan(_gpu_scaling((1, 4), 1, hosts=["localhost"]), env_vars=one)
+    assert local.placement is not None and [h.slots for h in local.placement.hosts] == [1]
+
+
+def test_a_host_without_gpus_has_those_of_the_runs_cuda_visible_devices() -> None:
+    # Not a real host: counting its GPUs over SSH (`nvidia-smi -L`, all of them) would fail.
+    uuid = "GPU-3f2a9c1e-0000-4000-8000-000000000001"
+    plan = Plan(_gpu_scaling((1, 8), 1, hosts=["no-such-host.invalid"]), env_vars={"CUDA_VISIBLE_DEVICES": f"0,{uuid}"})
+    assert plan.placement is not None and [h.slots for h in plan.placement.hosts] == [2]
+    assert plan.agent_env(remote=True, host=plan.placement.hosts[0])["CUDA_VISIBLE_DEVICES"] == f"0,{uuid}"
+    with pytest.raises(
+        ConfigError, match=r"need 3 GPU\(s\).*Hosts without `gpus=` have those of CUDA_VISIBLE_DEVICES='0'"
+    ):
+        Plan(_gpu_scaling(3, 1, hosts=["no-such-host.invalid slots=3"]), env_vars={"CUDA_VISIBLE_DEVICES": "0"})
+
+
 def test_an_elastic_run_counts_whole_shares_of_this_machines_gpus(two_gpus_here: None) -> None:
     assert Plan(_gpu_scaling((1, 30), 0.1)).world_size == 20  # 10 per GPU (2 // 0.1 is 19.0 in floats)
     assert Plan(_gpu_scaling((1, 30), 0.4)).world_size == 4
