@@ -135,6 +135,24 @@ def test_fsdp_wraps_on_two_gpus(storage: str) -> None:
         assert out == {"model_type": "FullyShardedDataParallel", "param_devices": [f"cuda:{rank}"]}
 
 
+def fsdp_sharing_func() -> dict:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fsdp_func()
+    out["warned"] = any("whose process group uses 'gloo'" in str(w.message) for w in caught)
+    return out
+
+
+@needs_one_gpu
+def test_fsdp_on_workers_sharing_a_gpu_warns_that_it_runs_over_gloo(storage: str) -> None:
+    # Two ranks on one GPU get gloo (NCCL refuses them): FSDP is wrapped, and says so.
+    values = fit_gpu(fsdp_sharing_func, storage, num_workers=2, resources_per_worker={"GPU": 0.5})
+    assert [v["warned"] for v in values] == [True, True]
+    assert {v["model_type"] for v in values} == {"FullyShardedDataParallel"}
+
+
 # ----------------------------------------------------------------- how GPU workers start
 # Workers that use CUDA must not be forked from a process in which CUDA was touched or the
 # user's code ran (issue: "Cannot re-initialize CUDA in forked subprocess").

@@ -193,6 +193,38 @@ def test_workers_sharing_a_gpu_keep_jax_and_tensorflow_to_their_share_of_its_mem
     ] * 2
 
 
+def _fsdp_over_gloo() -> list[str]:
+    import warnings
+
+    import torch.distributed as dist
+
+    from ddptrain.torch import prepare_model
+
+    dist.init_process_group("gloo")  # what workers sharing a GPU get (env://, the driver's store)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                prepare_model(torch.nn.Linear(2, 2), parallel_strategy="fsdp")
+            except RuntimeError:
+                pass  # no CUDA in this CPU build's worker: FSDP itself cannot run here
+        return [str(w.message) for w in caught]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_on_workers_sharing_a_gpu_says_it_runs_over_gloo(cuda_must_not_start: None, storage: str) -> None:
+    # NCCL refuses two ranks on one GPU, so such workers get gloo, and FSDP over gloo is slow
+    # at best: prepare_model says so rather than leave the user to find out.
+    trainer = train.DataParallelTrainer(
+        _fsdp_over_gloo, scaling_config=_gpu_scaling(2, 0.5), run_config=train.RunConfig(storage_path=storage)
+    )
+    for caught in trainer.fit().return_values:
+        assert any("parallel_strategy='fsdp') on GPU workers whose process group uses 'gloo'" in m for m in caught), (
+            caught
+        )
+
+
 def test_a_torch_gpu_run_on_a_host_without_cuda_fails_naming_it(cuda_must_not_start: None, storage: str) -> None:
     # TorchTrainer's driver side (nccl chosen, failure explained) without CUDA here either;
     # the worker, whose torch cannot use CUDA, says so before the function runs.
