@@ -135,6 +135,24 @@ def test_fsdp_wraps_on_two_gpus(storage: str) -> None:
         assert out == {"model_type": "FullyShardedDataParallel", "param_devices": [f"cuda:{rank}"]}
 
 
+def fsdp_sharing_func() -> dict:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fsdp_func()
+    out["warned"] = any("whose process group uses 'gloo'" in str(w.message) for w in caught)
+    return out
+
+
+@needs_one_gpu
+def test_fsdp_on_workers_sharing_a_gpu_warns_that_it_runs_over_gloo(storage: str) -> None:
+    # Two ranks on one GPU get gloo (NCCL refuses them): FSDP is wrapped, and says so.
+    values = fit_gpu(fsdp_sharing_func, storage, num_workers=2, resources_per_worker={"GPU": 0.5})
+    assert [v["warned"] for v in values] == [True, True]
+    assert {v["model_type"] for v in values} == {"FullyShardedDataParallel"}
+
+
 # ----------------------------------------------------------------- how GPU workers start
 # Workers that use CUDA must not be forked from a process in which CUDA was touched or the
 # user's code ran (issue: "Cannot re-initialize CUDA in forked subprocess").
@@ -386,21 +404,17 @@ def test_cuda_tensors_in_return_values_arrive_on_the_cpu(storage: str) -> None:
 
 
 # ----------------------------------------------------------------- a host list's `gpus=`
-def _host_gpu_ids() -> list[int]:
-    """This machine's GPU ids as a host list names them (``CUDA_VISIBLE_DEVICES`` if set).
-
-    Skips the test where ``CUDA_VISIBLE_DEVICES`` names GPUs by UUID (``GPU-...``, ``MIG-...``):
-    a host list's ``gpus=`` takes indices.
-    """
+def _host_gpu_ids() -> list[int | str]:
+    """This machine's GPU ids as a host list names them: those of ``CUDA_VISIBLE_DEVICES`` if
+    set (indices, or ``GPU-...``/``MIG-...`` UUIDs, which a host list's ``gpus=`` takes too)."""
     import os
+
+    from ddptrain.launch.hosts import visible_gpu_ids
 
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if not visible:
         return list(range(_gpus()))
-    entries = [i.strip() for i in visible.split(",")]
-    if not all(i.isdigit() for i in entries):
-        pytest.skip(f"CUDA_VISIBLE_DEVICES={visible!r} names GPUs by UUID; a host list's `gpus=` takes indices")
-    return [int(i) for i in entries][: _gpus()]
+    return visible_gpu_ids(visible)[: _gpus()]
 
 
 def gpus_seen() -> dict:
@@ -445,6 +459,39 @@ def test_gpu_trials_on_one_host_get_their_own_gpus(storage: str) -> None:
     seen = [r.return_value for r in results]
     assert {s["visible"] for s in seen} <= {str(first), str(second)}
     assert all(s["count"] == 1 and s["device"] == "cuda:0" for s in seen)
+
+
+def _gpu_uuids() -> list[str]:
+    """This machine's GPU UUIDs, as nvidia-smi prints them (skips without nvidia-smi, or where
+    ``CUDA_VISIBLE_DEVICES`` already picks GPUs: their UUIDs would not say which)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None or os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
+        pytest.skip("needs nvidia-smi and CUDA_VISIBLE_DEVICES unset")
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"], capture_output=True, text=True, check=True
+    ).stdout
+    return [line.strip() for line in out.splitlines() if line.strip().startswith("GPU-")]
+
+
+@needs_one_gpu
+def test_a_sweep_whose_gpus_are_named_by_uuid_runs_its_trials_on_them(
+    storage: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ddptrain import tune
+
+    uuid = _gpu_uuids()[-1]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", uuid)  # as a scheduler may hand the sweep its GPU
+    trainer = TorchTrainer(gpus_seen, scaling_config=train.ScalingConfig(num_workers=1, use_gpu=True))
+    results = tune.Tuner(
+        trainer,
+        param_space={"train_loop_config": {"trial": tune.grid_search([0, 1])}},
+        tune_config=tune.TuneConfig(total_cpus=1),
+        run_config=train.RunConfig(name="uuids", storage_path=storage),
+    ).fit()
+    assert results.num_errors == 0, results.errors
+    assert [r.return_value for r in results] == [{"visible": uuid, "count": 1, "device": "cuda:0"}] * 2
 
 
 def jax_on_gpu() -> dict:
@@ -520,6 +567,49 @@ def test_the_driver_of_a_gpu_run_never_starts_cuda(storage: str, tmp_path) -> No
     assert "RESULT True cpu False False" in proc.stdout, proc.stdout + proc.stderr
 
 
+RAYSGD_DRIVER_SCRIPT = """
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from ddptrain.agent.process import children_cannot_use_cuda
+from ddptrain.util.sgd import TorchTrainer, TrainingOperator
+
+
+class Operator(TrainingOperator):
+    def setup(self, config):
+        model = nn.Linear(1, 1)
+        self.model, self.optimizer, self.criterion = self.register(
+            models=model, optimizers=torch.optim.SGD(model.parameters(), lr=0.1), criterion=nn.MSELoss()
+        )
+        data = TensorDataset(torch.ones(4, 1), torch.ones(4, 1))
+        self.register_data(train_loader=DataLoader(data, batch_size=2), validation_loader=DataLoader(data))
+
+
+if __name__ == "__main__":
+    trainer = TorchTrainer(training_operator_cls=Operator, num_workers=1)  # use_gpu="auto"
+    try:
+        trainer.train()
+    finally:
+        trainer.shutdown()
+    print("RESULT", trainer.use_gpu, torch.cuda.is_initialized(), children_cannot_use_cuda(torch))
+"""
+
+
+@needs_one_gpu
+def test_raysgd_use_gpu_auto_finds_the_gpus_without_starting_cuda_in_the_driver(tmp_path) -> None:
+    # RaySGD's default use_gpu="auto" counts the GPUs (NVML), and the driver never calls into
+    # CUDA (no context, no cuInit that would keep the processes it forks off CUDA).
+    import subprocess
+    import sys
+
+    script = tmp_path / "raysgd_driver.py"
+    script.write_text(RAYSGD_DRIVER_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "RESULT True False False" in proc.stdout, proc.stdout + proc.stderr
+
+
 def warm_func() -> dict:
     import torch.distributed as dist
 
@@ -565,9 +655,12 @@ def test_a_cuda_tensor_in_metrics_is_refused_naming_it(storage: str) -> None:
 
 
 def jax_sharing() -> dict:
+    import jax
     import jax.numpy as jnp
 
-    return {"total": float((jnp.arange(8.0) * 2).sum()), "visible": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    total = float((jnp.arange(8.0) * 2).sum())
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return {"total": total, "visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "limit": stats.get("bytes_limit")}
 
 
 @needs_one_gpu
@@ -584,6 +677,11 @@ def test_two_jax_workers_share_one_gpu(storage: str) -> None:
     ).fit()
     assert [v["total"] for v in result.return_values] == [56.0, 56.0]
     assert len({v["visible"] for v in result.return_values}) == 1  # the same GPU
+    # Each took its share of JAX's default 75% (XLA_PYTHON_CLIENT_MEM_FRACTION=0.375), not 75%.
+    gpu_bytes = torch.cuda.get_device_properties(0).total_memory
+    for value in result.return_values:
+        if value["limit"] is not None:
+            assert value["limit"] <= 0.4 * gpu_bytes, (value["limit"], gpu_bytes)
 
 
 def hold_most_of_the_gpu(config: dict) -> dict:

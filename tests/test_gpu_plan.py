@@ -57,6 +57,30 @@ def test_more_fractional_workers_than_this_machine_holds_is_a_clear_error(two_gp
         Plan(_gpu_scaling(5, 0.4)).check_gpus()
 
 
+def test_the_gpus_of_the_runs_cuda_visible_devices_are_counted_not_the_machines(two_gpus_here: None) -> None:
+    # CUDA_VISIBLE_DEVICES in the run's env vars is what the workers see: 1 GPU of this machine's 2.
+    one = {"CUDA_VISIBLE_DEVICES": "1"}
+    with pytest.raises(
+        ConfigError, match=r"asks for 2 GPU\(s\) .*but CUDA_VISIBLE_DEVICES='1' of the run's env vars lists 1"
+    ):
+        Plan(_gpu_scaling(2, 1), env_vars=one).check_gpus()
+    assert Plan(_gpu_scaling((1, 4), 1), env_vars=one).world_size == 1  # elastic: 1 GPU, 1 worker
+    local = Plan(_gpu_scaling((1, 4), 1, hosts=["localhost"]), env_vars=one)
+    assert local.placement is not None and [h.slots for h in local.placement.hosts] == [1]
+
+
+def test_a_host_without_gpus_has_those_of_the_runs_cuda_visible_devices() -> None:
+    # Not a real host: counting its GPUs over SSH (`nvidia-smi -L`, all of them) would fail.
+    uuid = "GPU-3f2a9c1e-0000-4000-8000-000000000001"
+    plan = Plan(_gpu_scaling((1, 8), 1, hosts=["no-such-host.invalid"]), env_vars={"CUDA_VISIBLE_DEVICES": f"0,{uuid}"})
+    assert plan.placement is not None and [h.slots for h in plan.placement.hosts] == [2]
+    assert plan.agent_env(remote=True, host=plan.placement.hosts[0])["CUDA_VISIBLE_DEVICES"] == f"0,{uuid}"
+    with pytest.raises(
+        ConfigError, match=r"need 3 GPU\(s\).*Hosts without `gpus=` have those of CUDA_VISIBLE_DEVICES='0'"
+    ):
+        Plan(_gpu_scaling(3, 1, hosts=["no-such-host.invalid slots=3"]), env_vars={"CUDA_VISIBLE_DEVICES": "0"})
+
+
 def test_an_elastic_run_counts_whole_shares_of_this_machines_gpus(two_gpus_here: None) -> None:
     assert Plan(_gpu_scaling((1, 30), 0.1)).world_size == 20  # 10 per GPU (2 // 0.1 is 19.0 in floats)
     assert Plan(_gpu_scaling((1, 30), 0.4)).world_size == 4
@@ -117,6 +141,88 @@ def test_a_gpu_run_starts_no_cuda_in_the_driver(cuda_must_not_start: None, stora
         run_config=train.RunConfig(storage_path=storage),
     )
     assert trainer.fit().return_values == ["0", "1"]
+
+
+_GPU_ENV = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "XLA_PYTHON_CLIENT_MEM_FRACTION", "TF_FORCE_GPU_ALLOW_GROWTH")
+
+
+def _gpu_env() -> dict[str, str | None]:
+    import os
+
+    return {name: os.environ.get(name) for name in _GPU_ENV}
+
+
+def _fit_gpu_env(storage: str, gpus: float, env_vars: dict[str, str] | None = None) -> list[dict[str, str | None]]:
+    trainer = train.DataParallelTrainer(
+        _gpu_env,
+        scaling_config=_gpu_scaling(2, gpus),
+        run_config=train.RunConfig(storage_path=storage, worker_runtime_env={"env_vars": env_vars or {}}),
+    )
+    return trainer.fit().return_values
+
+
+def test_gpu_workers_number_gpus_as_nvidia_smi_does(
+    cuda_must_not_start: None, storage: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `gpus=` ids, a sweep's ids and nvidia-smi count in PCI bus order; CUDA counts fastest first
+    # unless told: on a machine with two kinds of GPUs, id 1 would be another GPU in the worker.
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+    whole = _fit_gpu_env(storage, 1)
+    assert [(v["CUDA_VISIBLE_DEVICES"], v["CUDA_DEVICE_ORDER"]) for v in whole] == [
+        ("0", "PCI_BUS_ID"),
+        ("1", "PCI_BUS_ID"),
+    ]
+    assert all(v["XLA_PYTHON_CLIENT_MEM_FRACTION"] is None and v["TF_FORCE_GPU_ALLOW_GROWTH"] is None for v in whole)
+    mine = _fit_gpu_env(storage, 1, {"CUDA_DEVICE_ORDER": "FASTEST_FIRST"})
+    assert [v["CUDA_DEVICE_ORDER"] for v in mine] == ["FASTEST_FIRST"] * 2  # the user's own value wins
+
+
+def test_workers_sharing_a_gpu_keep_jax_and_tensorflow_to_their_share_of_its_memory(
+    cuda_must_not_start: None, storage: str
+) -> None:
+    # JAX takes 75% of a GPU at its first use and TensorFlow nearly all: the second worker on
+    # the GPU would fail out of memory. Each gets its share of JAX's default, and TF grows.
+    halves = _fit_gpu_env(storage, 0.5)
+    assert [v["CUDA_VISIBLE_DEVICES"] for v in halves] == ["0", "0"]  # one GPU, shared
+    assert [(v["XLA_PYTHON_CLIENT_MEM_FRACTION"], v["TF_FORCE_GPU_ALLOW_GROWTH"]) for v in halves] == [
+        ("0.375", "true")
+    ] * 2
+    mine = _fit_gpu_env(storage, 0.5, {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.2", "TF_FORCE_GPU_ALLOW_GROWTH": "false"})
+    assert [(v["XLA_PYTHON_CLIENT_MEM_FRACTION"], v["TF_FORCE_GPU_ALLOW_GROWTH"]) for v in mine] == [
+        ("0.2", "false")
+    ] * 2
+
+
+def _fsdp_over_gloo() -> list[str]:
+    import warnings
+
+    import torch.distributed as dist
+
+    from ddptrain.torch import prepare_model
+
+    dist.init_process_group("gloo")  # what workers sharing a GPU get (env://, the driver's store)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                prepare_model(torch.nn.Linear(2, 2), parallel_strategy="fsdp")
+            except RuntimeError:
+                pass  # no CUDA in this CPU build's worker: FSDP itself cannot run here
+        return [str(w.message) for w in caught]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_on_workers_sharing_a_gpu_says_it_runs_over_gloo(cuda_must_not_start: None, storage: str) -> None:
+    # NCCL refuses two ranks on one GPU, so such workers get gloo, and FSDP over gloo is slow
+    # at best: prepare_model says so rather than leave the user to find out.
+    trainer = train.DataParallelTrainer(
+        _fsdp_over_gloo, scaling_config=_gpu_scaling(2, 0.5), run_config=train.RunConfig(storage_path=storage)
+    )
+    for caught in trainer.fit().return_values:
+        assert any("parallel_strategy='fsdp') on GPU workers whose process group uses 'gloo'" in m for m in caught), (
+            caught
+        )
 
 
 def test_a_torch_gpu_run_on_a_host_without_cuda_fails_naming_it(cuda_must_not_start: None, storage: str) -> None:

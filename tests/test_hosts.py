@@ -12,7 +12,14 @@ import pytest
 import ddptrain as train
 from ddptrain.driver.plan import Plan
 from ddptrain.errors import ConfigError
-from ddptrain.launch.hosts import HostSpec, parse_hostfile, parse_hosts, place_workers, with_ssh_config
+from ddptrain.launch.hosts import (
+    HostSpec,
+    parse_hostfile,
+    parse_hosts,
+    place_workers,
+    visible_gpu_ids,
+    with_ssh_config,
+)
 from ddptrain.launch.ssh import gpu_slots
 
 
@@ -44,9 +51,10 @@ def test_host_file_with_comments_options_and_blank_lines(tmp_path: Path) -> None
         ("gpu-1\ngpu-1 slots=2", "listed twice"),
         ("# nothing\n\n", "no hosts listed"),
         ("gpu-1 gpus=0,1,0", "hosts:1: `gpus` lists a GPU id more than once, got '0,1,0'"),
-        ("gpu-1 gpus=-1", "hosts:1: `gpus` must be GPU ids, whole numbers >= 0 .*, got '-1'"),
+        ("gpu-1 gpus=-1", "hosts:1: `gpus` must be GPU ids: whole numbers >= 0 .*, got '-1'"),
         ("gpu-1 gpus=0,,1", "hosts:1: `gpus` must be GPU ids.*, got '0,,1'"),
         ("gpu-1 gpus=cuda:0", "hosts:1: `gpus` must be GPU ids.*, got 'cuda:0'"),
+        ("gpu-1 gpus=GPU-", "hosts:1: `gpus` must be GPU ids.*UUIDs as `nvidia-smi -L` prints them.*, got 'GPU-'"),
         ("gpu-1 slots=1\ngpu-2 gpus=", "hosts:2: expected `option=value`"),
         # Other launchers' `host:slots`: ssh would have taken it for a host name.
         ("gpu-1:4", "hosts:1: 'gpu-1:4' is not a host name .for workers write `gpu-1 slots=4`, for an SSH port"),
@@ -122,6 +130,27 @@ def test_gpus_lists_the_ids_a_host_lends(tmp_path: Path) -> None:
 def test_a_bad_gpus_of_a_host_spec_names_the_host(gpus: object) -> None:
     with pytest.raises(ConfigError, match=r"host 'box': `gpus` (must be GPU ids|lists a GPU id more than once)"):
         HostSpec("box", gpus=gpus)  # type: ignore[arg-type]
+
+
+_UUID_A = "GPU-3f2a9c1e-0000-4000-8000-000000000001"
+_MIG_B = "MIG-77b1c3d4-0000-4000-8000-000000000002"
+
+
+def test_a_host_lists_its_gpus_by_uuid_and_its_agent_sees_them() -> None:
+    # CUDA_VISIBLE_DEVICES takes GPU and MIG UUIDs as nvidia-smi -L prints them; so does `gpus=`.
+    (host,) = parse_hosts([f"box gpus={_UUID_A},{_MIG_B},3"])
+    assert host.gpus == (_UUID_A, _MIG_B, 3)
+    assert HostSpec("box", gpus=[_UUID_A]).gpus == (_UUID_A,)
+    plan = Plan(train.ScalingConfig(num_workers=3, use_gpu=True, hosts=[host]))
+    assert plan.placement is not None and plan.placement.hosts[0].slots == 3  # one per GPU, no probe
+    assert plan.agent_env(remote=True, host=plan.placement.hosts[0])["CUDA_VISIBLE_DEVICES"] == f"{_UUID_A},{_MIG_B},3"
+
+
+def test_visible_gpu_ids_keep_uuids_and_stop_where_cuda_does() -> None:
+    assert visible_gpu_ids("2,5") == [2, 5]
+    assert visible_gpu_ids(f"{_UUID_A}, {_MIG_B}") == [_UUID_A, _MIG_B]
+    assert visible_gpu_ids("0,2,-1,1") == [0, 2]  # CUDA shows the devices before an invalid entry
+    assert visible_gpu_ids("") == [] and visible_gpu_ids(" ") == []
 
 
 def test_gpus_give_a_host_its_gpu_slots_without_a_probe() -> None:

@@ -241,6 +241,21 @@ def test_bad_arguments_fail_in_the_constructor_before_any_worker_starts() -> Non
         TorchTrainer(training_operator_cls=SetupFails, num_workers=0)
 
 
+def test_use_gpu_auto_counts_gpus_without_asking_cuda_in_the_driver(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch.cuda.is_available() calls into CUDA (cuInit) in the driver, after which the processes
+    # it forks cannot use CUDA: "auto" must count the GPUs as the rest of ddptrain does (NVML).
+    # A tripwire, not a stand-in: the check under test runs for real, and this CPU build's count is 0.
+    from ddptrain.util.sgd.torch._arguments import check_arguments
+
+    def asked_cuda() -> bool:
+        raise AssertionError("the driver called torch.cuda.is_available()")
+
+    monkeypatch.setattr(torch.cuda, "is_available", asked_cuda)
+    arguments = {"num_workers": 1, "scheduler_step_freq": None, "use_fp16": False, "apex_args": None, "config": None}
+    use_gpu = check_arguments(training_operator_cls=UnevenOperator, use_gpu="auto", **arguments)
+    assert use_gpu is (torch.cuda.device_count() > 0)
+
+
 def test_an_error_in_setup_reaches_the_driver_with_the_workers_traceback() -> None:
     with pytest.raises(WorkerGroupError) as info:
         TorchTrainer(training_operator_cls=SetupFails, num_workers=2)  # a scheduler without scheduler_step_freq

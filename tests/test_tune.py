@@ -321,6 +321,31 @@ def test_function_trials_get_their_gpus_as_devices_of_the_sweeps_process(
     }
 
 
+def test_function_trials_get_gpus_the_sweep_sees_by_uuid(storage: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A scheduler (SLURM, Kubernetes) may name the sweep's GPUs by UUID: they are ids all the same.
+    gpu, mig = "GPU-3f2a9c1e-0000-4000-8000-000000000001", "MIG-77b1c3d4-0000-4000-8000-000000000002"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", f"{gpu},{mig}")
+    results = tune.Tuner(
+        tune.with_resources(_gpu_trial, {"GPU": 1}),
+        param_space={"i": tune.grid_search([0, 1]), "sleep": 0.3},
+        run_config=tune.RunConfig(name="uuids", storage_path=storage, verbose=0),
+    ).fit()
+    assert results.num_errors == 0, results.errors
+    seen = {tuple(r.metrics["ids"]): r.metrics["devices"] for r in results}
+    assert seen == {(gpu,): ["cuda:0"], (mig,): ["cuda:1"]}
+
+
+def test_a_trainer_trial_runs_with_the_uuids_it_was_granted(tmp_path: Path) -> None:
+    from ddptrain.tune._trial_run import _trial_run_config
+    from ddptrain.tune.trial import Trial
+
+    gpu = "GPU-3f2a9c1e-0000-4000-8000-000000000001"
+    trial = Trial(trial_id="t1", config={}, path=str(tmp_path / "t1"))
+    config = _trial_run_config(trial, tune.RunConfig(), str(tmp_path), [], [gpu, 3])
+    assert config.worker_runtime_env is not None
+    assert config.worker_runtime_env["env_vars"]["CUDA_VISIBLE_DEVICES"] == f"{gpu},3"
+
+
 def test_gpu_ids_map_to_positions_in_cuda_visible_devices() -> None:
     from ddptrain.tune.session import _device_indices
 
@@ -329,6 +354,7 @@ def test_gpu_ids_map_to_positions_in_cuda_visible_devices() -> None:
     assert _device_indices([3], "GPU-8d3c0f2a-0000-0000-0000-000000000000,3") == [1]  # a UUID keeps its position
     assert _device_indices([0, 2], None) == [0, 2]  # unset: torch's indices are the ids
     assert _device_indices([], "") == []
+    assert _device_indices(["MIG-77b1", "GPU-3f2a"], "GPU-3f2a,MIG-77b1") == [1, 0]
     with pytest.raises(RuntimeError, match=r"GPU id\(s\) \[4\] granted to the trial are not in"):
         _device_indices([4], "5,7")
 

@@ -169,6 +169,19 @@ def test_a_host_without_slots_lends_the_gpus_it_has(monkeypatch: pytest.MonkeyPa
     assert isinstance(error, ConfigError) and "host 'localhost' has no GPU that `use_gpu=True` could use" in str(error)
 
 
+def test_a_host_without_slots_lends_gpus_named_by_uuid(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A sweep started with CUDA_VISIBLE_DEVICES=GPU-...,MIG-... (a scheduler's assignment) lends those.
+    gpu, mig = "GPU-3f2a9c1e-0000-4000-8000-000000000001", "MIG-77b1c3d4-0000-4000-8000-000000000002"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", f"{gpu},{mig}")
+    resources = Resources(total_cpus=1, total_gpus=0)
+    prepared = _trainable(["localhost"], use_gpu=True).prepare({"scaling_config": {"num_workers": 1}})
+    assert resources.never_fits("t1", prepared) is None
+    first, second = resources.acquire(prepared), resources.acquire(prepared)
+    assert first is not None and _held(first) == [("localhost", 1, (gpu,))]
+    assert second is not None and _held(second) == [("localhost", 1, (mig,))]
+    assert resources.acquire(prepared) is None
+
+
 def test_gpus_fewer_than_a_trials_slots_need_is_an_error_before_it_starts() -> None:
     prepared = _trainable(["h0 slots=2 gpus=0"], use_gpu=True).prepare({})
     error = Resources(total_cpus=1, total_gpus=0).never_fits("t1", prepared)

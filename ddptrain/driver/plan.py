@@ -11,10 +11,12 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from dataclasses import replace
 from typing import Any
 
 from ddptrain import _env, ray_compat
 from ddptrain.config import ScalingConfig
+from ddptrain.driver.gpu_env import set_gpu_defaults
 from ddptrain.errors import ConfigError, LaunchError
 from ddptrain.launch.fanout import each_host
 from ddptrain.launch.hosts import (
@@ -26,6 +28,7 @@ from ddptrain.launch.hosts import (
     parse_hosts,
     place_workers,
     slots_for_gpus,
+    visible_gpu_ids,
     with_ssh_config,
     worker_gpus,
     workers_per_gpu,
@@ -95,7 +98,7 @@ class Plan:
         if config.elastic:
             hosts = [h for h in hosts if h.name not in self.left_out]
         if config.use_gpu:  # a host without `slots` runs one worker per GPU
-            hosts = gpu_slots(hosts, config.num_gpus_per_worker)
+            hosts = self._gpu_slots(hosts)
         if config.elastic:
             capacity = sum(h.slots if h.slots is not None else 1 for h in hosts)
             where = "the hosts" + (
@@ -104,14 +107,48 @@ class Plan:
             self.world_size = self._elastic_size(capacity, where)
         return place_workers(hosts, self.world_size, config.placement_strategy)
 
+    def _run_visible(self) -> str | None:
+        """``CUDA_VISIBLE_DEVICES`` of the run's env vars: what the workers see where no host
+        list's ``gpus=`` says otherwise (``None``: not set there)."""
+        return self.env_vars.get("CUDA_VISIBLE_DEVICES")
+
+    def _with_run_gpus(self, hosts: list[HostSpec]) -> list[HostSpec]:
+        """Hosts without ``gpus=`` get those of the run's ``CUDA_VISIBLE_DEVICES``, if set: its
+        workers see them, so they are counted, not the host's GPUs (``nvidia-smi -L`` lists all)."""
+        visible = self._run_visible()
+        if visible is None:
+            return hosts
+        ids = tuple(visible_gpu_ids(visible))
+        return [host if host.gpus is not None else replace(host, gpus=ids) for host in hosts]
+
+    def _gpu_slots(self, hosts: list[HostSpec]) -> list[HostSpec]:
+        """``gpu_slots`` of the hosts as the run's workers see them (:meth:`_with_run_gpus`)."""
+        try:
+            return gpu_slots(self._with_run_gpus(hosts), self.scaling_config.num_gpus_per_worker)
+        except ConfigError as exc:
+            visible = self._run_visible()
+            if visible is None:
+                raise
+            raise ConfigError(
+                f"{exc} (Hosts without `gpus=` have those of CUDA_VISIBLE_DEVICES={visible!r} in the run's env vars.)"
+            ) from None
+
+    def _local_gpu_count(self) -> tuple[int, str]:
+        """GPUs the workers of a local run see, and who says so: the run's ``CUDA_VISIBLE_DEVICES``
+        if set, else torch's count here (NVML's: it does not start CUDA)."""
+        visible = self._run_visible()
+        if visible is not None:
+            return len(visible_gpu_ids(visible)), f"CUDA_VISIBLE_DEVICES={visible!r} of the run's env vars lists"
+        import torch
+
+        return torch.cuda.device_count(), "torch sees"
+
     def _local_capacity(self) -> int:
         """How many workers this machine holds: its GPUs (by ``num_gpus_per_worker``), or its
         CPUs (by ``num_cpus_per_worker``)."""
         config = self.scaling_config
         if config.use_gpu:
-            import torch
-
-            return slots_for_gpus(torch.cuda.device_count(), config.num_gpus_per_worker)
+            return slots_for_gpus(self._local_gpu_count()[0], config.num_gpus_per_worker)
         return int((os.cpu_count() or 1) // max(config.num_cpus_per_worker, 1))
 
     def _elastic_size(self, capacity: int, where: str) -> int:
@@ -133,17 +170,15 @@ class Plan:
         against its own GPUs when the plan was made)."""
         if not self.scaling_config.use_gpu or self.placement is not None:
             return
-        import torch
-
         gpus = self.scaling_config.num_gpus_per_worker
         needed = gpus_needed(self.world_size, gpus)
-        available = torch.cuda.device_count()  # NVML's count where it can: it does not start CUDA here
+        available, who = self._local_gpu_count()
         if needed > available:
             shares = f", {workers_per_gpu(gpus)} per GPU" if gpus < 1 else ""
             raise ConfigError(
                 f"`ScalingConfig` asks for {needed} GPU(s) on this machine "
                 f"({self.world_size} workers at {gpus:g} GPU(s) each{shares}), "
-                f"but torch sees {available}. Lower `num_workers` or set `use_gpu=False`."
+                f"but {who} {available}. Lower `num_workers` or set `use_gpu=False`."
             )
 
     @property
@@ -195,6 +230,9 @@ class Plan:
         devices (indices by local rank) then number them from 0. This overrides a
         ``CUDA_VISIBLE_DEVICES`` of the run's env vars on that host, since the host list is what
         says which GPUs of that host the run may use (a sweep hands each trial its own ones).
+        GPU workers number GPUs in PCI bus order, as those ids do, and workers sharing a GPU
+        keep JAX and TensorFlow to their share of its memory (``gpu_env``), unless the run's
+        env vars (or, for a local agent, the driver's environment) say otherwise.
         """
         env = _env.forwarded_env() if remote else dict(os.environ)
         env.update(self.env_vars)
@@ -206,6 +244,7 @@ class Plan:
         env[_env.WORKER_MARKER] = "1"
         if self.scaling_config.use_gpu:
             env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+            set_gpu_defaults(env, self.scaling_config.num_gpus_per_worker)
             if host is not None and host.gpus is not None:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu) for gpu in host.gpus)
         return env

@@ -34,6 +34,7 @@ import cloudpickle
 
 from ddptrain import _env, ray_compat
 from ddptrain.checkpoint import Checkpoint
+from ddptrain.driver.gpu_env import set_gpu_defaults
 from ddptrain.launch.reaping import exited, wait_exited
 
 __all__ = ["Finished", "LocalHost", "Process", "Task", "Validations", "Where", "parse_result"]
@@ -264,6 +265,8 @@ class LocalHost:
             env.setdefault("OMP_NUM_THREADS", "1")
             if not self.uses_gpu:
                 env["CUDA_VISIBLE_DEVICES"] = ""
+            else:
+                set_gpu_defaults(env, gpus_per_worker=1)
             root = str(Path(__file__).resolve().parents[2])  # where this ddptrain is imported from
             process = subprocess.Popen(
                 [sys.executable, "-c", _CHILD, root, folder],

@@ -22,6 +22,7 @@ import cloudpickle
 
 from ddptrain import _env
 from ddptrain.checkpoint import Checkpoint
+from ddptrain.driver.gpu_env import set_gpu_defaults
 from ddptrain.driver.validation import Process, parse_result
 from ddptrain.errors import ConfigError
 from ddptrain.launch.hosts import HostSpec, is_local
@@ -95,8 +96,10 @@ class SSHValidationHost:
         env["DDPTRAIN_SSH_HEARTBEAT_TIMEOUT_S"] = f"{_env.ssh_heartbeat_timeout_s():g}"
         if not uses_gpu:
             env["CUDA_VISIBLE_DEVICES"] = ""
-        elif host.gpus is not None:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu) for gpu in host.gpus)
+        else:
+            set_gpu_defaults(env, gpus_per_worker=1)  # `gpus=` ids are in PCI bus order
+            if host.gpus is not None:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu) for gpu in host.gpus)
         self.name = host.name
         self.workdir = host.workdir or os.getcwd()
         self._host = SSHHost(host, env, host.python or sys.executable, self.workdir)

@@ -10,8 +10,8 @@ A host file has one host per line, DeepSpeed's ``host slots=N`` plus ddptrain's 
 
 Blank lines and ``#`` comments are ignored; ``alice@gpu-box-2`` is ``gpu-box-2 user=alice``.
 ``slots`` is how many workers the host runs (default: its GPU count with ``use_gpu``, else 1).
-``gpus`` are the GPU ids (as ``nvidia-smi`` numbers them) its workers may use with
-``use_gpu``: the host's agent runs with
+``gpus`` are the GPU ids (as ``nvidia-smi`` numbers them, or their ``GPU-...``/``MIG-...``
+UUIDs) its workers may use with ``use_gpu``: the host's agent runs with
 ``CUDA_VISIBLE_DEVICES`` set to them, and without ``slots`` the host runs one worker per
 ``gpus_per_worker`` of them. The driver's own machine may be listed as ``localhost`` (or its
 host name); it is then run without SSH.
@@ -33,6 +33,7 @@ from ddptrain.errors import ConfigError
 
 __all__ = [
     "SLURM",
+    "GpuId",
     "HostSpec",
     "Placement",
     "gpus_needed",
@@ -41,6 +42,7 @@ __all__ = [
     "parse_hosts",
     "place_workers",
     "slots_for_gpus",
+    "visible_gpu_ids",
     "worker_gpus",
     "workers_per_gpu",
 ]
@@ -49,6 +51,11 @@ __all__ = [
 SLURM = "slurm"
 
 _OPTIONS = ("slots", "user", "port", "python", "workdir", "key", "gpus")
+
+# A GPU id as CUDA_VISIBLE_DEVICES takes it: an index (as nvidia-smi numbers the GPUs), or an
+# opaque UUID string (`GPU-3f2a...`, a MIG device's `MIG-...`), kept as written.
+GpuId = int | str
+_UUID = re.compile(r"(GPU|MIG)-[0-9A-Za-z][0-9A-Za-z/-]*")
 
 
 @dataclass(frozen=True)
@@ -65,7 +72,8 @@ class HostSpec:
         key: Private key file (default: ``~/.ssh/config``, then the SSH agent and ``~/.ssh/id_*``).
         address: Where to connect, after ``~/.ssh/config`` (``HostName``).
         gpus: GPU ids the workers may use with ``use_gpu`` (host file: ``gpus=0,1,3``), as the
-            host numbers them; ``None``: every GPU of the host. Their agent gets
+            host numbers them, or their UUIDs (``GPU-...``, ``MIG-...``, as ``nvidia-smi -L``
+            prints them); ``None``: every GPU of the host. Their agent gets
             ``CUDA_VISIBLE_DEVICES`` set to these ids, overriding ``RunConfig`` env vars there.
         srun: A node of the SLURM allocation this process runs in (``hosts="slurm"``): its agent
             is started as a job step with ``srun``, not over SSH (``ddptrain.launch.slurm``).
@@ -79,7 +87,7 @@ class HostSpec:
     workdir: str | None = None
     key: str | None = None
     address: str | None = None
-    gpus: tuple[int, ...] | None = None
+    gpus: tuple[GpuId, ...] | None = None
     srun: bool = False
 
     def __post_init__(self) -> None:
@@ -91,20 +99,48 @@ class HostSpec:
         object.__setattr__(self, "gpus", tuple(self.gpus))  # a list given in Python stays hashable
 
 
+def _is_gpu_id(gpu: Any) -> bool:
+    return (type(gpu) is int and gpu >= 0) or (isinstance(gpu, str) and _UUID.fullmatch(gpu) is not None)
+
+
 def _gpus_problem(gpus: Any) -> str | None:
     """What is wrong with a ``gpus`` value (``None``: nothing)."""
-    if not isinstance(gpus, (tuple, list)) or not all(type(g) is int and g >= 0 for g in gpus):
-        return "`gpus` must be GPU ids, whole numbers >= 0 (in a host file: `gpus=0,1,3`)"
+    if not isinstance(gpus, (tuple, list)) or not all(_is_gpu_id(g) for g in gpus):
+        return (
+            "`gpus` must be GPU ids: whole numbers >= 0 or UUIDs as `nvidia-smi -L` prints them "
+            "(in a host file: `gpus=0,1,3` or `gpus=GPU-3f2a...,MIG-77b1...`)"
+        )
     if len(set(gpus)) != len(gpus):
         return "`gpus` lists a GPU id more than once"
     return None
 
 
-def _parse_gpus(value: str, where: str) -> tuple[int, ...]:
-    ids = tuple(int(part) if re.fullmatch("[0-9]+", part) else -1 for part in value.split(","))
-    problem = _gpus_problem(ids)
+def _gpu_id(entry: str) -> GpuId | None:
+    """One entry of a GPU list as an id: an index as an int, a UUID as written (``None``: neither)."""
+    entry = entry.strip()
+    if re.fullmatch("[0-9]+", entry):
+        return int(entry)
+    return entry if _UUID.fullmatch(entry) else None
+
+
+def _parse_gpus(value: str, where: str) -> tuple[GpuId, ...]:
+    ids = [_gpu_id(part) for part in value.split(",")]
+    problem = _gpus_problem(ids)  # an entry that is no id (None) is one
     if problem:
         raise ConfigError(f"{where}: {problem}, got {value!r}.")
+    return tuple(gpu for gpu in ids if gpu is not None)
+
+
+def visible_gpu_ids(visible: str) -> list[GpuId]:
+    """The GPU ids a ``CUDA_VISIBLE_DEVICES`` value lets a process see, in its order: indices as
+    ints, UUIDs (``GPU-...``, ``MIG-...``) as opaque strings. As CUDA does, the list ends at the
+    first entry that is neither (``"0,2,-1,1"`` shows 0 and 2); ``""`` shows none."""
+    ids: list[GpuId] = []
+    for entry in visible.split(",") if visible.strip() else []:
+        gpu = _gpu_id(entry)
+        if gpu is None:
+            break
+        ids.append(gpu)
     return ids
 
 

@@ -93,6 +93,7 @@ def prepare_model(
             kwargs.setdefault("output_device", device)
         model = DistributedDataParallel(model, **kwargs)
     elif world_size > 1 and parallel_strategy == "fsdp":
+        _warn_fsdp_without_nccl()
         if device.type != "cuda":
             raise RuntimeError(
                 "FSDP needs CUDA devices: use `ScalingConfig(use_gpu=True)`, or "
@@ -106,6 +107,28 @@ def prepare_model(
             kwargs.setdefault("device_id", device)
         model = FullyShardedDataParallel(model, **kwargs)
     return model
+
+
+def _warn_fsdp_without_nccl() -> None:
+    """FSDP on GPU workers whose process group is not NCCL's: say so, since nothing else does.
+    Workers that share a GPU (``resources_per_worker={"GPU": 0.5}``) get gloo, as NCCL refuses
+    two ranks on one GPU; FSDP's all-gathers and reduce-scatters then pass through host memory
+    (slow), where gloo supports them on CUDA tensors at all."""
+    import torch.distributed as dist
+
+    session = context._session
+    if session is None or not session.devices or not dist.is_available() or not dist.is_initialized():
+        return
+    backend = str(dist.get_backend())
+    if "nccl" in backend:
+        return
+    warnings.warn(
+        f"prepare_model(parallel_strategy='fsdp') on GPU workers whose process group uses {backend!r}, "
+        "not NCCL (workers that share a GPU get gloo, since NCCL refuses two ranks on one GPU): FSDP's "
+        "collectives go through host memory, slowly, and may fail on CUDA tensors. Give each worker a whole "
+        "GPU to get NCCL, or use parallel_strategy='ddp'.",
+        stacklevel=3,
+    )
 
 
 class _DeviceLoader:

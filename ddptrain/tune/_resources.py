@@ -31,7 +31,16 @@ from dataclasses import dataclass, field
 
 from ddptrain import _env
 from ddptrain.errors import ConfigError
-from ddptrain.launch.hosts import HostSpec, gpus_needed, is_local, place_workers, slots_for_gpus, with_ssh_config
+from ddptrain.launch.hosts import (
+    GpuId,
+    HostSpec,
+    gpus_needed,
+    is_local,
+    place_workers,
+    slots_for_gpus,
+    visible_gpu_ids,
+    with_ssh_config,
+)
 from ddptrain.launch.ssh import gpu_count, gpu_slots
 from ddptrain.tune.trainable import PreparedTrial
 
@@ -44,11 +53,13 @@ def _key(host: HostSpec) -> _HostKey:
     return (host.name, host.port)
 
 
-def _gpu_pool(total_gpus: int | None) -> list[int]:
-    """The GPU ids trials may use: ``CUDA_VISIBLE_DEVICES`` of the sweep, else every device."""
+def _gpu_pool(total_gpus: int | None) -> list[GpuId]:
+    """The GPU ids trials may use: those of the sweep's ``CUDA_VISIBLE_DEVICES`` (indices, or
+    ``GPU-...``/``MIG-...`` UUIDs, handed on as written), else every device."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids: list[GpuId]
     if visible is not None:
-        ids = [int(d) for d in visible.split(",") if d.strip().isdigit()]
+        ids = visible_gpu_ids(visible)
     elif total_gpus is not None:
         ids = list(range(total_gpus))
     else:
@@ -67,14 +78,15 @@ class Grant:
 
     Attributes:
         cpus: CPUs of this machine.
-        gpu_ids: GPU ids of this machine.
+        gpu_ids: GPU ids of this machine (indices, or UUIDs where the sweep's
+            ``CUDA_VISIBLE_DEVICES`` names GPUs so).
         hosts: Its share of a host list, each host with ``slots`` = its workers there and,
             for a GPU trial, ``gpus`` = the GPU ids it holds there (``None``: the trial runs here).
         use_gpu: Its workers on ``hosts`` use GPUs.
     """
 
     cpus: float = 0.0
-    gpu_ids: list[int] = field(default_factory=list)
+    gpu_ids: list[GpuId] = field(default_factory=list)
     hosts: list[HostSpec] | None = None
     use_gpu: bool = False
 
@@ -101,7 +113,7 @@ class HostPool:
     def __init__(self) -> None:
         self._used: dict[_HostKey, int] = {}
         self._gpu_holders: set[_HostKey] = set()  # hosts without `gpus` that a GPU trial holds whole
-        self._gpus_held: dict[_HostKey, set[int]] = {}  # GPU ids of hosts with `gpus` that trials hold
+        self._gpus_held: dict[_HostKey, set[GpuId]] = {}  # GPU ids of hosts with `gpus` that trials hold
 
     @staticmethod
     def total_slots(hosts: list[HostSpec]) -> int:
@@ -122,7 +134,7 @@ class HostPool:
             return 0 if self._gpus_held.get(_key(host)) else free
         return min(free, slots_for_gpus(len(self.free_gpus(host)), gpus_per_worker))
 
-    def free_gpus(self, host: HostSpec) -> list[int]:
+    def free_gpus(self, host: HostSpec) -> list[GpuId]:
         """The ids of ``host``'s ``gpus`` that no running trial holds."""
         held = self._gpus_held.get(_key(host), set())
         return [gpu for gpu in host.gpus or () if gpu not in held]
@@ -185,12 +197,12 @@ class Resources:
         self.total_cpus = total_cpus
         self.free_cpus = total_cpus
         self._gpus_total = total_gpus
-        self._all_gpus: list[int] | None = None
-        self._free_gpus: list[int] = []
+        self._all_gpus: list[GpuId] | None = None
+        self._free_gpus: list[GpuId] = []
         self.hosts = HostPool()
-        self._probed: dict[_HostKey, tuple[int, ...]] = {}  # GPU ids of hosts counted for GPU trials
+        self._probed: dict[_HostKey, tuple[GpuId, ...]] = {}  # GPU ids of hosts counted for GPU trials
 
-    def _gpu_ids(self) -> list[int]:
+    def _gpu_ids(self) -> list[GpuId]:
         if self._all_gpus is None:
             self._all_gpus = _gpu_pool(self._gpus_total)
             self._free_gpus = list(self._all_gpus)

@@ -15,6 +15,7 @@ import os
 from typing import Any
 
 from ddptrain.config import FailureConfig, RunConfig
+from ddptrain.launch.hosts import GpuId
 from ddptrain.result import Result
 from ddptrain.storage.layout import RunLayout
 from ddptrain.storage.read import read_metrics
@@ -56,7 +57,7 @@ def fit_trainer(
 
 
 def _trial_run_config(
-    trial: Trial, base: RunConfig, sweep_path: str, trainer_callbacks: list[Any], gpu_ids: list[int]
+    trial: Trial, base: RunConfig, sweep_path: str, trainer_callbacks: list[Any], gpu_ids: list[GpuId]
 ) -> RunConfig:
     """The trial's ``RunConfig``: the sweep's failure, checkpoint and logging settings, its run
     folder inside the sweep's, and ``CUDA_VISIBLE_DEVICES`` set to the GPUs it was granted."""

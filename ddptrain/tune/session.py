@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import ddptrain
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.errors import DdpTrainError
+from ddptrain.launch.hosts import GpuId, visible_gpu_ids
 from ddptrain.tune.trial import Trial
 
 if TYPE_CHECKING:
@@ -61,9 +62,10 @@ class TuneContext:
     def get_trial_resources(self) -> dict[str, float]:
         return dict(self._session.resources)
 
-    def get_gpu_ids(self) -> list[int]:
+    def get_gpu_ids(self) -> list[GpuId]:
         """The GPU ids granted to the trial, as the sweep's ``CUDA_VISIBLE_DEVICES`` names them
-        (``0..n-1`` when it is unset), like Ray's ``get_gpu_ids()``. In a function trial they are
+        (``0..n-1`` when it is unset), like Ray's ``get_gpu_ids()``: ints for indices, strings
+        for UUIDs (``CUDA_VISIBLE_DEVICES=GPU-3f2a...,GPU-77b1...``). In a function trial they are
         not torch's device indices when ``CUDA_VISIBLE_DEVICES`` is set: use :meth:`get_devices`."""
         return list(self._session.gpu_ids)
 
@@ -99,15 +101,15 @@ class TuneContext:
         return self.get_devices()[0]
 
 
-def _device_indices(gpu_ids: list[int], visible: str | None) -> list[int]:
+def _device_indices(gpu_ids: list[GpuId], visible: str | None) -> list[int]:
     """Positions of ``gpu_ids`` in ``visible`` (a ``CUDA_VISIBLE_DEVICES`` value), as torch numbers
-    the devices of a process started with it; the ids themselves when ``visible`` is ``None``."""
+    the devices of a process started with it; the ids themselves when ``visible`` is ``None``
+    (then they are indices)."""
     if visible is None:
-        return list(gpu_ids)
-    positions: dict[int, int] = {}
-    for position, entry in enumerate(visible.split(",")):
-        if entry.strip().isdigit():
-            positions.setdefault(int(entry), position)
+        return [int(gpu) for gpu in gpu_ids]
+    positions: dict[GpuId, int] = {}
+    for position, gpu in enumerate(visible_gpu_ids(visible)):
+        positions.setdefault(gpu, position)
     missing = [gpu for gpu in gpu_ids if gpu not in positions]
     if missing:
         raise RuntimeError(
@@ -134,7 +136,7 @@ class TrialSession:
         on_report: Callable[[Trial, dict[str, Any], Checkpoint | None], bool],
         experiment_name: str,
         resources: dict[str, float],
-        gpu_ids: list[int],
+        gpu_ids: list[GpuId],
         keep_checkpoints: int | None = None,
     ) -> None:
         self.trial = trial

@@ -32,7 +32,8 @@ def check_arguments(
     is not used when it was asked for.
 
     Returns:
-        ``use_gpu`` with ``"auto"`` resolved: whether this machine has CUDA.
+        ``use_gpu`` with ``"auto"`` resolved: whether this machine has CUDA GPUs (counted the
+        way that does not start CUDA in this process, see :func:`_has_gpus`).
     """
     if not (isinstance(training_operator_cls, type) and issubclass(training_operator_cls, TrainingOperator)):
         raise ConfigError(
@@ -44,7 +45,7 @@ def check_arguments(
     if scheduler_step_freq not in VALID_SCHEDULER_STEP:
         raise ConfigError(f"`scheduler_step_freq` must be one of {VALID_SCHEDULER_STEP}, got {scheduler_step_freq!r}.")
     if use_gpu == "auto":
-        use_gpu = torch.cuda.is_available()
+        use_gpu = _has_gpus()
     if not isinstance(use_gpu, bool):
         raise ConfigError(f"`use_gpu` must be True, False or 'auto', got {use_gpu!r}.")
     if use_fp16 == "apex" or apex_args:
@@ -53,3 +54,10 @@ def check_arguments(
     if config is not None and not isinstance(config, dict):
         raise ConfigError(f"`config` must be a dict, got {type(config).__name__}.")
     return use_gpu
+
+
+def _has_gpus() -> bool:
+    """Whether this machine has CUDA GPUs, asked without starting CUDA here: NVML's count, as
+    the rest of ddptrain counts them. ``torch.cuda.is_available()`` would call into CUDA (cuInit)
+    in the driver, after which no process it forks can use CUDA."""
+    return torch.cuda.device_count() > 0
