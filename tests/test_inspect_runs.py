@@ -125,6 +125,9 @@ def test_a_storage_path_given_for_a_run_or_missing_says_what_to_type(runs: str, 
     Path(missing).write_text("")
     code, _, err = cli(capfd, "runs", missing)
     assert code == 1 and f"ddptrain runs: {missing}: not a folder" in err
+    one = os.path.join(runs, "bad")  # a run's own folder
+    code, out, err = cli(capfd, "runs", one)
+    assert code == 1 and f"{one} is a run, not a folder of runs: see it with `ddptrain show {one}`" in err, err
 
 
 def reports_time_and_report(config: dict) -> None:

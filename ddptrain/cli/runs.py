@@ -120,6 +120,10 @@ def main_runs(storage_path: str | None, as_json: bool) -> int:
     if as_json:
         _print_json(runs)
         return 0
+    if not runs and os.path.isfile(os.path.join(folder, "run.json")):  # one run's own folder
+        hint = f"see it with `ddptrain show {root}`"
+        print(f"ddptrain runs: {root} is a run, not a folder of runs: {hint}", file=sys.stderr)
+        return 1
     if not runs:
         print(f"no runs in {root}")
         return 0
