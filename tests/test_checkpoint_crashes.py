@@ -257,7 +257,7 @@ ASYNC_SCRIPT = textwrap.dedent(
 def test_a_driver_killed_amid_uploads_and_validations_leaves_nothing_and_resumes(tmp_path: Path, storage: str) -> None:
     from conftest import tagged_processes
 
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = int(os.environ.get("DDPTRAIN_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
     rng = random.Random(seed)
     script = tmp_path / "async_driver.py"
     script.write_text(ASYNC_SCRIPT)
@@ -274,7 +274,8 @@ def test_a_driver_killed_amid_uploads_and_validations_leaves_nothing_and_resumes
     deadline = time.monotonic() + 10  # workers, agent, upload and validation processes, fork server
     while tagged_processes() and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert tagged_processes() == [], f"seed {seed}"
+    left = tagged_processes()
+    assert left == [], f"seed {seed}, {kill_after}: left running:\n{describe_processes(left)}"
     last = assert_loadable_async(run_dir)
     before = (run_dir / "metrics.jsonl").read_text()
     rerun = ForkedDriver(script, [storage, "14"])
@@ -285,6 +286,19 @@ def test_a_driver_killed_amid_uploads_and_validations_leaves_nothing_and_resumes
     if last >= 0:
         assert f"resuming run 'async' from checkpoint {run_dir}" in err, f"seed {seed}:\n{err}"
     assert (run_dir / "metrics.jsonl").read_text().startswith(before)  # every report kept, once
+
+
+def describe_processes(pids: list[int]) -> str:
+    """One line per process: pid, parent, state and command line."""
+    lines = []
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            lines.append(f"{pid} (parent {fields[1]}, state {fields[0]}): {command[:300]}")
+        except OSError:
+            lines.append(f"{pid}: gone")
+    return "\n".join(lines)
 
 
 def assert_loadable_async(run_dir: Path) -> int:

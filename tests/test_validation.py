@@ -11,6 +11,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -273,7 +274,7 @@ def test_a_validation_ends_with_its_driver(signal_name: str, storage: str, tmp_p
         while not (pids.exists() and pids.read_text().endswith("\n")) and time.monotonic() < deadline:
             time.sleep(0.05)
         started = [int(pid) for pid in pids.read_text().split()]
-        folder = Path(f"/proc/{started[0]}/cmdline").read_bytes().split(b"\0")[-2].decode()
+        folder = Path(f"/proc/{started[0]}/cmdline").read_bytes().split(b"\0")[-3].decode()
         assert Path(folder, "task.pkl").exists()
         os.kill(driver.pid, getattr(__import__("signal"), signal_name))
         driver.wait(30)
@@ -312,7 +313,7 @@ def test_a_result_its_killed_driver_never_read_is_removed(storage: str, tmp_path
         while not (pids.exists() and pids.read_text().endswith("\n")) and time.monotonic() < deadline:
             time.sleep(0.02)
         pid = int(pids.read_text())
-        folder = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[-2].decode()
+        folder = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[-3].decode()
         os.kill(driver.pid, signal.SIGSTOP)  # it cannot read the result now
         deadline = time.monotonic() + 10
         while _alive(pid) and time.monotonic() < deadline:
@@ -452,3 +453,42 @@ def test_a_preemption_notice_ends_the_wait_for_validations_after_training(
     ]
     started_pids = [int(p) for p in pids.read_text().split()]
     assert not any(map(_alive, started_pids))
+
+
+_DIES_AT_ONCE = """
+import os, subprocess, sys
+sys.path.insert(0, sys.argv[1])
+from ddptrain.driver.validation import _CHILD
+subprocess.Popen([sys.executable, "-c", _CHILD, sys.argv[1], sys.argv[2], str(os.getpid())], start_new_session=True,
+                 stdout=open(sys.argv[3], "w"), stderr=subprocess.STDOUT)
+os._exit(0)  # before the validation process has even started
+"""
+
+
+def slow_validation(checkpoint: object) -> dict:
+    time.sleep(2)
+    return {"acc": 1.0}
+
+
+def test_a_validation_whose_driver_died_before_it_started_ends_and_leaves_nothing(tmp_path: Path, monkeypatch) -> None:
+    """A driver SIGKILLed right after it started a validation: the validation took its parent
+    (by then init) for the driver, so it ran to the end and left a shell waiting forever, and
+    its folder with the pickled function (seen in a CI run of the driver-kill test). It now
+    knows the driver's pid: it stops at once, and its folder goes."""
+    import cloudpickle
+    from conftest import tagged_processes
+
+    monkeypatch.setenv("DDPTRAIN_SHUTDOWN_GRACE_S", "0.5")
+    folder = tmp_path / "ddptrain-validation-test"
+    folder.mkdir()
+    request = {"sys_path": list(sys.path), "ray_compat": False, "default": None, "checkpoint": None}
+    request["spec"] = cloudpickle.dumps((slow_validation, (), None))
+    (folder / "task.pkl").write_bytes(cloudpickle.dumps(request))
+    root = str(Path(__file__).resolve().parent.parent)
+    subprocess.run([sys.executable, "-c", _DIES_AT_ONCE, root, str(folder), str(tmp_path / "log")], check=True)
+    deadline = time.monotonic() + 8
+    while (folder.exists() or tagged_processes()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not folder.exists(), (tmp_path / "log").read_text()
+    assert tagged_processes() == []
+    assert "the validation was stopped (SIGTERM)" in (tmp_path / "log").read_text()

@@ -45,7 +45,7 @@ _CHILD = (
     # This ddptrain first; the working directory ('' with -c: another user may have planted
     # modules there) off the path before anything is imported.
     "import sys; sys.path[:] = [sys.argv[1]] + [p for p in sys.path if p]; "
-    "from ddptrain.driver.validation_child import main; sys.exit(main(sys.argv[2]))"
+    "from ddptrain.driver.validation_child import main; sys.exit(main(sys.argv[2], driver=int(sys.argv[3])))"
 )
 
 
@@ -269,7 +269,7 @@ class LocalHost:
                 set_gpu_defaults(env, gpus_per_worker=1)
             root = str(Path(__file__).resolve().parents[2])  # where this ddptrain is imported from
             process = subprocess.Popen(
-                [sys.executable, "-c", _CHILD, root, folder],
+                [sys.executable, "-c", _CHILD, root, folder, str(os.getpid())],
                 stdin=subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,

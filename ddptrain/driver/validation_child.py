@@ -126,10 +126,12 @@ def _remove_if_unread(driver: int, folder: str) -> None:
         )
 
 
-def main(folder: str, remote: bool = False, expected: dict[str, str] | None = None) -> int:
+def main(folder: str, remote: bool = False, expected: dict[str, str] | None = None, driver: int | None = None) -> int:
     """Run the validation of ``folder``'s request; its result (or error) goes to ``result.json``.
     ``remote``: on an SSH host (see the module docstring). ``expected``: the driver's versions
-    (``wire.boot.versions``), which must be this host's for the request to unpickle."""
+    (``wire.boot.versions``), which must be this host's for the request to unpickle. ``driver``:
+    the driver's pid, for a local validation (not this process's parent when the driver died
+    while it started: it then ends at once)."""
     signal.signal(signal.SIGTERM, _stopped)  # a stop unwinds the function: its cleanup runs
     if remote:
         try:
@@ -138,7 +140,8 @@ def main(folder: str, remote: bool = False, expected: dict[str, str] | None = No
             if os.getpgid(0) != os.getpid():
                 os.setpgid(0, 0)
         threading.Thread(target=_watch_stdin, args=(folder,), daemon=True, name="stdin-watch").start()
-    driver = os.getppid()
+    if driver is None:
+        driver = os.getppid()
     if not remote:
         threading.Thread(target=_watch_driver, args=(driver, folder), daemon=True, name="driver-watch").start()
     try:
