@@ -441,7 +441,8 @@ def _fork_agent_server(
         _run_agent_server(json.loads(message), fds[0], site_path)
     os.close(fds[0])
     servers[os.pidfd_open(pid)] = (pid, channel)
-    channel.send(f"P {pid}".encode())
+    with contextlib.suppress(OSError):  # its driver may be gone (a test SIGKILLed it): reaped as it ends
+        channel.send(f"P {pid}".encode())
 
 
 def _run_agent_server(request: dict, control_fd: int, site_path: list[str]) -> None:  # pragma: no cover
@@ -606,4 +607,9 @@ def _run_script_and_exit(
 
 
 if __name__ == "__main__":
-    _serve(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    try:
+        _serve(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    except BaseException:  # the test process sees why (its stderr is /dev/null)
+        with contextlib.suppress(OSError):
+            socket.socket(fileno=int(sys.argv[1])).send(("E " + traceback.format_exc()[-50_000:]).encode())
+        os._exit(1)

@@ -364,7 +364,7 @@ def checkpoint_then_broadcasts(config: dict) -> None:
         train.report({"step": -1}, checkpoint=train.Checkpoint.from_directory(d), checkpoint_dir_name="first")
     _leak(config["dir"])
     _wait_for(Path(config["dir"], "attacking"))
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 90
     step = 0
     while time.monotonic() < deadline:
         blob = ddptrain.collective.broadcast_from_rank_zero(os.urandom(5 * 2**20) if rank == 0 else None)
@@ -401,7 +401,8 @@ def test_keys_deleted_from_the_store_fail_the_run_within_a_bound(
                 run_config=train.RunConfig(name="deleted", storage_path=storage),
             ).fit()
         assert attacker.started.is_set()
-        assert time.monotonic() - attacker.started_at < 30, str(failed.value)
+        # The deletions must hit a key a reader waits for: on a loaded machine that took 32 s once.
+        assert time.monotonic() - attacker.started_at < 60, str(failed.value)
     # What was committed before the attack is intact, and listed in the run's index.
     run = Path(storage, "deleted")
     assert (run / "first" / "weights.txt").read_text() == "v1"
