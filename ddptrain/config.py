@@ -1,9 +1,10 @@
-"""User-facing configuration dataclasses, validated on construction (driver side)."""
+"""User-facing configuration dataclasses, validated on construction (driver side).
+
+``ScalingConfig`` lives in :mod:`ddptrain.scaling_config` and is imported from here too."""
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import tempfile
 import types
@@ -12,9 +13,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ddptrain import _env
+from ddptrain._checks import DEPRECATED, check_int, refuse_deprecated
 from ddptrain.callbacks import UserCallback
 from ddptrain.errors import ConfigError, ConfigTypeError
-from ddptrain.launch.hosts import SLURM, parse_hosts
+from ddptrain.scaling_config import ScalingConfig
 from ddptrain.storage import remote
 
 __all__ = [
@@ -27,179 +29,6 @@ __all__ = [
     "ValidationConfig",
     "ValidationTaskConfig",
 ]
-
-_DEPRECATED = "DEPRECATED"
-_PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-
-
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"`{name}` must be an integer, got {value!r} ({type(value).__name__}).")
-    if value < minimum:
-        raise ConfigError(f"`{name}` must be >= {minimum}, got {value}.")
-
-
-def _deprecated(owner: str, name: str, value: Any, hint: str) -> None:
-    if value != _DEPRECATED:
-        raise DeprecationWarning(f"`{owner}({name}=...)` is not supported (as in Ray Train V2). {hint}")
-
-
-@dataclass
-class ScalingConfig:
-    """How many workers to run, and on what.
-
-    Args:
-        num_workers: Number of worker processes. ``0`` runs the training function in the
-            driver process (Ray's local mode). ``(min_workers, max_workers)``: an elastic run
-            (as Ray's): each attempt starts with as many workers as the capacity allows (this
-            machine's CPUs or GPUs; the slots of the hosts not left out), up to
-            ``max_workers``, and needs ``min_workers``. A host lost during an attempt is left
-            out of the next one, which resumes from the latest checkpoint with fewer workers.
-        elastic_resize_monitor_interval_s: An elastic run's interval (seconds) between
-            looks at whether hosts left out answer again.
-        use_gpu: Give each worker its own CUDA device and use the NCCL backend.
-        resources_per_worker: ``{"GPU": k}`` gives each worker ``k`` devices (``get_devices()``);
-            ``{"CPU": n}`` sets ``OMP_NUM_THREADS=n`` in each worker unless you set it yourself.
-            Other keys (Ray's custom resources, ``memory``) are accepted and ignored; a
-            misspelt ``"CPU"`` or ``"GPU"`` (``"gpu"``, ``"GPUS"``) is an error.
-        placement_strategy: ``"PACK"`` fills hosts in order, ``"SPREAD"`` round-robins
-            (matters for multi-host runs).
-        accelerator_type: Accepted for compatibility; ddptrain does not select GPUs by type.
-        hosts: ddptrain's own: a host file path, or a list of ``"name slots=N ..."`` strings or
-            :class:`~ddptrain.hosts.HostSpec`, to run the workers on those hosts over SSH.
-            Default: the host file of ``ddptrain run --hosts FILE`` in the script it runs, else
-            ``$DDPTRAIN_HOSTFILE`` if set, else this machine only. See ``ddptrain.hosts``.
-            ``"slurm"``: the nodes of the SLURM allocation the script runs in, each node's agent
-            started with ``srun`` (see docs/slurm.md); never chosen automatically.
-
-    Example:
-        >>> ScalingConfig(num_workers=2, use_gpu=False)
-        ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker=None, ...)
-    """
-
-    num_workers: int | tuple[int, int] = 1
-    use_gpu: bool = False
-    resources_per_worker: dict[str, float] | None = None
-    placement_strategy: str = "PACK"
-    accelerator_type: str | None = None
-    label_selector: dict[str, str] | list[dict[str, str]] | None = None
-    use_tpu: bool = False
-    topology: str | None = None
-    elastic_resize_monitor_interval_s: float = 60.0
-    trainer_resources: Any = _DEPRECATED
-    hosts: str | os.PathLike[str] | list[Any] | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.num_workers, (tuple, list)):
-            if len(self.num_workers) != 2:
-                raise ConfigError(
-                    f"`num_workers` as a range must be (min_workers, max_workers), got {self.num_workers!r}."
-                )
-            low, high = self.num_workers
-            _check_int("num_workers[0] (min_workers)", low, 1)
-            _check_int("num_workers[1] (max_workers)", high, 1)
-            if low > high:
-                raise ConfigError(
-                    "`num_workers=(min_workers, max_workers)` needs min_workers <= max_workers, "
-                    f"got {self.num_workers!r}."
-                )
-            self.num_workers = (low, high)
-        else:
-            _check_int("num_workers", self.num_workers, 0)
-        interval = self.elastic_resize_monitor_interval_s
-        if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not interval > 0:
-            raise ConfigError(f"`elastic_resize_monitor_interval_s` must be a number of seconds > 0, got {interval!r}.")
-        if not isinstance(self.use_gpu, bool):
-            raise ConfigError(f"`use_gpu` must be True or False, got {self.use_gpu!r}.")
-        if self.use_tpu:
-            raise ConfigError("`use_tpu=True` is not supported by ddptrain: it runs on CPUs and CUDA GPUs.")
-        _deprecated("ScalingConfig", "trainer_resources", self.trainer_resources, "Remove it.")
-        if self.placement_strategy not in _PLACEMENT_STRATEGIES:
-            raise ConfigError(
-                f"`placement_strategy` must be one of {', '.join(_PLACEMENT_STRATEGIES)}, "
-                f"got {self.placement_strategy!r}."
-            )
-        if self.hosts is not None and self.hosts != SLURM:  # the allocation is read at fit()
-            parse_hosts(self.hosts)  # a bad host file is an error now, not at fit()
-        resources = self.resources_per_worker
-        if resources is not None:
-            if not isinstance(resources, dict):
-                raise ConfigError(f"`resources_per_worker` must be a dict, got {resources!r}.")
-            for key, amount in resources.items():
-                if isinstance(amount, bool) or not isinstance(amount, (int, float)) or amount < 0:
-                    raise ConfigError(f"`resources_per_worker[{key!r}]` must be a number >= 0, got {amount!r}.")
-                meant = str(key).upper().rstrip("S")
-                if meant in ("CPU", "GPU") and key != meant:  # other keys (Ray's custom resources) are ignored
-                    raise ConfigError(
-                        f"`resources_per_worker` has {key!r}: did you mean {meant!r}? The keys ddptrain reads are "
-                        "'CPU' and 'GPU', spelled as in Ray."
-                    )
-            gpus = resources.get("GPU", 0)
-            if gpus and not self.use_gpu:
-                raise ConfigError(
-                    f"`resources_per_worker` asks for {gpus} GPU(s) per worker but `use_gpu` is False. "
-                    "Set `use_gpu=True`."
-                )
-            if self.use_gpu and "GPU" in resources and gpus == 0:
-                raise ConfigError(
-                    "`use_gpu=True` but `resources_per_worker['GPU']` is 0. "
-                    "Give each worker at least part of a GPU, or set `use_gpu=False`."
-                )
-            if gpus > 1 and not float(gpus).is_integer():
-                raise ConfigError(f"`resources_per_worker['GPU']` above 1 must be a whole number, got {gpus}.")
-
-    @property
-    def elastic(self) -> bool:
-        """Whether ``num_workers`` is a ``(min_workers, max_workers)`` range."""
-        return isinstance(self.num_workers, tuple)
-
-    @property
-    def min_workers(self) -> int:
-        """The fewest workers an attempt may run with (``num_workers`` when it is fixed)."""
-        return self.num_workers[0] if isinstance(self.num_workers, tuple) else self.num_workers
-
-    @property
-    def max_workers(self) -> int:
-        """The most workers an attempt runs with (``num_workers`` when it is fixed)."""
-        return self.num_workers[1] if isinstance(self.num_workers, tuple) else self.num_workers
-
-    @property
-    def num_gpus_per_worker(self) -> float:
-        """GPUs each worker gets: 1 with ``use_gpu`` unless ``resources_per_worker`` says otherwise."""
-        if not self.use_gpu:
-            return 0
-        return float((self.resources_per_worker or {}).get("GPU", 1))
-
-    @property
-    def num_cpus_per_worker(self) -> float:
-        """CPUs each worker asks for (``resources_per_worker['CPU']``; 1 on CPU, 0 on GPU by default)."""
-        default = 0 if self.use_gpu else 1
-        return float((self.resources_per_worker or {}).get("CPU", default))
-
-    @property
-    def _resources_per_worker_not_none(self) -> dict[str, float]:
-        """Each worker's resources as Ray counts them: ``{"CPU": 1}`` (``{"GPU": 1}`` with
-        ``use_gpu``) by default, zero entries dropped, and ``accelerator_type:<X>`` at 0.001."""
-        if self.resources_per_worker is None:
-            resources: dict[str, float] = {"GPU": 1} if self.use_gpu else {"CPU": 1}
-        else:
-            resources = {k: v for k, v in self.resources_per_worker.items() if v != 0}
-        if self.use_gpu:
-            resources.setdefault("GPU", 1)
-        if self.accelerator_type:
-            resources.setdefault(f"accelerator_type:{self.accelerator_type}", 0.001)
-        return resources
-
-    @property
-    def total_resources(self) -> dict[str, float]:
-        """Resources of the whole group, as Ray reports them: each worker's non-zero resources
-        times ``num_workers`` (``ScalingConfig(num_workers=2).total_resources == {"CPU": 2.0}``);
-        an elastic run's upper bound, from ``max_workers``."""
-        return {k: float(v * self.max_workers) for k, v in self._resources_per_worker_not_none.items()}
-
-    def _omp_num_threads(self) -> int:
-        cpus = (self.resources_per_worker or {}).get("CPU")
-        return max(1, math.floor(cpus)) if cpus else 1
 
 
 @dataclass
@@ -219,12 +48,12 @@ class CheckpointConfig:
     num_to_keep: int | None = None
     checkpoint_score_attribute: str | None = None
     checkpoint_score_order: Literal["max", "min"] = "max"
-    checkpoint_frequency: Any = _DEPRECATED
-    checkpoint_at_end: Any = _DEPRECATED
+    checkpoint_frequency: Any = DEPRECATED
+    checkpoint_at_end: Any = DEPRECATED
 
     def __post_init__(self) -> None:
         if self.num_to_keep is not None:
-            _check_int("num_to_keep", self.num_to_keep, 1)
+            check_int("num_to_keep", self.num_to_keep, 1)
         if self.checkpoint_score_order not in ("max", "min"):
             raise ConfigError(f"`checkpoint_score_order` must be 'max' or 'min', got {self.checkpoint_score_order!r}.")
         attribute = self.checkpoint_score_attribute
@@ -233,8 +62,8 @@ class CheckpointConfig:
                 f"`checkpoint_score_attribute` must be a metric name (str), got {self.checkpoint_score_attribute!r}."
             )
         hint = "Call `ddptrain.report(..., checkpoint=...)` whenever you want a checkpoint."
-        _deprecated("CheckpointConfig", "checkpoint_frequency", self.checkpoint_frequency, hint)
-        _deprecated("CheckpointConfig", "checkpoint_at_end", self.checkpoint_at_end, hint)
+        refuse_deprecated("CheckpointConfig", "checkpoint_frequency", self.checkpoint_frequency, hint)
+        refuse_deprecated("CheckpointConfig", "checkpoint_at_end", self.checkpoint_at_end, hint)
 
 
 def _check_fn_kwargs(owner: str, fn_kwargs: Any) -> None:
@@ -335,12 +164,12 @@ class FailureConfig:
 
     max_failures: int = 0
     controller_failure_limit: int = -1
-    fail_fast: Any = _DEPRECATED
+    fail_fast: Any = DEPRECATED
 
     def __post_init__(self) -> None:
-        _check_int("max_failures", self.max_failures, -1)
-        _check_int("controller_failure_limit", self.controller_failure_limit, -1)
-        _deprecated("FailureConfig", "fail_fast", self.fail_fast, "Use `max_failures=0`.")
+        check_int("max_failures", self.max_failures, -1)
+        check_int("controller_failure_limit", self.controller_failure_limit, -1)
+        refuse_deprecated("FailureConfig", "fail_fast", self.fail_fast, "Use `max_failures=0`.")
 
 
 @dataclass
@@ -418,15 +247,15 @@ class RunConfig:
     callbacks: list[UserCallback] | None = None
     worker_runtime_env: dict[str, Any] | None = None
     logging_config: LoggingConfig | None = None
-    sync_config: Any = _DEPRECATED
-    verbose: Any = _DEPRECATED
-    stop: Any = _DEPRECATED
-    progress_reporter: Any = _DEPRECATED
-    log_to_file: Any = _DEPRECATED
+    sync_config: Any = DEPRECATED
+    verbose: Any = DEPRECATED
+    stop: Any = DEPRECATED
+    progress_reporter: Any = DEPRECATED
+    log_to_file: Any = DEPRECATED
 
     def __post_init__(self) -> None:
         for name in ("sync_config", "verbose", "stop", "progress_reporter", "log_to_file"):
-            _deprecated("RunConfig", name, getattr(self, name), "Remove it.")
+            refuse_deprecated("RunConfig", name, getattr(self, name), "Remove it.")
         if self.name is not None:
             if not isinstance(self.name, str) or not self.name.strip():
                 raise ConfigError(f"`name` must be a non-empty string, got {self.name!r}.")

@@ -27,9 +27,11 @@ ADVISED_LINES = 400
 # The packages that follow the process roles. Everything else (the package root, config,
 # checkpoint, result, context, torch/, data/, tune/, the other trainers, util/sgd/) is "api".
 ROLES = ("wire", "storage", "launch", "agent", "worker", "driver", "cli")
-# What any role may use: the small modules of plain types and settings the API defines.
+# What any role may use: the small modules of plain types and settings the API defines, and
+# the one reader of /proc and prctl (standard library only).
 TYPES = {
     "ddptrain._env",
+    "ddptrain._proc",
     "ddptrain._version",
     "ddptrain.errors",
     "ddptrain.config",

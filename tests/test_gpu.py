@@ -1,44 +1,26 @@
-"""CUDA runs: nccl, one device per worker, model and batch placement.
+"""CUDA runs: nccl, one device per worker, model and batch placement, GPUs shared and split
+between workers, a host list's ``gpus=``, JAX and Tune on GPUs.
 
-Marked ``gpu`` and skipped unless enough CUDA devices are visible (``tox -e gpu`` or
-``pytest -m gpu`` on a GPU machine). They run one at a time, also under ``-n`` (conftest.py).
+How GPU workers start and end (CUDA in the driver and the user's modules, memory given back,
+restarts, warm workers) is in ``test_gpu_processes.py``. Marked ``gpu`` and skipped unless
+enough CUDA devices are visible (``tox -e gpu`` or ``pytest -m gpu`` on a GPU machine). They
+run one at a time, also under ``-n`` (conftest.py).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-from pathlib import Path
 
 import pytest
 import torch
+from gpus import fit_gpu, gpu_count, needs_one_gpu, needs_two_gpus
 from torch.utils.data import DataLoader, TensorDataset
 
 import ddptrain as train
 from ddptrain.torch import TorchTrainer, get_device, get_devices, prepare_data_loader, prepare_model
 
-
-def _gpus() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-needs_one_gpu = pytest.mark.skipif(_gpus() < 1, reason="needs a CUDA GPU")
-needs_two_gpus = pytest.mark.skipif(_gpus() < 2, reason="needs 2 CUDA GPUs")
-
 pytestmark = pytest.mark.gpu
-
-
-def fit_gpu(fn, storage: str, num_workers: int, resources_per_worker: dict | None = None) -> list:
-    trainer = TorchTrainer(
-        fn,
-        scaling_config=train.ScalingConfig(
-            num_workers=num_workers, use_gpu=True, resources_per_worker=resources_per_worker
-        ),
-        run_config=train.RunConfig(name="gpu", storage_path=storage),
-    )
-    result = trainer.fit()
-    assert len(result.return_values) == num_workers
-    return result.return_values
 
 
 def gpu_train_func() -> dict:
@@ -153,76 +135,6 @@ def test_fsdp_on_workers_sharing_a_gpu_warns_that_it_runs_over_gloo(storage: str
     assert {v["model_type"] for v in values} == {"FullyShardedDataParallel"}
 
 
-# ----------------------------------------------------------------- how GPU workers start
-# Workers that use CUDA must not be forked from a process in which CUDA was touched or the
-# user's code ran (issue: "Cannot re-initialize CUDA in forked subprocess").
-
-CUDA_MODULE = """
-import torch
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # real code does this
-
-
-def train_func():
-    import ddptrain.torch
-
-    x = torch.ones(4, device=ddptrain.torch.get_device())
-    return {"device": str(x.device), "sum": x.sum().item(), "module_device": str(DEVICE)}
-"""
-
-
-@needs_one_gpu
-def test_a_function_from_a_module_that_queries_cuda_at_import(storage: str, tmp_path, monkeypatch) -> None:
-    import sys
-
-    (tmp_path / "cuda_user_module.py").write_text(CUDA_MODULE)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    import cuda_user_module
-
-    try:
-        (out,) = fit_gpu(cuda_user_module.train_func, storage, num_workers=1)
-    finally:
-        sys.modules.pop("cuda_user_module", None)
-    assert out == {"device": "cuda:0", "sum": 4.0, "module_device": "cuda"}
-
-
-MAIN_SCRIPT = """
-import torch
-import ddptrain as train
-from ddptrain.torch import TorchTrainer, get_device
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def train_func():
-    return str((torch.ones(2, device=get_device()) * 2).device)
-
-
-if __name__ == "__main__":
-    import sys
-
-    result = TorchTrainer(
-        train_func,
-        scaling_config=train.ScalingConfig(num_workers=1, use_gpu=True),
-        run_config=train.RunConfig(storage_path=sys.argv[1]),
-    ).fit()
-    print("RESULT", result.return_values)
-"""
-
-
-@needs_one_gpu
-def test_a_function_defined_in_main(storage: str, tmp_path) -> None:
-    import subprocess
-    import sys
-
-    script = tmp_path / "gpu_main.py"
-    script.write_text(MAIN_SCRIPT)
-    proc = subprocess.run([sys.executable, str(script), storage], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "RESULT ['cuda:0']" in proc.stdout
-    assert "multi-threaded" not in proc.stderr  # no fork from a process with threads
-
-
 def loader_func() -> dict:
     dataset = TensorDataset(torch.randn(256, 8), torch.randn(256, 1))
     loader = prepare_data_loader(DataLoader(dataset, batch_size=32, num_workers=2, pin_memory=True))
@@ -263,121 +175,10 @@ def test_autocast_bf16(storage: str) -> None:
     assert out == {"dtype": "torch.bfloat16", "finite": True}
 
 
-def crash_once_func() -> dict:
-    import os
-    import tempfile
-
-    ckpt = train.get_checkpoint()
-    start = 0
-    if ckpt is not None:
-        with ckpt.as_directory() as d:
-            start = torch.load(os.path.join(d, "state.pt"), map_location=get_device())["step"].item() + 1
-    for step in range(start, 4):
-        state = {"step": torch.tensor(step, device=get_device())}
-        with tempfile.TemporaryDirectory() as d:
-            torch.save(state, os.path.join(d, "state.pt"))
-            train.report({"step": step}, checkpoint=train.Checkpoint.from_directory(d))
-        if step == 1 and train.get_context().get_world_rank() == 0 and ckpt is None:
-            os._exit(7)  # a crash after the second checkpoint
-    return {"started_at": start, "device": str(get_device())}
-
-
-@needs_one_gpu
-def test_a_crashed_gpu_worker_restarts_from_its_checkpoint(storage: str) -> None:
-    result = TorchTrainer(
-        crash_once_func,
-        scaling_config=train.ScalingConfig(num_workers=1, use_gpu=True),
-        run_config=train.RunConfig(storage_path=storage, failure_config=train.FailureConfig(max_failures=1)),
-    ).fit()
-    assert result.return_values == [{"started_at": 2, "device": "cuda:0"}]
-    assert [m["step"] for m in result.metrics_history] == [0, 1, 2, 3]
-
-
-def _nvidia_smi(query: str) -> list[int]:
-    import subprocess
-
-    out = subprocess.run(
-        ["nvidia-smi", f"--query-{query}", "--format=csv,noheader,nounits"], capture_output=True, text=True, check=True
-    ).stdout
-    return [int(line) for line in out.split() if line.strip().isdigit()]
-
-
-def _gpu_pids() -> set[int]:
-    return set(_nvidia_smi("compute-apps=pid"))
-
-
-def _gpu_used_mib() -> int:
-    """Memory in use on every GPU nvidia-smi shows (it ignores ``CUDA_VISIBLE_DEVICES``)."""
-    return sum(_nvidia_smi("gpu=memory.used"))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
-
-
-def hold_gpu_memory(config: dict) -> dict:
-    import os
-
-    held = torch.empty(256 * 2**20, dtype=torch.uint8, device=get_device())  # 256 MiB
-    torch.cuda.synchronize()
-    seen = {"pid": os.getpid(), "listed": None, "used_mib": None}
-    if config["smi"]:  # what nvidia-smi shows of this worker while it holds the memory
-        seen["listed"] = os.getpid() in _gpu_pids()  # not in a container: its pids are the host's
-        seen["used_mib"] = _gpu_used_mib()
-    del held
-    return seen
-
-
-@needs_one_gpu
-def test_gpu_memory_is_released_after_fit(storage: str) -> None:
-    # GPU tests run one at a time (conftest.py), so the machine's GPU memory changes only by
-    # this test's run; its worker's pid says whether nvidia-smi sees this run at all.
-    import shutil
-    import time
-
-    smi = shutil.which("nvidia-smi") is not None
-    used_before = _gpu_used_mib() if smi else 0
-    trainer = TorchTrainer(
-        hold_gpu_memory,
-        train_loop_config={"smi": smi},
-        scaling_config=train.ScalingConfig(num_workers=1, use_gpu=True),
-        run_config=train.RunConfig(name="gpu", storage_path=storage),
-    )
-    (seen,) = trainer.fit().return_values
-    pid = seen["pid"]
-    deadline = time.monotonic() + 15
-    while _alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not _alive(pid)  # the worker that held the memory is gone
-    if not smi:
-        pytest.skip("no nvidia-smi: only checked that the worker process is gone")
-    # Checked only where the run showed: nvidia-smi listed the worker's pid (not in a container,
-    # whose pids it does not show) and saw the memory it held (not on a MIG slice, say).
-    pid_shown = seen["listed"]
-    memory_shown = seen["used_mib"] >= used_before + 200
-    while (pid_shown and pid in _gpu_pids() or memory_shown and _gpu_used_mib() > used_before + 64) and (
-        time.monotonic() < deadline + 15
-    ):
-        time.sleep(0.2)
-    if pid_shown:
-        assert pid not in _gpu_pids()
-    if memory_shown:
-        assert _gpu_used_mib() <= used_before + 64
-    if not (pid_shown or memory_shown):
-        pytest.skip(
-            f"nvidia-smi showed neither the worker's pid nor its memory ({seen['used_mib']} MiB used, "
-            f"{used_before} before): only checked that the worker process is gone"
-        )
-
-
 @needs_one_gpu
 def test_more_gpu_workers_than_gpus_is_a_clear_error(storage: str) -> None:
     with pytest.raises(train.ConfigError, match=r"asks for \d+ GPU\(s\).*torch sees \d+"):
-        fit_gpu(devices_func, storage, num_workers=_gpus() + 1)
+        fit_gpu(devices_func, storage, num_workers=gpu_count() + 1)
 
 
 @needs_one_gpu
@@ -407,14 +208,12 @@ def test_cuda_tensors_in_return_values_arrive_on_the_cpu(storage: str) -> None:
 def _host_gpu_ids() -> list[int | str]:
     """This machine's GPU ids as a host list names them: those of ``CUDA_VISIBLE_DEVICES`` if
     set (indices, or ``GPU-...``/``MIG-...`` UUIDs, which a host list's ``gpus=`` takes too)."""
-    import os
-
     from ddptrain.launch.hosts import visible_gpu_ids
 
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if not visible:
-        return list(range(_gpus()))
-    return visible_gpu_ids(visible)[: _gpus()]
+        return list(range(gpu_count()))
+    return visible_gpu_ids(visible)[: gpu_count()]
 
 
 def gpus_seen() -> dict:
@@ -523,121 +322,6 @@ def test_a_jax_worker_computes_on_its_own_gpu(storage: str) -> None:
     assert value["total"] == 56.0 and value["visible"] is not None and "," not in value["visible"], value
 
 
-# ----------------------------------------------------------------- what a one-GPU machine can check
-DRIVER_SCRIPT = """
-import sys
-
-import torch
-
-import ddptrain as train
-from ddptrain import ray_compat
-from ddptrain.agent.process import children_cannot_use_cuda
-from ddptrain.torch import TorchTrainer, get_device
-
-
-def train_func():
-    return torch.ones(2, device=get_device())  # a CUDA tensor, unpickled by the driver
-
-
-if __name__ == "__main__":
-    gpus = ray_compat._RayModule().cluster_resources().get("GPU", 0)
-    result = TorchTrainer(
-        train_func,
-        scaling_config=train.ScalingConfig(num_workers=1, use_gpu=True),
-        run_config=train.RunConfig(storage_path=sys.argv[1]),
-    ).fit()
-    (value,) = result.return_values
-    print("RESULT", gpus > 0, value.device, torch.cuda.is_initialized(), children_cannot_use_cuda(torch))
-"""
-
-
-@needs_one_gpu
-def test_the_driver_of_a_gpu_run_never_starts_cuda(storage: str, tmp_path) -> None:
-    # The driver counts GPUs (NVML: it starts nothing), starts and watches the workers and
-    # unpickles what they return without ever starting CUDA: no context, and no cuInit either
-    # (which would keep any process it forks from using CUDA). Its own process: this one asked
-    # CUDA already (the skip marks above).
-    import subprocess
-    import sys
-
-    script = tmp_path / "gpu_driver.py"
-    script.write_text(DRIVER_SCRIPT)
-    proc = subprocess.run([sys.executable, str(script), storage], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "RESULT True cpu False False" in proc.stdout, proc.stdout + proc.stderr
-
-
-RAYSGD_DRIVER_SCRIPT = """
-import torch
-import torch.nn as nn
-from torch.utils.data import DataLoader, TensorDataset
-
-from ddptrain.agent.process import children_cannot_use_cuda
-from ddptrain.util.sgd import TorchTrainer, TrainingOperator
-
-
-class Operator(TrainingOperator):
-    def setup(self, config):
-        model = nn.Linear(1, 1)
-        self.model, self.optimizer, self.criterion = self.register(
-            models=model, optimizers=torch.optim.SGD(model.parameters(), lr=0.1), criterion=nn.MSELoss()
-        )
-        data = TensorDataset(torch.ones(4, 1), torch.ones(4, 1))
-        self.register_data(train_loader=DataLoader(data, batch_size=2), validation_loader=DataLoader(data))
-
-
-if __name__ == "__main__":
-    trainer = TorchTrainer(training_operator_cls=Operator, num_workers=1)  # use_gpu="auto"
-    try:
-        trainer.train()
-    finally:
-        trainer.shutdown()
-    print("RESULT", trainer.use_gpu, torch.cuda.is_initialized(), children_cannot_use_cuda(torch))
-"""
-
-
-@needs_one_gpu
-def test_raysgd_use_gpu_auto_finds_the_gpus_without_starting_cuda_in_the_driver(tmp_path) -> None:
-    # RaySGD's default use_gpu="auto" counts the GPUs (NVML), and the driver never calls into
-    # CUDA (no context, no cuInit that would keep the processes it forks off CUDA).
-    import subprocess
-    import sys
-
-    script = tmp_path / "raysgd_driver.py"
-    script.write_text(RAYSGD_DRIVER_SCRIPT)
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "RESULT True False False" in proc.stdout, proc.stdout + proc.stderr
-
-
-def warm_func() -> dict:
-    import torch.distributed as dist
-
-    total = torch.tensor([1.0], device=get_device())
-    dist.all_reduce(total)
-    return {"pid": os.getpid(), "backend": dist.get_backend(), "sum": total.item(), "device": str(total.device)}
-
-
-@needs_one_gpu
-def test_warm_gpu_fits_run_on_the_same_worker_with_a_new_process_group(storage: str) -> None:
-    # The first fit's process group (nccl) is destroyed as it ends, and the next fit on the
-    # same warm worker builds a new one on the same GPU.
-    def fit(name: str) -> dict:
-        trainer = TorchTrainer(
-            warm_func,
-            scaling_config=train.ScalingConfig(num_workers=1, use_gpu=True),
-            run_config=train.RunConfig(name=name, storage_path=storage),
-        )
-        (value,) = trainer.fit().return_values
-        return value
-
-    with train.reuse_workers():
-        first, second = fit("warm-1"), fit("warm-2")
-    assert first["pid"] == second["pid"]
-    for out in (first, second):
-        assert out == {"pid": first["pid"], "backend": "nccl", "sum": 1.0, "device": "cuda:0"}
-
-
 @needs_two_gpus
 def test_fractional_workers_fill_one_gpu_before_the_next(storage: str) -> None:
     values = fit_gpu(devices_func, storage, num_workers=3, resources_per_worker={"GPU": 0.5})
@@ -678,35 +362,22 @@ def test_two_jax_workers_share_one_gpu(storage: str) -> None:
     assert [v["total"] for v in result.return_values] == [56.0, 56.0]
     assert len({v["visible"] for v in result.return_values}) == 1  # the same GPU
     # Each took its share of JAX's default 75% (XLA_PYTHON_CLIENT_MEM_FRACTION=0.375), not 75%.
-    gpu_bytes = torch.cuda.get_device_properties(0).total_memory
+    gpu_bytes = _gpu_total_bytes()
     for value in result.return_values:
-        if value["limit"] is not None:
+        if value["limit"] is not None and gpu_bytes:
             assert value["limit"] <= 0.4 * gpu_bytes, (value["limit"], gpu_bytes)
 
 
-def hold_most_of_the_gpu(config: dict) -> dict:
-    import os
+def _gpu_total_bytes() -> int:
+    """The first visible GPU's memory, from nvidia-smi (0 without it): not through torch, which
+    would start CUDA in the test process."""
+    import shutil
+    import subprocess
 
-    free, total = torch.cuda.mem_get_info(get_device())
-    held = torch.empty(int(total * 0.6), dtype=torch.uint8, device=get_device())
-    torch.cuda.synchronize()
-    marker = os.path.join(config["dir"], "crashed_once")
-    if not os.path.exists(marker):
-        open(marker, "w").close()
-        os._exit(7)  # dies holding 60% of its GPU
-    del held
-    return {"free_at_start": free, "total": total}
-
-
-@needs_one_gpu
-def test_a_restart_finds_the_gpu_memory_of_the_crashed_attempt_freed(storage: str, tmp_path) -> None:
-    # The next attempt's worker starts only once the dead one's memory is back: 60% twice
-    # does not fit on one GPU.
-    trainer = TorchTrainer(
-        hold_most_of_the_gpu,
-        train_loop_config={"dir": str(tmp_path)},
-        scaling_config=train.ScalingConfig(num_workers=1, use_gpu=True),
-        run_config=train.RunConfig(storage_path=storage, failure_config=train.FailureConfig(max_failures=1)),
-    )
-    (value,) = trainer.fit().return_values
-    assert value["free_at_start"] >= 0.6 * value["total"]
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    query = ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"]
+    out = subprocess.run([*query, f"--id={visible}"] if visible else query, capture_output=True, text=True)
+    lines = out.stdout.split()
+    return int(lines[0]) * 2**20 if out.returncode == 0 and lines and lines[0].isdigit() else 0

@@ -11,6 +11,8 @@ import signal
 import threading
 from typing import Any
 
+from ddptrain._proc import die_with_parent, set_parent_death_signal, stat_fields, state_letter
+
 __all__ = [
     "children_cannot_use_cuda",
     "kill_group_strays",
@@ -24,14 +26,7 @@ __all__ = [
 
 def set_pdeathsig(agent_pid: int) -> None:
     """Make the kernel SIGKILL this (forked) process when the agent dies."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-    if os.getppid() != agent_pid:  # the agent died before the request took effect
+    if not die_with_parent(agent_pid):  # the agent died before the request took effect
         os._exit(1)
 
 
@@ -40,12 +35,7 @@ def resume_when_orphaned() -> None:
     the SSH session) dies. An agent stopped by a signal (SIGSTOP, a debugger that let go) would
     otherwise never see its stdin end and stay stopped forever, with its workers; resumed, it
     stops them as for any driver that went away. A SIGCONT to a running agent does nothing."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGCONT)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
+    set_parent_death_signal(signal.SIGCONT)
 
 
 def other_threads() -> list[str]:
@@ -96,15 +86,6 @@ def why_fork_unsafe() -> str | None:
     return None
 
 
-def _stat_fields(pid: int) -> list[str]:
-    """The fields of ``/proc/<pid>/stat`` after the command name (state first; empty: gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return []
-
-
 def kill_group_strays() -> None:
     """Kill what is left in this process's group (e.g. DataLoader workers of a worker), when
     the group is its own."""
@@ -114,7 +95,7 @@ def kill_group_strays() -> None:
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == me:
             continue
-        fields = _stat_fields(int(entry))
+        fields = stat_fields(int(entry))
         if len(fields) > 2 and int(fields[2]) == group:
             try:
                 os.kill(int(entry), signal.SIGKILL)
@@ -124,8 +105,7 @@ def kill_group_strays() -> None:
 
 def process_state(pid: int) -> dict[str, str]:
     """The kernel's view of a process: its state letter and the kernel function it waits in."""
-    fields = _stat_fields(pid)
-    state = {"state": fields[0] if fields else "?", "wchan": ""}
+    state = {"state": state_letter(pid) or "?", "wchan": ""}
     try:
         with open(f"/proc/{pid}/wchan") as f:
             state["wchan"] = f.read().strip()

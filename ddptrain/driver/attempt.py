@@ -12,7 +12,8 @@ restart, or the run's end) is the controller's decision.
 
 The attempt sees its run through two narrow views: an :class:`AttemptContext` (what starting and
 steering the group needs) and a :class:`ReportSink` (where the reports go), which ``Run``
-implements.
+implements. Those views and the outcomes live in :mod:`ddptrain.driver.attempt_types` (and are
+re-exported here); a round and the warnings about late ranks in :mod:`ddptrain.driver.rounds`.
 """
 
 from __future__ import annotations
@@ -20,16 +21,22 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 import cloudpickle
 
-from ddptrain import _env
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.driver import preemption
+from ddptrain.driver.attempt_types import (
+    AttemptContext,
+    Failed,
+    Outcome,
+    Preempted,
+    ReportSink,
+    Resized,
+    Succeeded,
+)
 from ddptrain.driver.group_events import (
     FailureSeen,
     GroupEvent,
@@ -39,10 +46,10 @@ from ddptrain.driver.group_events import (
     TickDue,
     failure_from_record,
 )
+from ddptrain.driver.rounds import Round, warn_stragglers, warn_unfinished
 from ddptrain.driver.watchdog import Watch
 from ddptrain.driver.worker_group import GroupFailed, WorkerGroup
 from ddptrain.errors import LaunchError, WorkerFailure, is_disk_full
-from ddptrain.storage.base import RunStorage
 from ddptrain.wire import protocol
 
 __all__ = [
@@ -59,111 +66,6 @@ __all__ = [
 
 _logger = logging.getLogger(__name__)
 _POLL_S = 0.5  # the longest wait for the group's next event
-
-
-@dataclass(frozen=True)
-class Succeeded:
-    """Every rank returned: their return values by rank, and whether the workers stay warm."""
-
-    return_values: list[Any]
-    keep_warm: bool
-
-
-@dataclass(frozen=True)
-class Failed:
-    """The attempt failed. ``failures``: root cause first. ``retryable``: a later attempt may
-    succeed (not after every rank returned, not on a full disk); the controller decides whether
-    one follows. The group is dead but not shut down: the controller may start the next
-    attempt's agents first."""
-
-    failures: tuple[WorkerFailure, ...]
-    retryable: bool
-
-    @property
-    def disk_full(self) -> bool:
-        return any(is_disk_full(f.exception) for f in self.failures)
-
-
-@dataclass(frozen=True)
-class Preempted:
-    """A preemption notice stopped the attempt: ``checkpoint`` is the one committed after the
-    notice (``None``: the deadline came first). The group is alive: the controller stops it."""
-
-    notice: preemption.Notice
-    checkpoint: Checkpoint | None
-
-
-@dataclass(frozen=True)
-class Resized:
-    """Hosts an elastic run had left out answer again (``hosts``): the attempt stopped at the
-    checkpoint committed since (``checkpoint``), for a larger group. Not a failure. The group
-    is alive: the controller stops it."""
-
-    hosts: tuple[str, ...]
-    checkpoint: Checkpoint
-
-
-Outcome = Succeeded | Failed | Preempted | Resized
-
-
-@dataclass(frozen=True)
-class AttemptContext:
-    """What one attempt needs to start and steer its group (made by ``Run.attempt_context``).
-
-    Attributes:
-        index: Attempt number, 0 for the first start.
-        run_info: What the workers learn of the run.
-        payload: The pickled training function.
-        datasets: Each rank's dataset shard specs for this start.
-        log_dir: Where each rank's output goes.
-        run_dir: The run directory on this machine (``ddptrain stack`` requests, fetched files).
-        storage: The run's storage (it collects the staged checkpoint files it commits).
-        backend_config: Its backend sets up and tears down the workers' framework.
-        progress: The console (worker lines, the live status line).
-    """
-
-    index: int
-    run_info: protocol.RunInfo
-    payload: bytes | None
-    datasets: dict[int, Any] | None
-    log_dir: Path
-    run_dir: str
-    storage: RunStorage
-    backend_config: Any
-    progress: Any
-
-
-class ReportSink(Protocol):
-    """Where an attempt's reports go (``Run`` is one)."""
-
-    def record_metrics(self, metrics: dict[str, Any], attempt: int) -> None: ...
-
-    def flush_metrics(self) -> None: ...
-
-    def name_problem(self, name: str, staged: Sequence[str] = ()) -> str | None: ...
-
-    def commit_checkpoint(
-        self, staged: list[str], name: str, metrics: dict[str, Any], index: int, validation: bytes | None = None
-    ) -> Checkpoint: ...
-
-    def after_report(self, metrics: list[dict[str, Any]], checkpoint: Checkpoint | None) -> None: ...
-
-    def reported_checkpoints(self) -> list[tuple[str, dict[str, Any], str]]: ...
-
-    def poll_validations(self) -> bool: ...
-
-    def validating(self) -> bool: ...
-
-
-@dataclass
-class _Round:
-    """One ``report()`` or collective call, gathered across ranks."""
-
-    kind: str
-    index: int
-    started: float
-    entries: dict[int, Any] = field(default_factory=dict)
-    warned_at: float = 0.0
 
 
 class Attempt:
@@ -197,7 +99,7 @@ class Attempt:
         self.world_size = group.world_size
         # Open rounds by kind, then index; created in the order of their indices (each rank
         # calls in order), so the first of a kind is its oldest.
-        self.rounds: dict[str, dict[int, _Round]] = {"report": {}, "collective": {}}
+        self.rounds: dict[str, dict[int, Round]] = {"report": {}, "collective": {}}
         self.staged_rounds: set[int] = set()  # open report rounds that a rank passed files to
         # Report rounds every rank made, in report order, waiting for their ranks' background
         # uploads (ASYNC) or for an earlier round to commit: (index, entries by rank).
@@ -337,7 +239,7 @@ class Attempt:
         for the next run). Training succeeded, so problems from here on are logged, not raised."""
         self.group.finishing = True
         self.watch.active = False
-        self._warn_unfinished_rounds()
+        self._drop_unfinished_rounds()
         try:
             backend.on_shutdown(self.group, self.context.backend_config)
         except Exception as exc:
@@ -379,7 +281,7 @@ class Attempt:
         rounds = self.rounds[kind]
         round_ = rounds.get(index)
         if round_ is None:
-            round_ = rounds[index] = _Round(kind, index, self.clock())
+            round_ = rounds[index] = Round(kind, index, self.clock())
         round_.entries[rank] = entry
         if kind == "report" and entry.staged:
             self.staged_rounds.add(index)
@@ -482,16 +384,15 @@ class Attempt:
         for round_ in self._waiting_rounds() if self.group.done else []:
             gone = sorted(set(self.group.done) - set(round_.entries))
             if gone:
-                what = "report()" if round_.kind == "report" else "a collective (barrier/broadcast)"
                 error = RuntimeError(
                     f"rank(s) {gone} returned from the training function while rank(s) {sorted(round_.entries)} "
-                    f"wait for them in {what} call #{round_.index}. Every worker must call it the same "
+                    f"wait for them in {round_.what} call #{round_.index}. Every worker must call it the same "
                     "number of times."
                 )
                 raise self.group.fail([self.group.failure(gone[0], None, error)])
-        self._warn_stragglers()
+        warn_stragglers(self.rounds, self.world_size, self.clock())
 
-    def _waiting_rounds(self) -> list[_Round]:
+    def _waiting_rounds(self) -> list[Round]:
         """Open rounds whose ranks wait for the others: collectives, reports with files, and
         reports a ``get_all_reported_checkpoints()`` call waits for (plain reports do not)."""
         reports = self.rounds["report"]
@@ -501,47 +402,9 @@ class Attempt:
             waiting += [r for i, r in reports.items() if i <= last and i not in self.staged_rounds]
         return waiting
 
-    def _warn_stragglers(self) -> None:
-        interval = _env.report_warn_interval_s()
-        now = self.clock()
-        for kind, rounds in self.rounds.items():
-            oldest = next(iter(rounds.values()), None)
-            if oldest is None:
-                continue
-            age = now - oldest.started
-            if age < interval or now - oldest.warned_at < max(interval, 30.0):
-                continue
-            oldest.warned_at = now
-            missing = sorted(set(range(self.world_size)) - set(oldest.entries))
-            what = "report()" if kind == "report" else "a collective (barrier/broadcast)"
-            _logger.warning(
-                "ddptrain: rank(s) %s have not reached %s call #%d yet; rank(s) %s reached it %.1f s ago. "
-                "Every worker must call it the same number of times.",
-                missing,
-                what,
-                oldest.index,
-                sorted(oldest.entries),
-                age,
-            )
-
-    def _warn_unfinished_rounds(self) -> None:
-        for round_ in self.rounds["report"].values():
-            missing = sorted(set(range(self.world_size)) - set(round_.entries))
-            _logger.warning(
-                "ddptrain: report() call #%d was made by rank(s) %s but never by rank(s) %s; "
-                "every worker must call report() the same number of times.",
-                round_.index,
-                sorted(round_.entries),
-                missing,
-            )
-        for index, entries in self.to_commit:
-            missing = sorted(e.rank for e in entries if e.pending and e.rank not in self.uploaded.get(index, {}))
-            _logger.warning(
-                "ddptrain: the checkpoint of report() call #%d was never committed: the upload of rank(s) %s "
-                "never ended.",
-                index,
-                missing,
-            )
+    def _drop_unfinished_rounds(self) -> None:
+        """Training succeeded: warn about the rounds it left open, and forget them."""
+        warn_unfinished(self.rounds["report"].values(), self.to_commit, self.uploaded, self.world_size)
         for rounds in self.rounds.values():
             rounds.clear()
         self.staged_rounds.clear()

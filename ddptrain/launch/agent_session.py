@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import IO, Protocol
 
-from ddptrain.errors import AgentGoneError, LaunchError
+from ddptrain.errors import AgentGoneError, HostLostError, LaunchError
 from ddptrain.wire.agent_events import AgentEvent, AgentFailed, AgentGone, AgentIdle, AgentLost, decode_agent_event
 from ddptrain.wire.boot import versions
 from ddptrain.wire.protocol import AGENT_RANK, ALIVE_S, Bootstrap, Kind, Request, encode_bootstrap, read_frame
@@ -187,6 +187,30 @@ class AgentSession:
         self._spawn(self._read_frames, "frames")
         if self._heartbeat_s is not None:
             self._spawn(self._heartbeat, "heartbeat")
+
+    def lost_error(self, host: str) -> HostLostError | None:
+        """Once the host stopped answering (:attr:`lost`): the error that says so, naming it
+        ``host`` (a remote launcher's ``lost_error``)."""
+        lost = self.lost
+        return None if lost is None else HostLostError(host, lost.silent_s, lost.timeout_s)
+
+    def start_on(
+        self, host: str, bootstrap: Bootstrap, sink: OutputSink, on_event: Callable[[AgentEvent], None]
+    ) -> None:
+        """:meth:`start` on a remote host (SSH, a SLURM node).
+
+        Raises:
+            HostLostError: ``host`` stopped answering before its agent got its work.
+            AgentGoneError: The agent had run and is gone.
+            LaunchError: The agent never started.
+        """
+        try:
+            self.start(bootstrap, sink, on_event)
+        except LaunchError:
+            lost = self.lost_error(host)
+            if lost is not None:
+                raise lost from None
+            raise
 
     def _read_frames(self) -> None:
         self.connection.wait_ready()

@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 
+from ddptrain._proc import state_letter
 from ddptrain.wire.boot import FORKSERVER_FD_VAR, agent_command, import_pins
 
 __all__ = ["ForkedAgent", "enabled", "server_pids", "spawn"]
@@ -100,13 +101,8 @@ class ForkedAgent:
     def _exit_without_server(self) -> None:
         """The server ended: the agent (now init's child) is over once its pid is gone."""
         pid = self._pid if self._answered.is_set() else None
-        if pid is not None:
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    if f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
-                        return
-            except (OSError, IndexError):
-                pass
+        if pid is not None and state_letter(pid) not in ("", "Z", "X"):
+            return  # still running
         self._answer(pid)
         self._exit(-1 if pid is not None else 1)  # the code is unknown: the server reaped no more
 

@@ -13,6 +13,8 @@ import os
 import subprocess
 import time
 
+from ddptrain._proc import state_letter
+
 __all__ = ["exit_status", "exited", "stopped_by_signal", "wait_exited"]
 
 
@@ -55,8 +57,4 @@ def exit_status(process: subprocess.Popen[bytes], timeout_s: float) -> int | Non
 def stopped_by_signal(pid: int) -> bool:
     """Whether process ``pid`` of this machine is stopped (SIGSTOP, Ctrl-Z, a debugger: state
     ``T`` or ``t`` in ``/proc/PID/stat``); ``False`` when it cannot be read (it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
-    except (OSError, IndexError):
-        return False
+    return state_letter(pid) in ("T", "t")

@@ -260,8 +260,7 @@ class SlurmLauncher:
         self._files = NodeFiles(node, python)
 
     def lost_error(self) -> HostLostError | None:
-        lost = self._session.lost
-        return None if lost is None else HostLostError(self.node, lost.silent_s, lost.timeout_s)
+        return self._session.lost_error(self.node)
 
     def start(self, bootstrap: Bootstrap, sink: OutputSink, on_event: Callable[[AgentEvent], None]) -> None:
         """Hand the node's share of the bootstrap to its agent (see ``AgentSession.start``).
@@ -271,13 +270,7 @@ class SlurmLauncher:
             LaunchError: The agent is gone.
         """
         bootstrap = dataclasses.replace(bootstrap, cwd=self.workdir, heartbeat_s=self._lost_after_s)
-        try:
-            self._session.start(bootstrap, sink, on_event)
-        except LaunchError:
-            lost = self.lost_error()
-            if lost is not None:
-                raise lost from None
-            raise
+        self._session.start_on(self.node, bootstrap, sink, on_event)
 
     def prepare_storage(self, probe: str, run_id: str) -> str | None:
         """``None`` when the node sees the run directory (checked on the node, in a step of its

@@ -207,8 +207,7 @@ class SSHLauncher:
     def lost_error(self) -> HostLostError | None:
         """Once the host stopped answering (its connection was dropped, which ended whatever
         waited on it): the error that says so."""
-        lost = self._session.lost
-        return None if lost is None else HostLostError(self.host.name, lost.silent_s, lost.timeout_s)
+        return self._session.lost_error(self.host.name)
 
     @property
     def agent_pid(self) -> int | None:
@@ -222,13 +221,7 @@ class SSHLauncher:
             LaunchError: The agent is gone.
         """
         bootstrap = dataclasses.replace(bootstrap, cwd=self.workdir, heartbeat_s=self._lost_after_s)
-        try:
-            self._session.start(bootstrap, sink, on_event)
-        except LaunchError:
-            lost = self.lost_error()
-            if lost is not None:
-                raise lost from None
-            raise
+        self._session.start_on(self.host.name, bootstrap, sink, on_event)
 
     # ----------------------------------------------------------------- files (no shared storage)
     def prepare_storage(self, probe: str, run_id: str) -> str | None:

@@ -30,6 +30,7 @@ from typing import IO, Any
 import cloudpickle
 
 from ddptrain import _env
+from ddptrain._proc import die_with_parent
 from ddptrain.errors import StorageError
 from ddptrain.storage.open import worker_storage
 
@@ -167,13 +168,7 @@ def _error(value: tuple[bytes | None, str]) -> BaseException:
 def main(parent: int, nice: int) -> int:
     """The uploader (started by the worker ``parent``, at ``nice``): jobs from stdin, answers
     to stdout, until stdin ends."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-    if os.getppid() != parent:  # the worker died before the request took effect
+    if not die_with_parent(parent):  # the worker died before the request took effect
         return 1
     for stray in (signal.SIGUSR1, signal.SIGUSR2):  # SLURM's --signal reaches every process of a step
         signal.signal(stray, signal.SIG_IGN)

@@ -21,7 +21,7 @@ from typing import Any
 
 import cloudpickle
 
-from ddptrain import config as _config
+from ddptrain._checks import DEPRECATED, check_int
 from ddptrain.config import RunConfig as TrainRunConfig
 from ddptrain.errors import ConfigError
 from ddptrain.storage import layout as storage
@@ -84,9 +84,9 @@ class TuneConfig:
             raise ConfigError(f"`mode` must be 'min' or 'max', got {self.mode!r}.")
         if self.metric is not None and not isinstance(self.metric, str):
             raise ConfigError(f"`metric` must be a metric name (str), got {self.metric!r}.")
-        _config._check_int("num_samples", self.num_samples, 1)
+        check_int("num_samples", self.num_samples, 1)
         if self.max_concurrent_trials is not None:
-            _config._check_int("max_concurrent_trials", self.max_concurrent_trials, 1)
+            check_int("max_concurrent_trials", self.max_concurrent_trials, 1)
         if self.time_budget_s is not None and not self.time_budget_s > 0:
             raise ConfigError(f"`time_budget_s` must be > 0, got {self.time_budget_s!r}.")
         if self.total_cpus is not None and not self.total_cpus > 0:
@@ -111,10 +111,10 @@ class RunConfig(TrainRunConfig):
 
     def __post_init__(self) -> None:
         stop, verbose = self.stop, self.verbose
-        self.stop = self.verbose = _config._DEPRECATED  # ddptrain.RunConfig refuses them for a fit
+        self.stop = self.verbose = DEPRECATED  # ddptrain.RunConfig refuses them for a fit
         super().__post_init__()
-        self.stop = None if stop == _config._DEPRECATED else stop
-        self.verbose = 1 if verbose == _config._DEPRECATED else verbose
+        self.stop = None if stop == DEPRECATED else stop
+        self.verbose = 1 if verbose == DEPRECATED else verbose
         as_stopper(self.stop)  # a bad `stop` is an error now
 
 
@@ -127,7 +127,7 @@ def _plain(run_config: TrainRunConfig | None) -> tuple[TrainRunConfig, Any, int]
     if isinstance(run_config, RunConfig):
         stop, verbose = run_config.stop, run_config.verbose
         fields = {f.name: getattr(run_config, f.name) for f in dataclasses.fields(TrainRunConfig)}
-        fields.update(stop=_config._DEPRECATED, verbose=_config._DEPRECATED)
+        fields.update(stop=DEPRECATED, verbose=DEPRECATED)
         return TrainRunConfig(**fields), stop, int(verbose)
     return run_config, None, 1
 
