@@ -168,6 +168,9 @@ def test_a_kept_agent_killed_before_the_next_attempt_is_a_failure_that_is_retrie
     run = json.loads((Path(storage) / "gone" / "run.json").read_text())
     errors = run["attempt_errors"]
     assert len(errors) == 2 and "the first attempt fails" in str(errors[0]), run
-    assert "AgentGoneError" in str(errors[1]) and "was gone before it got its work" in str(errors[1]), errors[1]
+    # The dead agent's pipe may still take the bootstrap: its death is then seen a moment later.
+    gone = ("AgentGoneError", "was gone before it got its work")
+    died = ("LaunchError", "died (killed by signal SIGKILL")
+    assert any(all(part in str(errors[1]) for part in said) for said in (gone, died)), errors[1]
     killed = int(marker.read_text())
     assert all(v["agent"] != killed for v in result.return_values)
