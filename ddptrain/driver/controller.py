@@ -86,8 +86,11 @@ class Controller:
             WorkerGroupError: The last attempt failed (every attempt's root cause is listed).
             ControllerError: The driver could not write the run (a full disk).
         """
-        with preemption.sigterm_notices():  # a SIGTERM now is a preemption notice
-            return self._fit()
+        try:
+            with preemption.sigterm_notices():  # a SIGTERM now is a preemption notice
+                return self._fit()
+        finally:  # after the handler is restored: a notice belongs to the fit() that got it
+            preemption.drop_unused(self.run.name)
 
     def _fit(self) -> Result:
         run = self.run
