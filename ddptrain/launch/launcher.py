@@ -356,7 +356,8 @@ class GroupLauncher:
             try:
                 launcher.start(self._host_share(launcher, share), sink, tagged)
             except HostLostError as exc:  # with the ranks it was to run
-                raise HostLostError(exc.host, exc.silent_s, exc.timeout_s, [spec.rank for spec in workers]) from None
+                ranks = [spec.rank for spec in workers]
+                raise HostLostError(exc.host, exc.silent_s, exc.timeout_s, ranks, exc.stopped_pid) from None
 
     def shutdown(self, grace_s: float) -> None:
         each_host(

@@ -13,7 +13,7 @@ import os
 import subprocess
 import time
 
-__all__ = ["exit_status", "exited", "stopped_by_signal", "wait_exited"]
+__all__ = ["exit_status", "exited", "stat_says_stopped", "stopped_by_signal", "wait_exited"]
 
 
 def exited(process: subprocess.Popen[bytes]) -> bool:
@@ -57,6 +57,14 @@ def stopped_by_signal(pid: int) -> bool:
     ``T`` or ``t`` in ``/proc/PID/stat``); ``False`` when it cannot be read (it is gone)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
-    except (OSError, IndexError):
+            return stat_says_stopped(f.read())
+    except OSError:
+        return False
+
+
+def stat_says_stopped(stat: bytes) -> bool:
+    """Whether a ``/proc/PID/stat`` line says its process is stopped (state ``T`` or ``t``)."""
+    try:
+        return stat.rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
+    except IndexError:
         return False
