@@ -39,6 +39,7 @@ from ddptrain.driver.group_events import (
     TickDue,
     failure_from_record,
 )
+from ddptrain.driver.run_validations import RunValidations
 from ddptrain.driver.watchdog import Watch
 from ddptrain.driver.worker_group import GroupFailed, WorkerGroup
 from ddptrain.errors import LaunchError, WorkerFailure, is_disk_full
@@ -150,9 +151,8 @@ class ReportSink(Protocol):
 
     def reported_checkpoints(self) -> list[tuple[str, dict[str, Any], str]]: ...
 
-    def poll_validations(self) -> bool: ...
-
-    def validating(self) -> bool: ...
+    @property
+    def validations(self) -> RunValidations: ...
 
 
 @dataclass
@@ -279,7 +279,7 @@ class Attempt:
             elif isinstance(event, StatesReported):
                 self.watch.on_states(event.states)
             elif isinstance(event, TickDue):
-                if self.reports.poll_validations():
+                if self.reports.validations.poll():
                     self._answer_checkpoint_waiters()
                 self._check_rounds()
                 self.context.progress.tick()
@@ -455,7 +455,7 @@ class Attempt:
         now = self.clock()
         in_flight = [*self.rounds["report"], *(index for index, _ in self.to_commit)]
         oldest = min(in_flight, default=None)  # the lowest index in flight
-        validating = self.reports.validating()
+        validating = self.reports.validations.validating()
         waiting = []
         for rank, index, deadline, validated in self.checkpoint_waiters:
             busy = (oldest is not None and oldest <= index) or (validated and validating)

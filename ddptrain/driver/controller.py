@@ -105,7 +105,7 @@ class Controller:
             kept = False
             try:
                 return_values, keep = self._attempts(index)
-                run.finish_validations()  # bounded: DDPTRAIN_VALIDATION_WAIT_S
+                run.validations.finish()  # bounded: DDPTRAIN_VALIDATION_WAIT_S
                 run.ended()
                 kept = keep and self.group.alive and put_warm(self.group)
             finally:
