@@ -175,6 +175,7 @@ class Run:
             "metrics": storage.to_jsonable(metrics),
         }
         self._metrics_lines.append((line, json.dumps(line) + "\n"))  # ASCII: its length is its size in bytes
+        self.progress.recorded(metrics, len(self.metrics_history) + self._lost_reports)
 
     def flush_metrics(self) -> None:
         """Append the lines recorded since the last call to ``metrics.jsonl`` in one write, and
