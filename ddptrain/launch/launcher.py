@@ -22,7 +22,7 @@ from ddptrain.errors import HostLostError
 from ddptrain.launch import forkserver
 from ddptrain.launch.agent_session import AgentSession, OutputSink
 from ddptrain.launch.fanout import each_host
-from ddptrain.launch.reaping import exit_status, exited, stopped_by_signal, wait_exited
+from ddptrain.launch.reaping import exit_status, exited, reap, stopped_by_signal, wait_exited
 from ddptrain.wire.agent_events import AgentEvent
 from ddptrain.wire.boot import agent_command, import_pins
 from ddptrain.wire.protocol import AGENT_RANK, Bootstrap
@@ -204,8 +204,8 @@ class LocalConnection:
             _logger.warning("ddptrain agent %s did not stop in %.1f s; killing it", proc.pid, grace_s + 1)
         # Whatever is left in the agent's session (its workers' own children too) goes now.
         self._kill_session()
-        self._reaped = True
-        proc.wait()
+        self._reaped = True  # or left for good (reap warns): its session is not signalled again
+        reap(proc, "the ddptrain agent")
         if isinstance(proc, forkserver.ForkedAgent):
             proc.release()  # its process group is gone: the server may reap it
         for pipe in (self.stdin, self.stdout, self.stderr):
