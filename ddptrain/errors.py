@@ -66,28 +66,46 @@ class HostLostError(LaunchError):
     """An SSH host stopped answering, mid-run or while its workers started: nothing came from it
     (not even its agent's heartbeat, or its SSH server's answer before the agent ran) for longer
     than ``DDPTRAIN_SSH_HEARTBEAT_TIMEOUT_S``. Its network or the machine went away; its agent
-    stops its workers once it misses the driver's heartbeat in turn.
+    stops its workers once it misses the driver's heartbeat in turn. Or, when the host said so
+    (``stopped_pid``), its agent process is stopped by a signal (SIGSTOP, Ctrl-Z, a debugger).
 
     Attributes:
         host: The host's name in the host list.
         silent_s: Seconds nothing came from it when it was declared lost.
         timeout_s: The heartbeat timeout it was allowed.
+        stopped_pid: The pid of its agent on the host, stopped by a signal; ``None`` if not known
+            to be stopped.
     """
 
-    def __init__(self, host: str, silent_s: float, timeout_s: float, ranks: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        silent_s: float,
+        timeout_s: float,
+        ranks: list[int] | None = None,
+        stopped_pid: int | None = None,
+    ) -> None:
         on_it = f"; rank(s) {ranks} ran there" if ranks else ""
-        super().__init__(
-            f"host {host!r} stopped answering: nothing came from it for {silent_s:.1f} s "
-            f"(DDPTRAIN_SSH_HEARTBEAT_TIMEOUT_S={timeout_s:g}){on_it}. Its network or the machine went away.",
-            hosts=[host],
-        )
+        waited = f"for {silent_s:.1f} s (DDPTRAIN_SSH_HEARTBEAT_TIMEOUT_S={timeout_s:g})"
+        if stopped_pid is None:
+            text = f"host {host!r} stopped answering: nothing came from it {waited}{on_it}. "
+            text += "Its network or the machine went away."
+        else:
+            text = (
+                f"the ddptrain agent (pid {stopped_pid}) on host {host!r} is stopped by a signal (process state T: "
+                f"SIGSTOP, Ctrl-Z or a debugger): nothing came from it {waited}, though the host answers{on_it}. "
+                f"`kill -CONT {stopped_pid}` on host {host!r} resumes it, and it then stops its workers (the "
+                "driver dropped its connection)."
+            )
+        super().__init__(text, hosts=[host])
         self.host = host
         self.silent_s = silent_s
         self.timeout_s = timeout_s
         self.ranks = list(ranks or [])
+        self.stopped_pid = stopped_pid
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (HostLostError, (self.host, self.silent_s, self.timeout_s, self.ranks))
+        return (HostLostError, (self.host, self.silent_s, self.timeout_s, self.ranks, self.stopped_pid))
 
 
 class AgentGoneError(LaunchError):

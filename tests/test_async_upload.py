@@ -339,3 +339,13 @@ def test_a_worker_killed_mid_upload_leaves_no_uploader_and_no_partial_checkpoint
     assert not os.path.exists(f"/proc/{pid}"), "the uploader outlived its worker"
     assert (tmp_path / "run" / "checkpoint_000001").exists()
     assert not (tmp_path / "run" / "checkpoint_000002").exists()
+
+
+def test_a_failed_async_upload_is_in_its_ranks_log(tmp_path: Path) -> None:
+    # The run failed naming the store, but rank 0's own log said nothing of it: the worker was
+    # killed (its upload's failure fails the group) before it logged the failure.
+    with pytest.raises(TrainingFailedError) as info:
+        _fit(_failing_upload_loop, tmp_path)
+    log = Path(info.value.failures[0].log_path).read_text()
+    assert "the checkpoint upload of report #1 failed: Uploading checkpoint 'checkpoint_000001'" in log, log
+    assert "NotADirectoryError" in log, log

@@ -575,3 +575,24 @@ def test_a_runs_page_reads_its_latest_reports_then_only_new_ones(tmp_path: Path,
         assert api(dashboard, "/api/runs/long/metrics?offset=7")[0] == 400  # not where a line ends
     finally:
         dashboard.stop()
+
+
+def test_a_storage_folder_that_is_not_there_is_said_as_ddptrain_runs_says_it(tmp_path: Path) -> None:
+    # `ddptrain dashboard TYPO` served an empty page of a folder that does not exist, and said
+    # only "runs in TYPO; open ...": nothing told the user the folder was not there.
+    def dashboard(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "ddptrain.cli", "dashboard", *args, "--port", "0"]
+        return subprocess.run(command, capture_output=True, text=True, timeout=30)
+
+    missing = tmp_path / "typo"
+    out = dashboard(str(missing))
+    assert out.returncode == 1, out
+    assert f"ddptrain dashboard: {missing}: no such folder (give the storage path" in out.stderr, out
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    out = dashboard(str(a_file))
+    assert out.returncode == 1 and f"{a_file}: not a folder" in out.stderr, out
+    write_run(tmp_path / "runs" / "one")  # one run's own folder, not a folder of runs
+    out = dashboard(str(tmp_path / "runs" / "one"))
+    assert out.returncode == 1, out
+    assert f"{tmp_path / 'runs' / 'one'} is a run, not a folder of runs: give {tmp_path / 'runs'}" in out.stderr, out

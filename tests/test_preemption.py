@@ -164,3 +164,63 @@ def test_notices_from_several_hosts_agents_make_one_notice_and_a_second_own_noti
         assert preemption.pending().at_once  # type: ignore[union-attr]
     finally:
         preemption.clear()
+
+
+def _steps_until_preempted(config: dict) -> None:
+    import ddptrain as train
+
+    for step in range(config["steps"]):
+        if train.get_preemption_info() is not None:
+            return  # stopped by a notice: the run is preempted, not finished
+        train.report({"step": step})
+        time.sleep(config["sleep_s"])
+
+
+class _SigtermAtLastReport:
+    """A SIGTERM reaches the driver as the last report is made: the notice comes after the
+    workers' last chance to act on it, and their fit() ends as it would have."""
+
+    def after_report(self, run_context: object, metrics: list[dict], checkpoint: object) -> None:
+        if metrics[0]["step"] == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def after_exception(self, run_context: object, worker_exceptions: dict) -> None:
+        pass
+
+
+@pytest.mark.timeout(120)
+def test_a_notice_pending_when_fit_ends_does_not_stop_the_next_fit(
+    storage: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import ddptrain as train
+    from ddptrain.callbacks import UserCallback
+    from ddptrain.driver import preemption
+
+    monkeypatch.setenv("DDPTRAIN_PREEMPTION_WINDOW_S", "30")
+
+    class Callback(_SigtermAtLastReport, UserCallback):
+        pass
+
+    def fit(name: str, steps: int, callbacks: list) -> object:
+        return train.DataParallelTrainer(
+            _steps_until_preempted,
+            train_loop_config={"steps": steps, "sleep_s": 0.05},
+            scaling_config=train.ScalingConfig(num_workers=1),
+            run_config=train.RunConfig(name=name, storage_path=storage, callbacks=callbacks),
+        ).fit()
+
+    preemption.clear()
+    try:
+        try:
+            fit("first", 2, [Callback()])
+            # The notice came too late for it: the user is told it was dropped.
+            assert "came as run 'first' ended; it was not acted on" in caplog.text, caplog.text
+        except train.RunPreemptedError:
+            pass  # the notice was acted on in the fit that got it: that is fine too
+        # The next fit() in this process is a new run: nobody preempted it.
+        result = fit("second", 8, [])
+        assert [m["step"] for m in result.metrics_history] == list(range(8))  # type: ignore[attr-defined]
+        status = json.loads((Path(storage) / "second" / "run.json").read_text())["status"]
+        assert status == "FINISHED", status
+    finally:
+        preemption.clear()

@@ -55,6 +55,22 @@ def test_lines_mode_says_where_the_run_is_and_how_it_ended(storage: str, capfd, 
     assert err.rstrip().endswith(f"everything is in {run_dir}")
 
 
+def reports_on_rank_0_only() -> None:
+    for step in range(4):
+        if train.get_context().get_world_rank() == 0:  # Ray's usual pattern
+            train.report({"step": step})
+
+
+def test_the_summary_counts_reports_made_on_rank_0_only(storage: str, capfd, monkeypatch) -> None:
+    # It said "0 reports" while Result.metrics_history had every one of them.
+    monkeypatch.setenv("DDPTRAIN_PROGRESS", "lines")
+    result = fit(storage, reports_on_rank_0_only)
+    assert [m["step"] for m in result.metrics_history] == [0, 1, 2, 3]
+    err = capfd.readouterr().err
+    assert re.search(r"run 'shown' finished in 0:00:\d\d \(4 reports, attempt 0\)", err), err
+    assert "[shown] attempt 0 | 4 reports | step=3 |" in err, err
+
+
 def test_restarts_and_failures_are_announced(storage: str, capfd, monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setenv("DDPTRAIN_PROGRESS", "lines")
     marker = tmp_path / "crashed"

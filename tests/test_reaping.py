@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from ddptrain.launch.reaping import exit_status, exited, wait_exited
 
 
@@ -101,3 +103,82 @@ def test_a_closed_plain_agent_is_never_signalled_again(monkeypatch) -> None:
     connection.abort()
     connection.close(0)
     assert pid not in signalled
+
+
+_TRACER = """
+import ctypes, os, signal, sys
+libc = ctypes.CDLL(None, use_errno=True)
+seized = libc.ptrace(0x4206, int(sys.argv[1]), None, None)  # PTRACE_SEIZE: it runs on, traced
+print("seized" if seized == 0 else f"errno {ctypes.get_errno()}", flush=True)
+os.kill(os.getpid(), signal.SIGSTOP)  # a debugger that was stopped (Ctrl-Z) with its tracee
+"""
+
+
+def _stopped_debugger(pid: int) -> subprocess.Popen[str]:
+    """A process that traces ``pid`` and is stopped: once ``pid`` ends it stays a zombie that
+    its parent cannot reap until the tracer lets it go (ends, or waits for it)."""
+    import pytest
+
+    tracer = subprocess.Popen(
+        [sys.executable, "-c", _TRACER, str(pid)], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    assert tracer.stdout is not None
+    said = tracer.stdout.readline().strip()
+    if said != "seized":
+        tracer.kill()
+        tracer.wait()
+        pytest.skip(f"ptrace is not allowed here ({said})")
+    return tracer
+
+
+def test_a_validation_process_a_stopped_debugger_holds_does_not_hang_the_driver(tmp_path: Path, caplog) -> None:
+    # Its SIGKILL could not let the driver reap it, and outcome() waited for good: fit() hung.
+    from ddptrain.driver.validation import _LocalProcess
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    tracer = _stopped_debugger(proc.pid)
+    log = tmp_path / "log"
+    (tmp_path / "folder").mkdir()
+    process = _LocalProcess(proc, str(tmp_path / "folder"), open(log, "ab"), str(log))  # noqa: SIM115
+    try:
+        started = time.monotonic()
+        process.kill(0.2)
+        result, why = process.outcome()
+        assert time.monotonic() - started < 20
+        assert result is None and f"(pid {proc.pid}) did not end when killed" in why, why
+        warning = caplog.text
+        assert f"the validation process (pid {proc.pid}) was not reaped within 5 s of its SIGKILL" in warning
+        assert f"traced by pid {tracer.pid}" in warning and f"kill -CONT {tracer.pid}" in warning, warning
+    finally:
+        tracer.kill()
+        tracer.wait()
+        proc.wait(30)  # let go: reaped now
+
+
+@pytest.mark.parametrize("forkserver", ["0", "1"])
+def test_an_agent_a_stopped_debugger_holds_does_not_hang_close(forkserver: str, monkeypatch, caplog) -> None:
+    import os
+
+    from ddptrain.launch.launcher import LocalConnection
+
+    monkeypatch.setenv("DDPTRAIN_AGENT_FORKSERVER", forkserver)
+    connection = LocalConnection(dict(os.environ))
+    connection.open()
+    pid = connection._proc.pid
+    assert pid is not None
+    tracer = _stopped_debugger(pid)
+    try:
+        started = time.monotonic()
+        connection.close(0.2)
+        assert time.monotonic() - started < 20
+        assert f"the ddptrain agent (pid {pid}) was not reaped within 5 s of its SIGKILL" in caplog.text
+        assert f"traced by pid {tracer.pid}" in caplog.text
+    finally:
+        tracer.kill()
+        tracer.wait()
+    deadline = time.monotonic() + 30
+    while _state(pid) is not None and time.monotonic() < deadline:  # reaped once let go
+        if forkserver == "0":
+            connection._proc.poll()
+        time.sleep(0.05)
+    assert _state(pid) is None

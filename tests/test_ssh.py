@@ -1249,3 +1249,54 @@ def test_a_storage_check_killed_on_a_host_is_a_failure_that_is_retried(ssh, stor
     assert killed.exists() and result.return_values == [socket.gethostname()]
     errors = json.loads((Path(storage) / "check" / "run.json").read_text())["attempt_errors"]
     assert len(errors) == 1 and "its storage check was killed before it answered" in str(errors[0]), errors
+
+
+def leaves_its_agents_pid_then_waits(config: dict) -> None:
+    """Node 1 leaves its agent's pid in a file; every rank waits until the test stops it."""
+    import time
+
+    if train.get_context().get_node_rank() == 1:
+        Path(config["agent"]).write_text(str(os.getppid()))
+    time.sleep(120)
+
+
+@pytest.mark.timeout(120)
+def test_a_stopped_agent_on_a_host_is_named_not_blamed_on_the_network(
+    ssh, storage: str, tmp_path: Path, monkeypatch
+) -> None:
+    # A SIGSTOP to h1's agent: it sends nothing, and the host was declared lost with "Its network
+    # or the machine went away" while its SSH server answered all along.
+    import signal
+    import threading
+    import time
+
+    monkeypatch.setenv("DDPTRAIN_SSH_HEARTBEAT_TIMEOUT_S", "2")
+    agent_file = tmp_path / "agent"
+    agent = 0
+
+    def stop_the_agent() -> None:
+        nonlocal agent
+        deadline = time.monotonic() + 60
+        while (not agent_file.exists() or not agent_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if agent_file.exists():
+            agent = int(agent_file.read_text())
+            os.kill(agent, signal.SIGSTOP)
+
+    stopper = threading.Thread(target=stop_the_agent, daemon=True)
+    stopper.start()
+    try:
+        with pytest.raises(train.TrainingFailedError) as info:
+            train.DataParallelTrainer(
+                leaves_its_agents_pid_then_waits,
+                train_loop_config={"agent": str(agent_file)},
+                scaling_config=train.ScalingConfig(num_workers=2, hosts=["h0 slots=1", "h1 slots=1"]),
+                run_config=train.RunConfig(storage_path=storage),
+            ).fit()
+    finally:
+        stopper.join(60)
+        if agent:
+            os.kill(agent, signal.SIGCONT)  # it sees its connection gone and stops its workers
+    message = str(info.value)
+    assert agent and f"ddptrain agent (pid {agent}) on host 'h1' is stopped by a signal" in message, message
+    assert f"kill -CONT {agent}" in message and "network" not in message, message

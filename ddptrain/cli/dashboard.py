@@ -34,6 +34,7 @@ import math
 import os
 import secrets
 import socket
+import sys
 import threading
 import urllib.parse
 from http.server import BaseHTTPRequestHandler
@@ -45,6 +46,7 @@ from ddptrain.cli.runs import list_runs, report_row, run_summary
 from ddptrain.storage import run_files
 from ddptrain.storage.metrics import MetricsSummary
 from ddptrain.storage.read import RunView
+from ddptrain.storage.remote import on_remote_storage
 
 __all__ = ["DEFAULT_PORT", "Dashboard", "serve"]
 
@@ -143,7 +145,7 @@ class Dashboard:
         request_timeout_s: float = 5.0,
         max_connections: int = 128,
     ) -> None:
-        self.root = Path(storage_path).expanduser().resolve()
+        self.root = Path(storage_path.removeprefix("file://")).expanduser().resolve()
         self.token = secrets.token_urlsafe(24)  # this start's, never written anywhere
         handler = type("Handler", (_Handler,), {"dashboard": self, "timeout": idle_timeout_s})
         self.server = PooledHTTPServer(
@@ -277,8 +279,32 @@ class Dashboard:
         request.wfile.write(body)
 
 
-def serve(storage_path: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT) -> int:
-    """Run the dashboard until Ctrl-C."""
+def folder_problem(storage_path: str, given: bool) -> str | None:
+    """Why ``storage_path`` cannot be served (as ``ddptrain runs`` says it), or ``None``.
+
+    A folder the user named (``given``) must exist and be a folder of runs; the default one
+    (``DDPTRAIN_STORAGE_PATH`` or ``~/ddptrain_results``) may appear later, with the first run.
+    """
+    if on_remote_storage(storage_path):
+        return "the dashboard serves a folder of this machine, not a URI (`ddptrain runs URI` reads one)"
+    folder = Path(storage_path.removeprefix("file://")).expanduser()
+    if not folder.exists():
+        return "no such folder (give the storage path the runs were saved under)" if given else None
+    if not folder.is_dir():
+        return "not a folder (give the storage path the runs were saved under)"
+    if (folder / "run.json").is_file():
+        return f"is a run, not a folder of runs: give {folder.resolve().parent}"
+    return None
+
+
+def serve(storage_path: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT, given: bool = True) -> int:
+    """Run the dashboard until Ctrl-C; 1 at once when ``storage_path`` cannot be served
+    (:func:`folder_problem`; ``given``: the user named it)."""
+    problem = folder_problem(storage_path, given)
+    if problem is not None:
+        joint = " " if problem.startswith("is a run") else ": "
+        print(f"ddptrain dashboard: {storage_path}{joint}{problem}", file=sys.stderr)
+        return 1
     try:
         dashboard = Dashboard(storage_path, host, port)
     except OSError as exc:
@@ -289,6 +315,8 @@ def serve(storage_path: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT) 
             f"ddptrain dashboard: listening on {host}: anyone who can reach it and has the URL below can read "
             "these runs' metrics and logs"
         )
+    if not dashboard.root.exists():
+        print(f"ddptrain dashboard: {dashboard.root} does not exist yet; its runs appear once they start")
     print(f"ddptrain dashboard: runs in {dashboard.root}; open {dashboard.url} (Ctrl-C stops it)", flush=True)
     try:
         dashboard.server.serve_forever()

@@ -353,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
         return submit_command(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "dashboard":
-        return dashboard.serve(args.storage or _env.default_storage_path(), args.host, args.port)
+        storage = args.storage or _env.default_storage_path()
+        return dashboard.serve(storage, args.host, args.port, given=args.storage is not None)
     try:
         if args.command == "runs":
             return inspect_runs.main_runs(args.storage, args.json)

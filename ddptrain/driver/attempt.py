@@ -181,7 +181,7 @@ class Attempt:
             elif isinstance(event, StatesReported):
                 self.watch.on_states(event.states)
             elif isinstance(event, TickDue):
-                if self.reports.poll_validations():
+                if self.reports.validations.poll():
                     self._answer_checkpoint_waiters()
                 self._check_rounds()
                 self.context.progress.tick()
@@ -357,7 +357,7 @@ class Attempt:
         now = self.clock()
         in_flight = [*self.rounds["report"], *(index for index, _ in self.to_commit)]
         oldest = min(in_flight, default=None)  # the lowest index in flight
-        validating = self.reports.validating()
+        validating = self.reports.validations.validating()
         waiting = []
         for rank, index, deadline, validated in self.checkpoint_waiters:
             busy = (oldest is not None and oldest <= index) or (validated and validating)

@@ -12,13 +12,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.driver import preemption
 from ddptrain.errors import WorkerFailure, is_disk_full
 from ddptrain.storage.base import RunStorage
 from ddptrain.wire import protocol
+
+if TYPE_CHECKING:
+    from ddptrain.driver.run_validations import RunValidations
 
 __all__ = [
     "AttemptContext",
@@ -120,6 +123,5 @@ class ReportSink(Protocol):
 
     def reported_checkpoints(self) -> list[tuple[str, dict[str, Any], str]]: ...
 
-    def poll_validations(self) -> bool: ...
-
-    def validating(self) -> bool: ...
+    @property
+    def validations(self) -> RunValidations: ...

@@ -86,8 +86,11 @@ class Controller:
             WorkerGroupError: The last attempt failed (every attempt's root cause is listed).
             ControllerError: The driver could not write the run (a full disk).
         """
-        with preemption.sigterm_notices():  # a SIGTERM now is a preemption notice
-            return self._fit()
+        try:
+            with preemption.sigterm_notices():  # a SIGTERM now is a preemption notice
+                return self._fit()
+        finally:  # after the handler is restored: a notice belongs to the fit() that got it
+            preemption.drop_unused(self.run.name)
 
     def _fit(self) -> Result:
         run = self.run
@@ -102,7 +105,7 @@ class Controller:
             kept = False
             try:
                 return_values, keep = self._attempts(index)
-                run.finish_validations()  # bounded: DDPTRAIN_VALIDATION_WAIT_S
+                run.validations.finish()  # bounded: DDPTRAIN_VALIDATION_WAIT_S
                 run.ended()
                 kept = keep and self.group.alive and put_warm(self.group)
             finally:

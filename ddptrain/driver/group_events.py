@@ -331,7 +331,8 @@ class GroupEvents:
         if isinstance(event, agent_events.AgentLost):
             if not missing or self.exit_expected:
                 return None
-            lost = HostLostError(self.plan.host_of(missing[0]), event.silent_s, event.timeout_s, missing)
+            host = self.plan.host_of(missing[0])
+            lost = HostLostError(host, event.silent_s, event.timeout_s, missing, event.stopped_pid)
             return self.failure(missing[0], None, lost)
         if missing and not self.exit_expected:
             code, said = event.exitcode, f"; it said: {event.last_words}" if event.last_words else ""

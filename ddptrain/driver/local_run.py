@@ -73,7 +73,7 @@ class LocalReports:
                 raise ValueError(problem)
             committed = run.commit_checkpoint([staged], name, metrics, index, validation)
         run.after_report([metrics], committed)
-        run.poll_validations()
+        run.validations.poll()
         if committed is not None:
             session.checkpoint = committed
 
@@ -84,10 +84,10 @@ class LocalReports:
         validation is queued or running (or ``timeout_s`` is over)."""
         run = self.run
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        run.poll_validations()
-        while validated and run.validating() and (deadline is None or time.monotonic() < deadline):
+        run.validations.poll()
+        while validated and run.validations.validating() and (deadline is None or time.monotonic() < deadline):
             time.sleep(0.05)
-            run.poll_validations()
+            run.validations.poll()
         return [
             context.ReportedCheckpoint(c, metrics, context.ReportedCheckpointStatus(status))
             for c, metrics, status in run.checkpoints.reported_with_status()
@@ -149,6 +149,6 @@ def _fit_in_process(run: Run, body: Callable[[int], list[Any]]) -> Result:
         except WorkerGroupError as error:
             run.ended(error=error.failures[0].headline() if error.failures else str(error))
             raise
-        run.finish_validations()  # bounded: DDPTRAIN_VALIDATION_WAIT_S
+        run.validations.finish()  # bounded: DDPTRAIN_VALIDATION_WAIT_S
         run.ended()
     return run.result(return_values)

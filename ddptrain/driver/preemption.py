@@ -11,13 +11,16 @@ not second notices: they add their hosts to the first (SLURM's ``--signal`` reac
 node's agent within a moment).
 
 The state is this process's (one ``fit()`` at a time runs its attempts in the main thread);
-a signal handler writes it with plain assignments only.
+a signal handler writes it with plain assignments only. A notice belongs to the ``fit()`` that
+got it: one still pending when that ``fit()`` ends (it came as the run finished) is dropped by
+:func:`drop_unused`, so the next ``fit()`` in the process is not stopped by it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import signal
 import threading
@@ -28,7 +31,9 @@ from types import FrameType
 
 from ddptrain import _env
 
-__all__ = ["Notice", "clear", "pending", "request_preemption", "sigterm_notices"]
+__all__ = ["Notice", "clear", "drop_unused", "pending", "request_preemption", "sigterm_notices"]
+
+_logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,21 @@ def clear() -> None:
     """Forget the notice (the run it stopped was recorded as preempted)."""
     global _notice
     _notice = None
+
+
+def drop_unused(run_name: str) -> None:
+    """``fit()`` of run ``run_name`` ended: forget a notice it did not act on (it came as the
+    run finished), saying so, so that it does not stop the next ``fit()`` of this process."""
+    notice = _notice
+    if notice is None:
+        return
+    clear()
+    _logger.warning(
+        "ddptrain: the preemption notice (%s) came as run %r ended; it was not acted on, and the next "
+        "fit() of this process does not see it",
+        notice.reason,
+        run_name,
+    )
 
 
 @contextlib.contextmanager

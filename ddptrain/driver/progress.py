@@ -136,7 +136,17 @@ class Progress:
             f"ddptrain: run {self.name!r} started (attempt {attempt}, {where}{resume}); results in {self.run_dir}"
         )
 
+    def recorded(self, metrics: dict[str, Any], report_index: int) -> None:
+        """Rank 0's metrics of report ``report_index`` are recorded: counted (and drawn on the
+        live status line), even when the other ranks never make that report (``if rank == 0:
+        report(...)``, Ray's usual pattern). Lines mode prints at the next :meth:`reported`."""
+        with self._lock:
+            self._reports = report_index
+            self._metrics = metrics
+            self._unprinted = True
+
     def reported(self, metrics: dict[str, Any], report_index: int) -> None:
+        """Every rank made report ``report_index`` (its checkpoint is committed)."""
         with self._lock:
             self._reports = report_index
             self._metrics = metrics

@@ -21,21 +21,19 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ddptrain import _env
 from ddptrain.callbacks import TrainRunContext
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.config import CheckpointConfig
-from ddptrain.driver import preemption
 from ddptrain.driver.attempt import AttemptContext
 from ddptrain.driver.plan import Plan
 from ddptrain.driver.progress import Progress
-from ddptrain.driver.validation import Finished, LocalHost, Task, Validations, Where
-from ddptrain.driver.validation_ssh import SSHValidationHost, validation_host
+from ddptrain.driver.run_validations import RunValidations
+from ddptrain.driver.validation import Task
 from ddptrain.errors import ControllerError, StorageError, WorkerFailure, disk_full_error
 from ddptrain.result import Result
 from ddptrain.storage import layout as storage
 from ddptrain.storage.base import RunStorage
-from ddptrain.storage.checkpoint_manager import COMMITTED, VALIDATED, CheckpointManager, lookup_metric
+from ddptrain.storage.checkpoint_manager import CheckpointManager
 from ddptrain.storage.location import RunLocation
 from ddptrain.storage.open import run_storage
 from ddptrain.wire import protocol
@@ -93,7 +91,6 @@ class Run:
         self.metrics_history: list[dict[str, Any]] = []
         self.report_world_sizes: list[int] = []  # of each report of metrics_history
         hosts = Plan.read_hosts(scaling_config)  # a bad host list fails here, before any host is reached
-        validator = validation_host(validation_config.host if validation_config is not None else None, hosts)
         self.storage: RunStorage = run_storage(
             self.where, run_config.checkpoint_config or CheckpointConfig(), over_hosts=hosts is not None
         )
@@ -109,18 +106,9 @@ class Run:
         self.progress.scored = bool(
             run_config.checkpoint_config and run_config.checkpoint_config.checkpoint_score_attribute
         )
-        task_config = validation_config.task_config if validation_config is not None else None
-        self.validation_config = validation_config
         # The checkpoints reported with `validation=...`, validated one at a time beside training.
-        uses_gpu = validation_config is not None and validation_config.uses_gpu
-        where: Where = LocalHost(uses_gpu)
-        if validator is not None:  # with what the run's agents get there (the storage's credentials)
-            where = SSHValidationHost(validator, self._env_vars, uses_gpu, (str(self.layout.run_json), self.run_id))
-        self.validations = Validations(
-            validation_config.fn if validation_config is not None else None,
-            task_config.fn_kwargs if task_config is not None else None,
-            self.layout.logs / "validation",
-            where,
+        self.validations = RunValidations(
+            validation_config, hosts, self._env_vars, self.layout, self.run_id, self.storage, self.progress, self
         )
         self._attempt = 0  # the attempt of the latest report (for the validation lines)
         self._run_json: dict[str, Any] = {}
@@ -139,7 +127,7 @@ class Run:
             report_index=len(self.metrics_history) + self._lost_reports,
             argv=tuple(sys.argv),
             log_level=self.run_config.logging_config.log_level if self.run_config.logging_config else "INFO",
-            validates=self.validation_config is not None,
+            validates=self.validations.config is not None,
         )
 
     def dataset_shards(self) -> dict[int, Any] | None:
@@ -187,6 +175,7 @@ class Run:
             "metrics": storage.to_jsonable(metrics),
         }
         self._metrics_lines.append((line, json.dumps(line) + "\n"))  # ASCII: its length is its size in bytes
+        self.progress.recorded(metrics, len(self.metrics_history) + self._lost_reports)
 
     def flush_metrics(self) -> None:
         """Append the lines recorded since the last call to ``metrics.jsonl`` in one write, and
@@ -227,88 +216,29 @@ class Run:
         checkpoint = self.storage.commit(staged, name, metrics, index, validating=validation is not None)
         self.progress.committed(checkpoint.path)
         if validation is None:  # else its validation may bring the score
-            self._check_scored(name, metrics)
-        if validation is not None:
+            self.validations.check_scored(name, metrics)
+        else:
             self.validations.submit(Task(name, checkpoint, index, self._attempt, validation))
-            self.poll_validations()  # started now when none runs
         return checkpoint
-
-    def _check_scored(self, name: str, metrics: dict[str, Any]) -> None:
-        attribute = self.checkpoints.config.checkpoint_score_attribute
-        if attribute is None:
-            return
-        try:
-            lookup_metric(metrics, attribute)
-        except KeyError:
-            self.progress.unscored(name, attribute, metrics)
 
     def reported_checkpoints(self) -> list[tuple[str, dict[str, Any], str]]:
         """Every checkpoint reported so far, with its metrics and status (``get_all_reported_checkpoints()``)."""
         return [(c.path, m, status) for c, m, status in self.checkpoints.reported_with_status()]
 
-    # ----------------------------------------------------------------- validations
-    def validating(self) -> bool:
-        """Whether a validation is queued or running."""
-        return bool(self.validations.pending)
-
-    def poll_validations(self) -> bool:
-        """Take in the validations that ended and start the next one; whether one ended."""
-        done = self.validations.poll()
-        for finished in done:
-            self._validated(finished)
-        return bool(done)
-
-    def finish_validations(self) -> None:
-        """Training is done: wait for the validations left (``DDPTRAIN_VALIDATION_WAIT_S``), or
-        until the deadline of a preemption notice (at once after a second one)."""
-        for finished in self.validations.finish(_env.validation_wait_s(), self.progress.say, _notice_deadline):
-            self._validated(finished)
-
-    def _stop_validations(self) -> None:
-        """``fit()`` ends another way (a failure, Ctrl-C, a preemption): kill the running
-        validation, drop the queued ones; their checkpoints stay ``COMMITTED``."""
-        try:
-            for finished in self.validations.close("the run stopped before it ended"):
-                self._validated(finished)
-        except Exception as exc:  # the error that stopped the run is the one to raise
-            _logger.warning("ddptrain: recording the validations the run stopped failed: %r", exc)
-
-    def _validated(self, finished: Finished) -> None:
-        """Merge a validation's metrics into its checkpoint (retention may now delete others),
-        append its line to ``metrics.jsonl``, and say it on the console; a failure is said
-        with its traceback and recorded in ``run.json``."""
-        task = finished.task
-        status = VALIDATED if finished.ran else COMMITTED
-        merged = self.checkpoints.validated(task.name, finished.metrics or {}, status)
-        if merged is not None and finished.error is None:
-            self._check_scored(task.name, merged)
-        line = {
-            "time": time.time(),
-            "attempt": task.attempt,
-            "validation": {
-                "checkpoint": task.name,
-                "report": task.index,
-                "metrics": storage.to_jsonable(finished.metrics or {}),
-                "error": finished.error,
-                "seconds": round(finished.seconds, 3),
-                "started": finished.started,
-            },
-        }
+    # ----------------------------------------------------------------- validations (RunValidations)
+    def record_validation(self, line: dict[str, Any], report_index: int, metrics: dict[str, Any]) -> None:
+        """A validation's line for ``metrics.jsonl``; its metrics join those of its report."""
         self._metrics_lines.append((line, json.dumps(line) + "\n"))
         self.flush_metrics()
-        position = task.index - 1 - self._lost_reports  # that report in metrics_history (Result.metrics)
-        if finished.metrics and 0 <= position < len(self.metrics_history):
-            self.metrics_history[position] = {**self.metrics_history[position], **finished.metrics}
-        if finished.error is None:
-            self.progress.validated(task.name, finished.metrics or {}, finished.seconds)
-            self.storage.reported(None)
-            return
-        self.progress.validation_failed(task.name, finished.error, finished.log, merged is not None and finished.ran)
-        errors = self._run_json.setdefault("validation_errors", [])
-        errors.append({"checkpoint": task.name, "error": finished.error.strip().splitlines()[-1], "log": finished.log})
+        position = report_index - 1 - self._lost_reports  # that report in metrics_history (Result.metrics)
+        if metrics and 0 <= position < len(self.metrics_history):
+            self.metrics_history[position] = {**self.metrics_history[position], **metrics}
+
+    def record_validation_error(self, entry: dict[str, str]) -> None:
+        """A failed validation, in ``run.json`` (``ddptrain show``)."""
+        self._run_json.setdefault("validation_errors", []).append(entry)
         if self._run_json.get("status") in ("RUNNING", "RESTARTING"):
             self.save_status(self._run_json["status"])
-        self.storage.reported(None)
 
     def after_report(self, metrics: list[dict[str, Any]], checkpoint: Checkpoint | None) -> None:
         """Every rank made its report (and its checkpoint is committed and acknowledged)."""
@@ -402,7 +332,7 @@ class Run:
                             self.save_status(status, error=f"{type(exc).__name__}: {exc}")
                     raise
                 finally:
-                    self._stop_validations()  # none is left running or queued past fit()
+                    self.validations.stop()  # none is left running or queued past fit()
                     if self.storage.metrics_open:
                         with contextlib.suppress(OSError):  # as above
                             self.flush_metrics()  # what a failure cut short between two batches
@@ -512,9 +442,3 @@ class Run:
                 callback.after_exception(self.context, exceptions)  # type: ignore[arg-type]
             except Exception as exc:
                 _logger.warning("ddptrain: callback %r failed in after_exception: %r", callback, exc)
-
-
-def _notice_deadline() -> tuple[float, str] | None:
-    """The pending preemption notice's deadline (``time.monotonic``) and reason, if any."""
-    notice = preemption.pending()
-    return None if notice is None else (notice.deadline, notice.reason)

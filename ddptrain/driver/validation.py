@@ -35,7 +35,7 @@ import cloudpickle
 from ddptrain import _env, ray_compat
 from ddptrain.checkpoint import Checkpoint
 from ddptrain.driver.gpu_env import set_gpu_defaults
-from ddptrain.launch.reaping import exited, wait_exited
+from ddptrain.launch.reaping import exited, reap, wait_exited
 
 __all__ = ["Finished", "LocalHost", "Process", "Task", "Validations", "Where", "parse_result"]
 
@@ -309,12 +309,14 @@ class _LocalProcess:
 
     def outcome(self) -> tuple[dict[str, Any] | None, str]:
         _kill_group(self.process.pid)  # what the function started and left behind
-        self.process.wait()
+        reaped = reap(self.process, "the validation process")
         self.log_file.close()
         try:
             result = _read_result(self.folder)
         finally:
             shutil.rmtree(self.folder, ignore_errors=True)
+        if not reaped:
+            return result, f"The validation process (pid {self.process.pid}) did not end when killed; see {self.log}."
         code = self.process.returncode
         return result, f"The validation process exited with code {code} without a result; see {self.log}."
 

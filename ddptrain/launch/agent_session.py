@@ -90,12 +90,22 @@ class AgentSession:
         lost_after_s: Declare the host lost (:attr:`lost`, :class:`AgentLost`) once nothing came
             from it for this long, from the moment the session exists; its connection is then
             dropped, which ends every wait on it. ``None``: never (a local agent).
+        stopped_pid: Asked (in a thread of its own) once the host is silent for half of
+            ``lost_after_s``: the agent's pid if the host says the agent is stopped by a signal
+            (then :attr:`lost` says so), else ``None``. An answer that has not come when the host
+            is declared lost is not waited for.
     """
 
     def __init__(
-        self, connection: HostConnection, heartbeat_s: float | None, label: str, lost_after_s: float | None = None
+        self,
+        connection: HostConnection,
+        heartbeat_s: float | None,
+        label: str,
+        lost_after_s: float | None = None,
+        stopped_pid: Callable[[], int | None] | None = None,
     ) -> None:
         self.connection = connection
+        self._stopped_pid = stopped_pid
         self._heartbeat_s = heartbeat_s
         self._label = label
         self._stop = threading.Event()
@@ -192,7 +202,7 @@ class AgentSession:
         """Once the host stopped answering (:attr:`lost`): the error that says so, naming it
         ``host`` (a remote launcher's ``lost_error``)."""
         lost = self.lost
-        return None if lost is None else HostLostError(host, lost.silent_s, lost.timeout_s)
+        return None if lost is None else HostLostError(host, lost.silent_s, lost.timeout_s, None, lost.stopped_pid)
 
     def start_on(
         self, host: str, bootstrap: Bootstrap, sink: OutputSink, on_event: Callable[[AgentEvent], None]
@@ -299,6 +309,7 @@ class AgentSession:
         waits in the pipe. Then the host gets a new ``timeout_s`` from now, and a warning
         says why its agent may have stopped its workers (our heartbeats stopped too)."""
         ticked = time.monotonic()
+        stopped: _StoppedCheck | None = None  # is the agent stopped? asked during this silence
         while not self._stop.wait(ALIVE_S / 2):
             now = time.monotonic()
             paused_s, ticked = now - ticked - ALIVE_S / 2, now
@@ -312,16 +323,23 @@ class AgentSession:
                 continue
             heard = self._heard_at if self._heard_at is not None else self._answered_at
             silent_s = time.monotonic() - heard
+            if silent_s <= timeout_s / 2:
+                stopped = None  # it spoke: a later silence asks again
+            elif stopped is None and self._stopped_pid is not None:
+                stopped = _StoppedCheck(self._stopped_pid)
             if silent_s > timeout_s:
+                pid = stopped.pid if stopped is not None else None
+                why = "the host stopped answering" if pid is None else f"its agent (pid {pid}) is stopped by a signal"
                 _logger.warning(
                     "ddptrain: nothing came from %s for %.1f s (DDPTRAIN_SSH_HEARTBEAT_TIMEOUT_S=%g): "
-                    "the host stopped answering; dropping its connection",
+                    "%s; dropping its connection",
                     self.connection.where.removeprefix("on "),
                     silent_s,
                     timeout_s,
+                    why,
                 )
                 with self._lock:
-                    self.lost = AgentLost(AGENT_RANK, silent_s, timeout_s)
+                    self.lost = AgentLost(AGENT_RANK, silent_s, timeout_s, pid)
                     on_event = self._on_event
                 if on_event is not None:
                     on_event(self.lost)
@@ -352,6 +370,20 @@ class AgentSession:
         self.connection.close(grace_s)
         for thread in self._threads:
             thread.join(2.0)
+
+
+class _StoppedCheck:
+    """Asks, in a daemon thread, whether a silent host's agent is stopped by a signal; ``pid``
+    is its answer once it came (a host that is gone never answers: the thread ends when its
+    connection is dropped)."""
+
+    def __init__(self, ask: Callable[[], int | None]) -> None:
+        self.pid: int | None = None
+        self._ask = ask
+        threading.Thread(target=self._run, name="ddptrain-agent-stopped", daemon=True).start()
+
+    def _run(self) -> None:
+        self.pid = self._ask()
 
 
 _paused_lock = threading.Lock()

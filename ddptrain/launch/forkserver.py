@@ -52,6 +52,7 @@ class ForkedAgent:
         self._code: int | None = None
         self._answered = threading.Event()  # the pid is known, or will never be
         self._exited = threading.Event()
+        self._released = False  # its group was killed: the server may reap it once it exits
 
     @property
     def pid(self) -> int | None:
@@ -86,7 +87,9 @@ class ForkedAgent:
         return self._code
 
     def release(self) -> None:
-        """Let the server reap the exited agent (after the driver killed its process group)."""
+        """Let the server reap the agent (after the driver killed its process group): now if
+        it exited, else once it does (one the driver gave up waiting for, ``reaping.reap``)."""
+        self._released = True
         if self._pid is not None and self._exited.is_set():
             self._server.send(f"R {self._pid}".encode())
 
@@ -97,6 +100,8 @@ class ForkedAgent:
     def _exit(self, code: int) -> None:
         self._code = code
         self._exited.set()
+        if self._released and self._pid is not None:  # released before it exited
+            self._server.send(f"R {self._pid}".encode())
 
     def _exit_without_server(self) -> None:
         """The server ended: the agent (now init's child) is over once its pid is gone."""

@@ -22,7 +22,7 @@ from ddptrain.errors import AgentGoneError, HostLostError
 from ddptrain.launch import forkserver
 from ddptrain.launch.agent_session import AgentSession, OutputSink
 from ddptrain.launch.fanout import each_host
-from ddptrain.launch.reaping import exit_status, exited, stopped_by_signal, wait_exited
+from ddptrain.launch.reaping import exit_status, exited, reap, stopped_by_signal, wait_exited
 from ddptrain.wire.agent_events import AgentEvent
 from ddptrain.wire.boot import agent_command, import_pins
 from ddptrain.wire.protocol import AGENT_RANK, Bootstrap
@@ -210,8 +210,8 @@ class LocalConnection:
             _logger.warning("ddptrain agent %s did not stop in %.1f s; killing it", proc.pid, grace_s + 1)
         # Whatever is left in the agent's session (its workers' own children too) goes now.
         self._kill_session()
-        self._reaped = True
-        proc.wait()
+        self._reaped = True  # or left for good (reap warns): its session is not signalled again
+        reap(proc, "the ddptrain agent")
         if isinstance(proc, forkserver.ForkedAgent):
             proc.release()  # its process group is gone: the server may reap it
         for pipe in (self.stdin, self.stdout, self.stderr):
@@ -363,7 +363,8 @@ class GroupLauncher:
             try:
                 launcher.start(self._host_share(launcher, share), sink, tagged)
             except HostLostError as exc:  # with the ranks it was to run
-                raise HostLostError(exc.host, exc.silent_s, exc.timeout_s, [spec.rank for spec in workers]) from None
+                ranks = [spec.rank for spec in workers]
+                raise HostLostError(exc.host, exc.silent_s, exc.timeout_s, ranks, exc.stopped_pid) from None
             except AgentGoneError as exc:
                 raise AgentGoneError(exc.what, [spec.rank for spec in workers]) from None
 

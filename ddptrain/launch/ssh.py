@@ -8,7 +8,8 @@ sends a heartbeat byte every half second: the agent kills its whole process tree
 closes (the connection dropped, the driver died) or when heartbeats stop (a host or network that
 vanished without closing the connection). The agent says it is alive as often; a host from which
 nothing came for ``DDPTRAIN_SSH_HEARTBEAT_TIMEOUT_S`` is declared lost and its connection dropped
-(``AgentSession``), so nothing waits on it any longer.
+(``AgentSession``), so nothing waits on it any longer; if the host still says that its agent
+is stopped by a signal (SIGSTOP, a debugger), the error says that instead.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ddptrain.errors import ConfigError, HostLostError, LaunchError
 from ddptrain.launch.agent_session import AgentSession, OutputSink
 from ddptrain.launch.host_scripts import env_frame, read_pid_line
 from ddptrain.launch.hosts import HostSpec, gpus_needed, is_local, slots_for_gpus
+from ddptrain.launch.reaping import stat_says_stopped
 from ddptrain.launch.ssh_connect import connect, remote_command
 from ddptrain.launch.ssh_files import HostFiles
 from ddptrain.wire.agent_events import AgentEvent
@@ -34,6 +36,7 @@ __all__ = ["SSHLauncher", "gpu_count", "gpu_slots"]
 _logger = logging.getLogger(__name__)
 
 
+_STOPPED_CHECK_S = 3.0  # a bound on each step of asking a silent host whether its agent is stopped
 _GPU_PROBE = "nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true"
 
 
@@ -134,6 +137,26 @@ class SSHConnection:
         finally:
             self.pid_known.set()
 
+    def stopped_pid(self) -> int | None:
+        """The agent's pid if the host says it is stopped by a signal (state ``T`` in its
+        ``/proc/PID/stat``, read over a new channel of this connection); ``None`` if it is not,
+        or the host cannot say. A host that is gone may not answer at all: paramiko's wait for
+        the command has no bound, so call it in a thread of its own (:meth:`abort` ends it)."""
+        pid = self.agent_pid
+        if pid is None:
+            return None
+        try:
+            channel = self._transport.open_session(timeout=_STOPPED_CHECK_S)
+            try:
+                channel.settimeout(_STOPPED_CHECK_S)
+                channel.exec_command(f"cat /proc/{int(pid)}/stat")
+                stat = channel.makefile("rb").read(4096)
+            finally:
+                channel.close()
+        except Exception:  # noqa: BLE001 - the host did not say: not known to be stopped
+            return None
+        return pid if stat_says_stopped(stat) else None
+
     def write(self, data: bytes) -> None:
         if self._channel is None:
             raise BrokenPipeError("the agent was not started")
@@ -192,7 +215,9 @@ class SSHLauncher:
         # dropped within the heartbeat timeout. Over SSH the agent also stops when the driver's
         # heartbeat stops (a host or network that vanished).
         label = f"ddptrain agent {host.name}"
-        self._session = AgentSession(self._connection, ALIVE_S, label, lost_after_s=self._lost_after_s)
+        self._session = AgentSession(
+            self._connection, ALIVE_S, label, lost_after_s=self._lost_after_s, stopped_pid=self._connection.stopped_pid
+        )
         try:
             self._session.open()
         except Exception as exc:

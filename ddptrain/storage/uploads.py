@@ -121,8 +121,7 @@ class CheckpointUploads:
                 error = exc
             with self._cond:
                 self._running = None
-                if error is not None:
+                if error is not None:  # the upload logged it (the worker's, in its rank's log)
                     self._error = error
-                    _logger.error("ddptrain: the checkpoint upload of report #%d failed: %s", index, error)
                     self._jobs.clear()  # a later checkpoint is never committed before an earlier one
                 self._cond.notify_all()

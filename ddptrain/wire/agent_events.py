@@ -99,11 +99,13 @@ class AgentGone:
 @dataclass(frozen=True)
 class AgentLost:
     """Nothing came from an agent on an SSH host for ``silent_s`` seconds, more than the
-    ``timeout_s`` it was allowed (added by the driver): its host or network went away."""
+    ``timeout_s`` it was allowed (added by the driver): its host or network went away, or
+    (``stopped_pid``: its pid there) the agent process is stopped by a signal."""
 
     rank: int
     silent_s: float
     timeout_s: float
+    stopped_pid: int | None = None
 
 
 AgentEvent = (

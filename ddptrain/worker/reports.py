@@ -8,6 +8,7 @@ The worker's :class:`~ddptrain.context.ReportSink`; local mode's is
 
 from __future__ import annotations
 
+import logging
 import traceback
 from typing import Any
 
@@ -22,6 +23,8 @@ from ddptrain.storage.uploads import CheckpointUploads
 from ddptrain.wire import protocol
 
 __all__ = ["CHANNEL_REPORTS", "ChannelReports", "finish_uploads", "upload_error"]
+
+_logger = logging.getLogger(__name__)
 
 
 class ChannelReports:
@@ -55,6 +58,8 @@ class ChannelReports:
                     staged = persist_checkpoint(session, checkpoint, name, index, upload, session.uploader)
                 except BaseException as exc:
                     error = upload_error(session, exc, name, index)
+                    # In the rank's log before the driver hears of it (it then stops this worker).
+                    _logger.error("ddptrain: the checkpoint upload of report #%d failed: %s", index, error)
                     channel.send_aside(protocol.Uploaded(rank, index, None, _pickled(error), _described(error)))
                     if error is exc:
                         raise
