@@ -3,6 +3,7 @@ in place on a terminal without garbling worker output; silent when turned off.""
 
 from __future__ import annotations
 
+import logging
 import os
 import pty
 import re
@@ -61,10 +62,14 @@ def reports_on_rank_0_only() -> None:
             train.report({"step": step})
 
 
-def test_the_summary_counts_reports_made_on_rank_0_only(storage: str, capfd, monkeypatch) -> None:
-    # It said "0 reports" while Result.metrics_history had every one of them.
+def test_the_summary_counts_reports_made_on_rank_0_only(storage: str, capfd, monkeypatch, caplog) -> None:
+    # It said "0 reports" while Result.metrics_history had every one of them, and warned once
+    # per report() call that rank 1 never made it.
     monkeypatch.setenv("DDPTRAIN_PROGRESS", "lines")
-    result = fit(storage, reports_on_rank_0_only)
+    with caplog.at_level(logging.WARNING, logger="ddptrain"):
+        result = fit(storage, reports_on_rank_0_only)
+    unmade = [r.getMessage() for r in caplog.records if "never by rank(s)" in r.getMessage()]
+    assert len(unmade) == 1 and "report() calls #1-#4 were made by rank(s) [0] but never by rank(s) [1]" in unmade[0]
     assert [m["step"] for m in result.metrics_history] == [0, 1, 2, 3]
     err = capfd.readouterr().err
     assert re.search(r"run 'shown' finished in 0:00:\d\d \(4 reports, attempt 0\)", err), err

@@ -1179,16 +1179,17 @@ def test_a_killed_drivers_staging_folder_is_removed_by_the_next_run(
     proc = ForkedDriver(script, [storage, iso], stderr="inherit")  # a driver process of its own
     try:
         assert any("worker up" in line for line in proc.stdout)
+        run_id = json.loads(Path(storage, "killed", "run.json").read_text())["run_id"]
+        stale = f"ddptrain-{run_id}"
+        assert stale in set(staging_folders()) - before  # made on the host for this run
     finally:
         proc.kill()  # SIGKILL: no chance to clean up
         proc.wait()
         proc.stdout.close()
-    run_id = json.loads(Path(storage, "killed", "run.json").read_text())["run_id"]
-    stale = f"ddptrain-{run_id}"
     deadline = time.monotonic() + 20
     while ssh.ssh_processes() and time.monotonic() < deadline:  # the host's agent and worker end
         time.sleep(0.1)
-    assert stale in set(staging_folders()) - before  # left behind on the host
+    # It stays behind until a run on that host starts (under -n, another test's run may be that one).
     result = train.DataParallelTrainer(
         staging_folders,
         scaling_config=train.ScalingConfig(num_workers=1, hosts=[iso]),

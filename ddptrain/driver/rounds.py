@@ -65,6 +65,22 @@ def warn_stragglers(rounds: dict[str, dict[int, Round]], world_size: int, now: f
         )
 
 
+def _runs_of_rounds(reports: Iterable[Round], world_size: int) -> list[tuple[str, list[int], list[int]]]:
+    """Unfinished report rounds as runs of consecutive calls made by the same ranks: one line
+    for ``if rank == 0: report(...)`` in a loop, not one per call."""
+    runs: list[tuple[int, int, list[int], list[int]]] = []
+    for round_ in sorted(reports, key=lambda r: r.index):
+        made, missing = sorted(round_.entries), round_.missing(world_size)
+        if runs and runs[-1][1] + 1 == round_.index and runs[-1][2:] == (made, missing):
+            runs[-1] = (runs[-1][0], round_.index, made, missing)
+        else:
+            runs.append((round_.index, round_.index, made, missing))
+    return [
+        (f"report() call #{first} was" if first == last else f"report() calls #{first}-#{last} were", made, missing)
+        for first, last, made, missing in runs
+    ]
+
+
 def warn_unfinished(
     reports: Iterable[Round],
     to_commit: Iterable[tuple[int, list[protocol.Report]]],
@@ -73,13 +89,13 @@ def warn_unfinished(
 ) -> None:
     """After training succeeded: name the ``report()`` calls some ranks never made, and the
     checkpoints never committed because a rank's upload never ended."""
-    for round_ in reports:
+    for calls, made, missing in _runs_of_rounds(reports, world_size):
         _logger.warning(
-            "ddptrain: report() call #%d was made by rank(s) %s but never by rank(s) %s; "
-            "every worker must call report() the same number of times.",
-            round_.index,
-            sorted(round_.entries),
-            round_.missing(world_size),
+            "ddptrain: %s made by rank(s) %s but never by rank(s) %s; every worker must call report() "
+            "the same number of times (only rank 0's metrics are kept: the others may pass the same dict).",
+            calls,
+            made,
+            missing,
         )
     for index, entries in to_commit:
         missing = sorted(e.rank for e in entries if e.pending and e.rank not in uploaded.get(index, {}))
