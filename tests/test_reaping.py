@@ -131,6 +131,7 @@ def _stopped_debugger(pid: int) -> subprocess.Popen[str]:
     return tracer
 
 
+@pytest.mark.slow  # waits out the 5 s bound on reaping
 def test_a_validation_process_a_stopped_debugger_holds_does_not_hang_the_driver(tmp_path: Path, caplog) -> None:
     # Its SIGKILL could not let the driver reap it, and outcome() waited for good: fit() hung.
     from ddptrain.driver.validation import _LocalProcess
@@ -155,6 +156,7 @@ def test_a_validation_process_a_stopped_debugger_holds_does_not_hang_the_driver(
         proc.wait(30)  # let go: reaped now
 
 
+@pytest.mark.slow  # waits out the 5 s bound on reaping
 @pytest.mark.parametrize("forkserver", ["0", "1"])
 def test_an_agent_a_stopped_debugger_holds_does_not_hang_close(forkserver: str, monkeypatch, caplog) -> None:
     import os
