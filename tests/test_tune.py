@@ -543,3 +543,23 @@ def test_pretty_print_writes_rays_yaml_of_a_result() -> None:
     expected = {**odd, "np": 0.5, "npi": 3, "arr": [0, 1], "obj": "/tmp/x"}
     assert pretty_print(odd) == yaml.safe_dump(json.loads(json.dumps(expected)), default_flow_style=False)
     assert pretty_print({"a": 1, "b": 2}, exclude={"b"}) == "a: 1\n"
+
+
+def test_a_tuner_run_config_says_which_trainer_settings_it_replaces(tmp_path: Path, caplog) -> None:
+    """As in Ray, the Tuner's run_config replaces the trainer's for every trial: a trainer's
+    ``max_failures`` was silently dropped, so its trials failed at the first crash."""
+    import logging
+
+    def make(**run: Any) -> train.DataParallelTrainer:
+        return train.DataParallelTrainer(lambda: None, run_config=train.RunConfig(**run))
+
+    sweep = tune.RunConfig(name="s", storage_path=str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="ddptrain"):
+        tune.Tuner(make(failure_config=train.FailureConfig(max_failures=-1)), run_config=sweep)
+        said = [r.getMessage() for r in caplog.records if "replaces the trainer's" in r.getMessage()]
+        assert len(said) == 1 and "failure_config=FailureConfig(max_failures=-1" in said[0], said
+        caplog.clear()
+        tune.Tuner(make(name="only-a-name"), run_config=sweep)  # nothing of the trainer's is lost
+        same = tune.RunConfig(name="s", storage_path=str(tmp_path), failure_config=train.FailureConfig(2))
+        tune.Tuner(make(failure_config=train.FailureConfig(2)), run_config=same)
+        assert not [r for r in caplog.records if "replaces the trainer's" in r.getMessage()]

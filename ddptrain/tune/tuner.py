@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
 import os
 import time
 import uuid
@@ -35,6 +36,8 @@ from ddptrain.tune.search.searcher import Searcher
 from ddptrain.tune.stopper import as_stopper
 from ddptrain.tune.trainable import TrainerTrainable, wrap_trainable
 from ddptrain.tune.trial import Trial
+
+_logger = logging.getLogger(__name__)
 
 __all__ = ["Tuner", "TuneConfig", "RunConfig"]
 
@@ -118,6 +121,27 @@ class RunConfig(TrainRunConfig):
         as_stopper(self.stop)  # a bad `stop` is an error now
 
 
+_REPLACED = ("failure_config", "checkpoint_config", "worker_runtime_env", "logging_config")
+
+
+def _warn_replaced(trainers: TrainRunConfig, tuners: TrainRunConfig) -> None:
+    """The Tuner's ``run_config`` replaces the trainer's for every trial, as in Ray: say which
+    of the trainer's own settings are therefore not used (a ``max_failures`` given to the
+    trainer, say, which its trials would otherwise silently lack)."""
+    default = TrainRunConfig()
+    dropped = [
+        f"{name}={getattr(trainers, name)!r}"
+        for name in _REPLACED
+        if getattr(trainers, name) != getattr(default, name) and getattr(trainers, name) != getattr(tuners, name)
+    ]
+    if dropped:
+        _logger.warning(
+            "ddptrain.tune: the Tuner's run_config replaces the trainer's for every trial, as in Ray, so the "
+            "trainer's %s is not used; give it to the Tuner's RunConfig.",
+            ", ".join(dropped),
+        )
+
+
 def _plain(run_config: TrainRunConfig | None) -> tuple[TrainRunConfig, Any, int]:
     """(a ddptrain.RunConfig for the trials, the stop criteria, the verbosity)."""
     if run_config is None:
@@ -178,8 +202,11 @@ class Tuner:
         self._tune_config = tune_config if tune_config is not None else TuneConfig()
         if not isinstance(self._tune_config, TuneConfig):
             raise ConfigError(f"`tune_config` must be a ddptrain.tune.TuneConfig, got {self._tune_config!r}.")
-        if run_config is None and isinstance(self._trainable, TrainerTrainable):
-            run_config = self._trainable.base_run_config()
+        if isinstance(self._trainable, TrainerTrainable):
+            if run_config is None:
+                run_config = self._trainable.base_run_config()
+            else:
+                _warn_replaced(self._trainable.base_run_config(), run_config)
         self._run_config = run_config
         plain, self._stop, self._verbose = _plain(run_config)
         self._plain_run_config = plain
