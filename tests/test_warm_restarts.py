@@ -169,8 +169,7 @@ def test_a_kept_agent_killed_before_the_next_attempt_is_a_failure_that_is_retrie
     errors = run["attempt_errors"]
     assert len(errors) == 2 and "the first attempt fails" in str(errors[0]), run
     # The dead agent's pipe may still take the bootstrap: its death is then seen a moment later.
-    gone = ("AgentGoneError", "was gone before it got its work")
-    died = ("LaunchError", "died (killed by signal SIGKILL")
-    assert any(all(part in str(errors[1]) for part in said) for said in (gone, died)), errors[1]
+    said = str(errors[1])  # the bootstrap found it gone, or its end was read just after it
+    assert "was gone before it got its work" in said or "died (killed by signal SIGKILL" in said, said
     killed = int(marker.read_text())
     assert all(v["agent"] != killed for v in result.return_values)

@@ -123,6 +123,7 @@ class AgentSession:
         self._sink: OutputSink | None = None  # where worker output goes (the current attempt's)
         self._write_lock = threading.Lock()  # a bootstrap frame is never cut by a heartbeat byte
         self._reading = False  # the frames of a started agent are being read
+        self._ran = False  # a frame came from the agent once (it ran an attempt)
         self._idle = threading.Event()  # the agent answered a reset
         self.lost: AgentLost | None = None  # set when the host stopped answering
         if lost_after_s is not None:
@@ -226,7 +227,7 @@ class AgentSession:
         self.connection.wait_ready()
         seen = False
         while (frame := read_frame(self.connection.stdout)) is not None:
-            seen = True
+            seen = self._ran = True
             self._busy = True  # a slow sink is the driver's delay, not the host's
             kind, rank, data = frame
             sink, on_event = self._sink, self._on_event
@@ -256,9 +257,10 @@ class AgentSession:
         self._idle.set()  # a reset waiting for it ends (not `idle`: the agent is gone)
         if on_event is None:
             return
-        if not seen and not self._stop.is_set():  # the agent never ran: wrong python, missing ddptrain, ...
-            detail = self.exit_detail()
-            on_event(AgentFailed(AGENT_RANK, f"{self.connection.where} the agent did not start ({detail})"))
+        if not seen and not self._stop.is_set():  # it never ran (wrong python, missing ddptrain...), or went
+            detail, where = self.exit_detail(), self.connection.where
+            said = "was gone before it got its work" if self._ran else "did not start"
+            on_event(AgentFailed(AGENT_RANK, f"{where} the agent {said} ({detail})"))
         on_event(AgentGone(AGENT_RANK, self.connection.exit_code(), self._last_words()))
 
     def _last_words(self) -> str:
