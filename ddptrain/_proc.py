@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import signal
 
-__all__ = ["die_with_parent", "set_parent_death_signal", "stat_fields", "state_letter"]
+__all__ = ["die_with_parent", "parse_stat", "set_parent_death_signal", "stat_fields", "state_letter"]
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
@@ -28,8 +28,17 @@ def stat_fields(pid: int) -> list[str]:
     """
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+            return parse_stat(f.read())
+    except OSError:
+        return []
+
+
+def parse_stat(line: str) -> list[str]:
+    """:func:`stat_fields` of a ``/proc/<pid>/stat`` line read elsewhere (from another host,
+    say); empty when it is not one."""
+    try:
+        return line.rsplit(")", 1)[1].split()
+    except IndexError:
         return []
 
 

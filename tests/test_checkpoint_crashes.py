@@ -15,6 +15,7 @@ import pytest
 from forked_driver import ForkedDriver
 
 import ddptrain as train
+from ddptrain._proc import stat_fields
 
 SCRIPT = textwrap.dedent(
     """
@@ -292,11 +293,14 @@ def describe_processes(pids: list[int]) -> str:
     """One line per process: pid, parent, state and command line."""
     lines = []
     for pid in pids:
+        fields = stat_fields(pid)
         try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            lines.append(f"{pid} (parent {fields[1]}, state {fields[0]}): {command[:300]}")
         except OSError:
+            command = None
+        if fields and command is not None:
+            lines.append(f"{pid} (parent {fields[1]}, state {fields[0]}): {command[:300]}")
+        else:
             lines.append(f"{pid}: gone")
     return "\n".join(lines)
 

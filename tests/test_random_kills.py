@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 import ddptrain as train
+from ddptrain._proc import stat_fields
 from ddptrain.torch import TorchTrainer
 
 EPOCHS = int(os.environ.get("EPOCHS", "20"))
@@ -49,11 +50,8 @@ def _descendants(root: int) -> list[int]:
     parents: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[0] != "Z":
+            fields = stat_fields(int(entry.name))
+            if fields and fields[0] != "Z":
                 parents[int(entry.name)] = int(fields[1])
     found, frontier = [], {root}
     while frontier:

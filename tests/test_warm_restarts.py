@@ -97,14 +97,20 @@ def all_ranks_die_once(config: dict[str, str]) -> dict[str, Any]:
     return {"agent": os.getppid()}
 
 
+def _hosts(request: pytest.FixtureRequest, where: str) -> dict[str, list[str]]:
+    """The ScalingConfig arguments that put both workers on ``where``: this machine, or one
+    SSH host (its sshd fixture started)."""
+    if where != "ssh host":
+        return {}
+    request.getfixturevalue("ssh")
+    return {"hosts": ["h0 slots=2"]}
+
+
 @pytest.mark.parametrize("where", ["local", "ssh host"])
 def test_a_restart_after_every_worker_died_forks_them_from_the_same_agent(
     request: pytest.FixtureRequest, storage: str, tmp_path: Path, where: str
 ) -> None:
-    hosts = {}
-    if where == "ssh host":
-        request.getfixturevalue("ssh")
-        hosts = {"hosts": ["h0 slots=2"]}
+    hosts = _hosts(request, where)
     marker = tmp_path / "killed"
     result = TorchTrainer(
         all_ranks_die_once,
@@ -149,10 +155,7 @@ def test_a_kept_agent_killed_before_the_next_attempt_is_a_failure_that_is_retrie
     """The next attempt's work could not be written to the dead agent: that ended the run with
     "the agent did not start", even with failures left (found by SIGKILLing random processes
     of a run). It is now a failure of the attempt, and the next one starts a new agent."""
-    hosts = {}
-    if where == "ssh host":
-        request.getfixturevalue("ssh")
-        hosts = {"hosts": ["h0 slots=2"]}
+    hosts = _hosts(request, where)
     marker = tmp_path / "agent"
     result = TorchTrainer(
         fails_once_naming_its_agent,

@@ -20,7 +20,7 @@ import subprocess
 import time
 from typing import Protocol
 
-from ddptrain._proc import state_letter
+from ddptrain._proc import parse_stat, state_letter
 
 __all__ = ["REAP_TIMEOUT_S", "exit_status", "exited", "reap", "stat_says_stopped", "stopped_by_signal", "wait_exited"]
 
@@ -79,10 +79,8 @@ def stopped_by_signal(pid: int) -> bool:
 
 def stat_says_stopped(stat: bytes) -> bool:
     """Whether a ``/proc/PID/stat`` line says its process is stopped (state ``T`` or ``t``)."""
-    try:
-        return stat.rsplit(b")", 1)[1].split()[0] in (b"T", b"t")
-    except IndexError:
-        return False
+    fields = parse_stat(stat.decode(errors="replace"))
+    return bool(fields) and fields[0] in ("T", "t")
 
 
 def reap(process: _Waitable, what: str, timeout_s: float = REAP_TIMEOUT_S) -> bool:

@@ -104,8 +104,6 @@ class HostFiles:
         try:
             _, stdout, stderr = self._client.exec_command(command, timeout=60)
             out, err = stdout.read().decode(errors="replace"), stderr.read().decode(errors="replace")
-            stdout.channel.status_event.wait(5.0)  # the exit status follows the output
-            status = stdout.channel.exit_status  # -1: none came (the check was killed by a signal)
         except Exception as exc:  # paramiko's, OSError (a timeout), EOFError: the connection failed
             raise self._failed("checking whether it sees the run directory", exc) from exc
         try:
@@ -114,6 +112,8 @@ class HostFiles:
             lost = self._lost()  # the connection was dropped while it ran: no answer
             if lost is not None:
                 raise lost from None
+            stdout.channel.status_event.wait(5.0)  # the exit status follows the output
+            status = stdout.channel.exit_status  # -1: none came (the check was killed by a signal)
             if not (out.strip() or err.strip()) and (status == -1 or status > 128):
                 raise AgentGoneError(
                     f"host {self._host!r}: its storage check was killed before it answered "
